@@ -1,0 +1,183 @@
+// Device numerics shared by every trace_ext kernel: the E2M1 / E4M3 / E8M0 codecs, the NVFP4 block
+// scale, the three rounding modes of SPEC sections 2, 4 and 5, and Philox4x32-10.
+//
+// Every function here is the CUDA twin of a function in python/trace_ext/formats.py or reference.py and
+// must stay bit-identical to it. All float arithmetic is spelled with __f*_rn intrinsics so that nvcc can
+// never contract it into an FMA (SPEC preamble: fl(.) is one IEEE binary32 operation, RNE, no FTZ).
+#pragma once
+
+#include <cstdint>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+namespace trace_ext {
+
+constexpr float kE2M1Max = 6.0f;            // largest E2M1 magnitude
+constexpr float kE4M3Max = 448.0f;          // largest finite E4M3
+constexpr float kNvfp4GlobalDiv = 2688.0f;  // 6 * 448: maps the scope amax onto the top of both grids
+constexpr int kNvfp4Block = 16;             // NVFP4 elements per E4M3 block scale
+constexpr int kMxfp4Block = 32;             // MXFP4 elements per E8M0 block scale
+constexpr uint8_t kE4M3NaN = 0x7F;          // scale byte of a non-finite NVFP4 block
+constexpr uint8_t kE8M0NaN = 0xFF;          // scale byte of a non-finite MXFP4 block
+
+// Rounding modes, numbered as in the op schemas (trace_ext::nvfp4_quantize's `rounding`).
+enum Rounding : int { kRTN = 0, kSR = 1, kGuidedCompact = 2, kGuidedFull = 3 };
+
+// ---- E2M1 ---------------------------------------------------------------------------------------
+// Magnitudes times two, one nibble per 3-bit code: {0, 1, 2, 3, 4, 6, 8, 12} / 2.
+constexpr uint32_t kE2M1TwiceMagnitudes = 0xC8643210u;
+
+__device__ __forceinline__ float e2m1_magnitude(uint32_t mag_code) {
+  return __uint2float_rn((kE2M1TwiceMagnitudes >> (4u * mag_code)) & 0xFu) * 0.5f;  // exact
+}
+
+__device__ __forceinline__ float e2m1_value(uint32_t code) {
+  float m = e2m1_magnitude(code & 7u);
+  return (code & 8u) ? -m : m;
+}
+
+// Round to nearest, ties to the even code, saturate to 6 (SPEC 1). Returns the 3-bit magnitude code.
+__device__ __forceinline__ uint32_t e2m1_rn_magnitude(float a) {
+  return (uint32_t)(a > 0.25f) + (uint32_t)(a >= 0.75f) + (uint32_t)(a > 1.25f) + (uint32_t)(a >= 1.75f) +
+         (uint32_t)(a > 2.5f) + (uint32_t)(a >= 3.5f) + (uint32_t)(a > 5.0f);
+}
+
+__device__ __forceinline__ uint32_t sign_nibble(float v) { return signbit(v) ? 8u : 0u; }
+
+// Largest grid magnitude code whose value is <= a (a in [0, 6]).
+__device__ __forceinline__ uint32_t e2m1_floor_magnitude(float a) {
+  return (uint32_t)(a >= 0.5f) + (uint32_t)(a >= 1.0f) + (uint32_t)(a >= 1.5f) + (uint32_t)(a >= 2.0f) +
+         (uint32_t)(a >= 3.0f) + (uint32_t)(a >= 4.0f) + (uint32_t)(a >= 6.0f);
+}
+
+// The adjacent grid bracket lo <= a <= hi of SPEC 4/5 (lo == hi when a is on the grid).
+struct E2M1Bracket {
+  uint32_t lo, hi;      // magnitude codes
+  float lo_val, hi_val;  // their values
+};
+
+__device__ __forceinline__ E2M1Bracket e2m1_bracket(float a) {
+  E2M1Bracket b;
+  b.lo = e2m1_floor_magnitude(a);
+  b.lo_val = e2m1_magnitude(b.lo);
+  b.hi = b.lo + (uint32_t)(a > b.lo_val);
+  b.hi_val = e2m1_magnitude(b.hi);
+  return b;
+}
+
+// SPEC 4: magnitude hi iff u < (a - lo) / (hi - lo); both operations are exact in fp32.
+__device__ __forceinline__ uint32_t e2m1_sr_magnitude(float a, uint32_t random_word) {
+  E2M1Bracket b = e2m1_bracket(a);
+  if (b.lo == b.hi) return b.lo;
+  float u = __uint2float_rn(random_word >> 8) * 0x1p-24f;
+  float p = __fdiv_rn(__fsub_rn(a, b.lo_val), __fsub_rn(b.hi_val, b.lo_val));
+  return (u < p) ? b.hi : b.lo;
+}
+
+// SPEC 5, compact guidance: the bracket end whose mantissa bit (code LSB) equals the rollout's bit.
+__device__ __forceinline__ uint32_t e2m1_guided_compact_magnitude(float a, uint32_t mantissa_bit) {
+  E2M1Bracket b = e2m1_bracket(a);
+  return ((b.lo & 1u) == mantissa_bit) ? b.lo : b.hi;
+}
+
+// SPEC 5, full guidance: clamp the rollout's signed value into the signed bracket of v. The clamp lands on
+// hi exactly when the rollout's value, seen on v's side of zero, reaches hi; the sign is always v's.
+__device__ __forceinline__ uint32_t e2m1_guided_full_magnitude(float v, float a, uint32_t rollout_code) {
+  E2M1Bracket b = e2m1_bracket(a);
+  float r = e2m1_value(rollout_code);
+  float r_on_v_side = signbit(v) ? -r : r;
+  return (r_on_v_side >= b.hi_val) ? b.hi : b.lo;
+}
+
+// ---- E4M3 (OCP E4M3FN) -----------------------------------------------------------------------------
+// Round to nearest even, saturate finite values to 448 (cvt.rn.satfinite.e4m3x2.f32 on sm_89+).
+__device__ __forceinline__ uint8_t e4m3_rn(float x) {
+  return (uint8_t)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+}
+
+__device__ __forceinline__ float e4m3_to_float(uint8_t byte) {
+  __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)byte, __NV_E4M3);  // exact, NaN -> NaN
+  return __half2float(*reinterpret_cast<__half*>(&h));
+}
+
+// ---- NVFP4 block scale (SPEC 2) -----------------------------------------------------------------------
+// Decode scale of a whole scope from its finite amax: g = fl(A / 2688), or 1 when A == 0 / nothing finite.
+__device__ __forceinline__ float nvfp4_global_scale(float finite_amax) {
+  return finite_amax > 0.0f ? __fdiv_rn(finite_amax, kNvfp4GlobalDiv) : 1.0f;
+}
+
+// s_b = e4m3_rn(fl(fl(amax_b / 6) / g)).
+__device__ __forceinline__ uint8_t nvfp4_scale_byte(float block_amax, float g) {
+  return e4m3_rn(__fdiv_rn(__fdiv_rn(block_amax, kE2M1Max), g));
+}
+
+// t_b = fl(float(s_b) * g): the divisor applied to every element of the block.
+__device__ __forceinline__ float nvfp4_block_divisor(uint8_t scale_byte, float g) {
+  return __fmul_rn(e4m3_to_float(scale_byte), g);
+}
+
+// v_i = fl(x_i / t_b), and 0 when t_b == 0.
+__device__ __forceinline__ float nvfp4_scaled(float x, float t) { return t == 0.0f ? 0.0f : __fdiv_rn(x, t); }
+
+// x^_i = fl(fl(q_i * s_b) * g).
+__device__ __forceinline__ float nvfp4_dequant(uint32_t code, float scale, float g) {
+  return __fmul_rn(__fmul_rn(e2m1_value(code), scale), g);
+}
+
+// ---- E8M0 / MXFP4 (SPEC 3) -------------------------------------------------------------------------------
+// 2^e as an exact fp32 value for e in [-127, 127] (2^-127 is subnormal, still exact).
+__device__ __forceinline__ float exp2_exact(int e) {
+  return e >= -126 ? __int_as_float((e + 127) << 23) : __int_as_float(1 << (e + 149));
+}
+
+__device__ __forceinline__ int floor_log2_bits(float a) {  // a > 0 finite; exponent read from the bits
+  int biased = (__float_as_int(a) >> 23) & 0xFF;
+  return biased - 127;
+}
+
+// Default (OCP "floor") scale exponent, or the never-saturating "ceil" variant.
+__device__ __forceinline__ int mxfp4_scale_exponent(float block_amax, bool ceil_mode) {
+  if (block_amax == 0.0f) return -127;
+  int e;
+  if (!ceil_mode) {
+    e = floor_log2_bits(block_amax) - 2;
+  } else {
+    // smallest e with 6 * 2^e >= amax (exact comparisons in double; 6 * 2^e is exact there)
+    e = floor_log2_bits(block_amax) - 2;  // 6 * 2^e <= 1.5 * 2^(floor+1) ... start just below and step up
+    if (e < -127) e = -127;
+    while ((double)block_amax > 6.0 * ldexp(1.0, e)) ++e;
+  }
+  return e < -127 ? -127 : (e > 127 ? 127 : e);
+}
+
+// ---- Philox4x32-10 (Random123), SPEC 4 -----------------------------------------------------------------------
+struct Philox4 {
+  uint32_t w[4];
+};
+
+__device__ __forceinline__ Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0,
+                                                 uint32_t k1) {
+  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
+#pragma unroll
+  for (int round = 0; round < 10; ++round) {
+    uint32_t hi0 = __umulhi(kM0, c0), lo0 = kM0 * c0;
+    uint32_t hi1 = __umulhi(kM1, c2), lo1 = kM1 * c2;
+    uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+    c0 = n0; c1 = lo1; c2 = n2; c3 = lo0;
+    k0 += kW0; k1 += kW1;
+  }
+  return Philox4{{c0, c1, c2, c3}};
+}
+
+// The four random words of elements 4n .. 4n+3 of a tensor quantized with (seed, offset).
+__device__ __forceinline__ Philox4 sr_words(uint64_t n, uint64_t seed, uint64_t offset) {
+  return philox4x32_10((uint32_t)n, (uint32_t)(n >> 32), (uint32_t)offset, (uint32_t)(offset >> 32), (uint32_t)seed,
+                       (uint32_t)(seed >> 32));
+}
+
+// ---- Swizzled 128x4 scale layout (SPEC 6) -----------------------------------------------------------------------
+__host__ __device__ __forceinline__ int64_t swizzled_scale_offset(int64_t m, int64_t k, int64_t kb_padded) {
+  return (m / 128) * (kb_padded / 4) * 512 + (k / 4) * 512 + (m % 32) * 16 + ((m % 128) / 32) * 4 + (k % 4);
+}
+
+}  // namespace trace_ext

@@ -1,0 +1,19 @@
+"""trace_ext.ops: one public function per op; each takes backend="auto" | "cuda" | "reference"."""
+from ..formats import from_swizzled, to_swizzled
+from .quant import (
+    mxfp4_dequantize,
+    mxfp4_quantize,
+    nvfp4_dequantize,
+    nvfp4_fake_quantize,
+    nvfp4_quantize,
+)
+
+__all__ = [
+    "nvfp4_quantize",
+    "nvfp4_dequantize",
+    "nvfp4_fake_quantize",
+    "mxfp4_quantize",
+    "mxfp4_dequantize",
+    "to_swizzled",
+    "from_swizzled",
+]
