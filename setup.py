@@ -112,7 +112,7 @@ def extensions():
     nvcc = [
         "-O3",
         "-DNDEBUG",
-        "-std=c++17",
+        "-std=c++20",
         "--expt-relaxed-constexpr",
         "--expt-extended-lambda",
         "-lineinfo",
@@ -133,7 +133,7 @@ def extensions():
         name="trace_ext._C",
         sources=sources,
         include_dirs=includes,
-        extra_compile_args={"cxx": ["-O3", "-std=c++17", archs_define], "nvcc": nvcc + [archs_define]},
+        extra_compile_args={"cxx": ["-O3", "-std=c++20", archs_define], "nvcc": nvcc + [archs_define]},
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
