@@ -53,13 +53,14 @@ def find_cutlass() -> tuple[Path, str]:
     vendored = ROOT / "third_party" / "cutlass"
     if (vendored / "include" / "cutlass" / "cutlass.h").exists():
         return vendored, "third_party/cutlass"
-    try:
-        import cutlass_library
-    except ImportError as e:
+    import importlib.util
+
+    spec = importlib.util.find_spec("cutlass_library")  # locate only: importing it pulls in its generator's deps
+    if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
             f"CUTLASS not found: set TRACE_EXT_CUTLASS_DIR, vendor third_party/cutlass, or `pip install {CUTLASS_PIN}`"
-        ) from e
-    p = Path(cutlass_library.__file__).resolve().parent / "source"
+        )
+    p = Path(list(spec.submodule_search_locations)[0]).resolve() / "source"
     if not (p / "include" / "cutlass" / "cutlass.h").exists():
         raise RuntimeError(f"the installed nvidia-cutlass wheel has no headers under {p}")
     return p, f"pip {CUTLASS_PIN}"

@@ -7,10 +7,10 @@ src=$1; shift || true
 root=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-$root/.venv/bin/python}
 read -r tinc tinc2 pyinc cutlass < <($py - <<'PY'
-import sysconfig, torch, os, cutlass_library
+import sysconfig, torch, os, importlib.util
 from torch.utils.cpp_extension import include_paths
 inc = include_paths("cuda")
-cut = os.path.join(os.path.dirname(cutlass_library.__file__), "source")
+cut = os.path.join(list(importlib.util.find_spec("cutlass_library").submodule_search_locations)[0], "source")
 print(inc[0], inc[1], sysconfig.get_paths()["include"], cut)
 PY
 )
