@@ -1,0 +1,57 @@
+# trace_ext: one command per job.
+#   make test   fresh machine -> virtualenv, dependencies, CUDA build (9.0a;10.0a when nvcc + CUDA torch exist), CPU suite
+#   make demo   the TRACE alignment demo (CPU reference ops; kernels when a GPU is there)
+#   make gpu    on the H200 (device tool): build for 9.0a, GPU tests, benchmarks; logs and results under $OUT
+PY        ?= python3
+VENV      ?= .venv
+VPY       := $(VENV)/bin/python
+TORCH_PIN ?= torch==2.14.1
+DEPS      := "transformers>=5.17,<6" nvidia-cutlass==4.2.0.0 safetensors tqdm matplotlib pytest ninja numpy setuptools wheel
+PYTEST_ARGS ?=
+
+.PHONY: venv build test demo gpu gpu-build gpu-test gpu-bench clean
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+
+venv: $(VPY)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q $(TORCH_PIN) $(DEPS)
+
+build: venv
+	MAX_JOBS=$${MAX_JOBS:-2} $(VPY) -m pip install -v --no-build-isolation --no-deps . 2>&1 | tee build.log | grep -E "trace_ext build|error|Error|Successfully" ; test $${PIPESTATUS[0]} -eq 0
+	$(VPY) -c "import trace_ext, json; print(json.dumps(trace_ext.backends(), default=str))"
+
+test: SHELL := /bin/bash
+test: build
+	$(VPY) -m pytest tests -q -ra $(PYTEST_ARGS)
+
+demo: venv
+	test -f $(VENV)/.trace_ext_installed || (TRACE_EXT_SKIP_CUDA_BUILD=$${TRACE_EXT_SKIP_CUDA_BUILD:-0} $(MAKE) build && touch $(VENV)/.trace_ext_installed)
+	$(VPY) -m trace_ext.rl.demo --out demo_out $(DEMO_ARGS)
+
+# ---- device machine (H200): python3 there is the image's torch 2.11; CUTLASS travels as a wheel in .whl/
+GPU_OUT ?= $(if $(OUT),$(OUT),out)
+GPU_TMP := /tmp/trace_ext_out
+
+gpu-build:
+	mkdir -p $(GPU_TMP)
+	python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/nvidia_cutlass-*.whl
+	PYTHONPATH=/tmp/site TRACE_EXT_CUDA_ARCHS=9.0a MAX_JOBS=16 python3 -m pip install -v --no-build-isolation --no-deps . > $(GPU_TMP)/build.log 2>&1 || (tail -60 $(GPU_TMP)/build.log; exit 1)
+	grep "trace_ext build" $(GPU_TMP)/build.log
+	cd /tmp && python3 -c "import trace_ext, json; print(json.dumps(trace_ext.backends(), default=str))"
+
+gpu-test:
+	python3 -m pytest tests -q -ra -x -p no:cacheprovider $(PYTEST_ARGS) 2>&1 | tee $(GPU_TMP)/tests.log | tail -40
+
+gpu-bench:
+	for b in $(or $(BENCHES),bench/bench_quant.py bench/bench_gemm.py bench/bench_kv.py); do \
+	  [ -f $$b ] && BENCH_OUT=$(GPU_TMP) PYTHONUNBUFFERED=1 python3 $$b 2>&1 | tee -a $(GPU_TMP)/bench.log; done; true
+
+gpu: gpu-build
+	-$(MAKE) gpu-test
+	-$(MAKE) gpu-bench
+	mkdir -p $(GPU_OUT) && tar czf $(GPU_OUT)/results.tgz -C $(GPU_TMP) .
+
+clean:
+	rm -rf build dist *.egg-info build.log python/trace_ext/_build_config.py
