@@ -1,3 +1,4 @@
+SHELL := /bin/bash
 # trace_ext: one command per job.
 #   make test   fresh machine -> virtualenv, dependencies, CUDA build (9.0a;10.0a when nvcc + CUDA torch exist), CPU suite
 #   make demo   the TRACE alignment demo (CPU reference ops; kernels when a GPU is there)
@@ -22,7 +23,6 @@ build: venv
 	MAX_JOBS=$${MAX_JOBS:-2} $(VPY) -m pip install -v --no-build-isolation --no-deps . 2>&1 | tee build.log | grep -E "trace_ext build|error|Error|Successfully" ; test $${PIPESTATUS[0]} -eq 0
 	$(VPY) -c "import trace_ext, json; print(json.dumps(trace_ext.backends(), default=str))"
 
-test: SHELL := /bin/bash
 test: build
 	$(VPY) -m pytest tests -q -ra $(PYTEST_ARGS)
 
@@ -42,7 +42,7 @@ gpu-build:
 	cd /tmp && python3 -c "import trace_ext, json; print(json.dumps(trace_ext.backends(), default=str))"
 
 gpu-test:
-	python3 -m pytest tests -q -ra -x -p no:cacheprovider $(PYTEST_ARGS) 2>&1 | tee $(GPU_TMP)/tests.log | tail -40
+	python3 -m pytest $(or $(GPU_TESTS),tests/gpu tests/test_ops_quant.py) -q -ra -p no:cacheprovider $(PYTEST_ARGS) 2>&1 | tee $(GPU_TMP)/tests.log | tail -40
 
 gpu-bench:
 	for b in $(or $(BENCHES),bench/bench_quant.py bench/bench_gemm.py bench/bench_kv.py); do \
