@@ -76,6 +76,18 @@ def cutlass_version(root: Path) -> str:
     return ".".join(parts)
 
 
+def cudart_library_dirs() -> list[str]:
+    """Where -lcudart resolves. torch looks in $CUDA_HOME/lib64 only; toolkits that put nvcc in /usr/local/bin
+    (CUDA_HOME=/usr/local) keep libcudart.so under /usr/local/cuda/lib64 or lib."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    for d in (f"{CUDA_HOME}/lib64", f"{CUDA_HOME}/lib", "/usr/local/cuda/lib64", "/usr/local/cuda/lib"):
+        if os.path.exists(os.path.join(d, "libcudart.so")):
+            log(f"libcudart from {d}")
+            return [d]
+    return []
+
+
 def gencode_flags(archs: list[str]) -> list[str]:
     flags = []
     for a in archs:
@@ -131,6 +143,7 @@ def extensions():
     # stringified in host_checks.h; no quotes or ';' because ninja hands the flags to a shell
     archs_define = "-DTRACE_EXT_ARCHS=" + "/".join("sm_" + a.replace(".", "") for a in archs)
     ext = CUDAExtension(
+        library_dirs=cudart_library_dirs(),
         name="trace_ext._C",
         sources=sources,
         include_dirs=includes,

@@ -188,7 +188,7 @@ def nvfp4_quantize(
         if g is None:
             g_rows = expand_g_to_rows(nvfp4_global_scale(x, scope), shape, scope).reshape(R)
         else:
-            g_rows = check_g(g.to(x.device) if isinstance(g, torch.Tensor) else g, R).contiguous()
+            g_rows = check_g(g.to(x.device) if isinstance(g, torch.Tensor) else g, R).clone()  # never alias g
         safe = torch.where(finite_block[..., None], xb, torch.zeros_like(xb))
         amax_b = safe.abs().amax(-1) if R * K else safe.abs().sum(-1)
         d = amax_b / F.E2M1_MAX
