@@ -17,3 +17,20 @@ __all__ = [
     "to_swizzled",
     "from_swizzled",
 ]
+
+# FP4 KV cache (SPEC 8)
+from .kv import (  # noqa: E402
+    fp4kv_append,
+    fp4kv_decode_attention,
+    fp4kv_gather,
+    fp4kv_gather_guidance,
+    fp4kv_prefill_attention,
+)
+
+__all__ += [
+    "fp4kv_append",
+    "fp4kv_decode_attention",
+    "fp4kv_gather",
+    "fp4kv_gather_guidance",
+    "fp4kv_prefill_attention",
+]
