@@ -511,8 +511,9 @@ def to_compact(rec: GuidanceRecord) -> GuidanceRecord:
 class GuidanceRecorder:
     """What ``trace_ext.rl.rollout`` yields: the cache being filled, plus its accounting."""
 
-    def __init__(self, cache: GuidanceCache):
+    def __init__(self, cache: GuidanceCache, codes: GuidanceCache | None = None):
         self.cache = cache
+        self.codes = codes  # full codes of every quantized site when rollout(..., capture_codes=True)
 
     def bytes_per_token(self, include_routes: bool = False) -> float:
         return self.cache.bytes_per_token(include_routes)

@@ -47,7 +47,8 @@ def model_signature(model) -> dict:
 class Session:
     """State of one rollout or training forward region. Modules reach it through ``current_session()``."""
 
-    def __init__(self, model, config: FP4Config, mode: str, cache: GuidanceCache | None, sequence_ids=None, role="train"):
+    def __init__(self, model, config: FP4Config, mode: str, cache: GuidanceCache | None, sequence_ids=None, role="train",
+                 capture_codes: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.model = model
@@ -79,6 +80,8 @@ class Session:
             cache.check_compatible(config, self.signature)
         if (self.record_routes_on or self.replay_routes_on) and not getattr(model, "_trace_fp4_converted", False):
             raise ValueError("routing record/replay needs a converted model: trace_ext.integrations.hf_moe.convert(model, config)")
+        # diagnostics: full codes of every quantized activation site and layer, for code / scale agreement metrics
+        self.codes = GuidanceCache(config.with_(guidance_kind="full", offload="none"), self.signature) if capture_codes else None
         self._seq: torch.Tensor | None = None
         self._pos: torch.Tensor | None = None
         self._rows: tuple | None = None
@@ -141,6 +144,18 @@ class Session:
         if not isinstance(record, GuidanceRecord):
             raise TypeError(f"record must be a GuidanceRecord, got {type(record).__name__}")
         self.cache.add_record(site, layer, encode_keys(keys), record)
+        return True
+
+    def wants_capture(self) -> bool:
+        return self.codes is not None and self.mode in ("rollout", "qat", "guided") and self.config.format == "nvfp4"
+
+    def capture(self, site: str, layer: int, keys, record: GuidanceRecord) -> bool:
+        """Keep the full codes of a quantized site (diagnostics; see rl.metrics.site_agreement)."""
+        if not self.wants_capture():
+            return False
+        if record.kind != "full":
+            raise ValueError("capture needs a 'full' record (the codes)")
+        self.codes.add_record(site, layer, encode_keys(keys), record)
         return True
 
     def is_guided(self, site: str, layer: int) -> bool:
@@ -220,29 +235,33 @@ def _config_for(model, config: FP4Config | None) -> FP4Config:
 
 
 @contextlib.contextmanager
-def rollout(model, config: FP4Config | None = None, sequence_ids=None, mode: str = "rollout"):
+def rollout(model, config: FP4Config | None = None, sequence_ids=None, mode: str = "rollout", capture_codes: bool = False):
     """Engine-path region: FP4 weights (packed once) and activations, FP4 KV; records guidance and routes.
 
     Yields a GuidanceRecorder whose ``cache`` the trainer passes to ``train(..., guidance=...)``.
     ``mode="bf16"`` rolls out the untouched model (records routes only): the BF16 baseline arm.
+    ``capture_codes=True`` also keeps the full codes of every quantized site in ``rec.codes`` (for
+    ``rl.metrics.site_agreement``; costs 4 bits per element).
     """
     if mode not in ("rollout", "bf16"):
         raise ValueError(f"rollout mode must be 'rollout' or 'bf16', got {mode!r}")
     config = _config_for(model, config)
-    sess = Session(model, config, mode, None, sequence_ids, role="rollout")
+    sess = Session(model, config, mode, None, sequence_ids, role="rollout", capture_codes=capture_codes)
     sess.cache = GuidanceCache(config, sess.signature, sess.layers)
     with sess:
-        yield GuidanceRecorder(sess.cache)
+        yield GuidanceRecorder(sess.cache, sess.codes)
     if config.offload != "none":
         sess.cache.offload()
 
 
 @contextlib.contextmanager
-def train(model, config: FP4Config | None = None, mode: str = "qat", guidance: GuidanceCache | None = None, sequence_ids=None):
+def train(model, config: FP4Config | None = None, mode: str = "qat", guidance: GuidanceCache | None = None, sequence_ids=None,
+          capture_codes: bool = False):
     """Trainer region: mode "bf16" | "qat" (RTN fake-quant + STE) | "guided" (rounding and routes replayed).
 
     ``guidance``: the rollout's cache (``rec.cache``, or ``GuidanceCache.load(path)``, or one ``split`` part);
     with it, top-k routes are replayed whenever ``config.routing_replay`` (always in guided mode).
+    ``capture_codes=True`` keeps the trainer's full codes in ``sess.codes`` (compare with the rollout's ``rec.codes``).
     """
     if mode not in ("bf16", "qat", "guided"):
         raise ValueError(f"train mode must be 'bf16', 'qat' or 'guided', got {mode!r}")
@@ -252,5 +271,5 @@ def train(model, config: FP4Config | None = None, mode: str = "qat", guidance: G
         else:
             raise TypeError(f"guidance must be a GuidanceCache (rec.cache), got {type(guidance).__name__}")
     config = _config_for(model, config)
-    with Session(model, config, mode, guidance, sequence_ids, role="train") as sess:
+    with Session(model, config, mode, guidance, sequence_ids, role="train", capture_codes=capture_codes) as sess:
         yield sess

@@ -1,0 +1,102 @@
+"""Fake quantization with the straight-through estimator (SPEC 2-5): the trainer side of TRACE.
+
+``fake_quantize(x)`` returns dequantize(quantize(x)) and passes gradients through unchanged
+(d x^ / d x = identity, SPEC 5). Rounding: "rtn", "sr" (explicit seed / offset) or "guided" (the rollout's
+GuidanceRecord: its scale bytes and g, its mantissa bits or codes). ``capture=True`` also returns the
+record of the rounding that was made (what a rollout keeps, or what the trainer made, for agreement metrics).
+Quantization goes through ``trace_ext.ops`` (CUDA kernel when built, reference otherwise).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import ops
+from .tensor import GuidanceRecord
+
+FORMATS = ("nvfp4", "mxfp4")
+
+
+def quantize_with_record(x: torch.Tensor, *, kind: str = "compact", rounding: str = "rtn", guidance=None, g=None,
+                         scope: str = "row", seed: int = 0, offset: int = 0, backend: str = "auto"):
+    """NVFP4-quantize ``x`` [..., K] and return (NVFP4Tensor, GuidanceRecord of ``kind`` with rows flattened)."""
+    if kind not in ("compact", "full"):
+        raise ValueError(f"kind must be 'compact' or 'full', got {kind!r}")
+    if kind == "compact":
+        return ops.nvfp4_quantize(x, g, scope=scope, rounding=rounding, seed=seed, offset=offset, guidance=guidance,
+                                  capture=True, backend=backend)
+    q = ops.nvfp4_quantize(x, g, scope=scope, rounding=rounding, seed=seed, offset=offset, guidance=guidance, backend=backend)
+    K = x.shape[-1]
+    rec = GuidanceRecord("full", q.codes.reshape(-1, K // 2), q.scales.reshape(-1, K // 16), q.g.reshape(-1))
+    return q, rec
+
+
+def _fake_quant_values(x, fmt, rounding, guidance, g, scope, seed, offset, capture, kind, backend, scale_rounding):
+    """float32 dequantized values of quantize(x) (exact fl(fl(q*s)*g)), and the record when capturing."""
+    xf = x.float()
+    if fmt == "mxfp4":
+        if rounding == "guided" or guidance is not None:
+            raise ValueError("guided rounding is defined for NVFP4 (SPEC 5); MXFP4 takes rounding='rtn' or 'sr'")
+        if capture:
+            raise ValueError("capture (guidance records) is defined for NVFP4 (SPEC 6)")
+        q = ops.mxfp4_quantize(xf, rounding=rounding, seed=seed, offset=offset, scale_rounding=scale_rounding, backend=backend)
+        return ops.mxfp4_dequantize(q, torch.float32, backend=backend), None
+    if capture:
+        q, rec = quantize_with_record(xf, kind=kind, rounding=rounding, guidance=guidance, g=g, scope=scope, seed=seed,
+                                      offset=offset, backend=backend)
+        return ops.nvfp4_dequantize(q, torch.float32, backend=backend), rec
+    y = ops.nvfp4_fake_quantize(xf, g, scope=scope, rounding=rounding, seed=seed, offset=offset, guidance=guidance, backend=backend)
+    return y, None
+
+
+class _FakeQuantSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, out_dtype, box, *args):
+        y, rec = _fake_quant_values(x, *args)
+        box.append(rec)
+        ctx.in_dtype = x.dtype
+        return y.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, gy):
+        # straight-through estimator: the gradient of the rounding is taken as the identity
+        return (gy.to(ctx.in_dtype), None, None) + (None,) * 11
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    format: str = "nvfp4",
+    *,
+    rounding: str = "rtn",
+    guidance: GuidanceRecord | None = None,
+    g: torch.Tensor | float | None = None,
+    scope: str = "row",
+    seed: int = 0,
+    offset: int = 0,
+    capture: bool = False,
+    kind: str = "compact",
+    out_dtype: torch.dtype | None = None,
+    scale_rounding: str = "floor",
+    backend: str = "auto",
+):
+    """Differentiable fake quantization of ``x`` [..., K] along its last dim (gradient = identity).
+
+    format: "nvfp4" (scope "row" for activations, "matrix" per [.., N, K] expert matrix, "tensor") or "mxfp4".
+    rounding: "rtn" | "sr" (seed, offset) | "guided" (guidance: the rollout's record of these rows, NVFP4 only).
+    capture: also return the GuidanceRecord ("compact" or "full", ``kind``) of the rounding made (NVFP4 only).
+    out_dtype: dtype of the result (default x.dtype). float32 keeps the dequantized values exact.
+    Returns y, or (y, record) with capture.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating tensor, got {x.dtype}")
+    block = 16 if format == "nvfp4" else 32
+    if x.dim() < 1 or x.shape[-1] % block:
+        raise ValueError(f"x: the last dimension (K) must be a multiple of the {block}-element {format} block, got shape {tuple(x.shape)}")
+    out_dtype = out_dtype or x.dtype
+    box: list = []
+    y = _FakeQuantSTE.apply(x, out_dtype, box, format, rounding, guidance, g, scope, seed, offset, capture, kind, backend,
+                            scale_rounding)
+    return (y, box[0]) if capture else y

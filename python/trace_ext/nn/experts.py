@@ -1,0 +1,177 @@
+"""FP4 routed experts for transformers 5.x fused expert modules (SPEC 2, 5, 7).
+
+The module keeps its own parameters (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]; gpt-oss:
+transposed [E, H, 2I] / [E, I, H], interleaved gate/up, biases, clamped activation); ``convert`` only binds
+``fp4_experts_forward`` as the instance's forward and attaches an ``ExpertsSpec``. Per session mode:
+
+- none / "bf16": the class's own forward (the untouched model).
+- "rollout": weights packed once per weight version (NVFP4 per expert matrix, or MXFP4), token rows quantized
+  (W4A4) and recorded, grouped SPEC 7 GEMMs (bf16 out), activation, down input quantized and recorded per
+  (token, top-k slot), grouped GEMM, weighted sum in float32.
+- "qat" / "guided": the same dataflow with fake-quantized weights (RTN) and activations (RTN, or the rollout's
+  guidance), straight-through gradients, GEMMs in ``config.qat_compute_dtype`` with bf16 outputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import ops
+from ..autograd import fake_quantize
+from ..rl.guidance import GuidanceError
+from .gemm import fp4_grouped_linear
+from .sites import rollout_quantize, train_fake_quantize
+
+
+@dataclass
+class ExpertsSpec:
+    """How one fused experts module is laid out, and where it sits."""
+
+    layer: int
+    transposed: bool  # gpt-oss: gate_up_proj [E, H, 2I], down_proj [E, I, H]
+    has_bias: bool
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+
+
+def expert_weights(module) -> tuple[torch.Tensor, torch.Tensor]:
+    """K-major GEMM weights (gate_up [E, 2I, H], down [E, H, I]) of a fused experts module (views)."""
+    gu, dn = module.gate_up_proj, module.down_proj
+    if module._trace_fp4.transposed:
+        return gu.transpose(1, 2), dn.transpose(1, 2)
+    return gu, dn
+
+
+def _apply_gate(module, gate_up: torch.Tensor) -> torch.Tensor:
+    if hasattr(module, "_apply_gate"):
+        return module._apply_gate(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return module.act_fn(gate) * up
+
+
+def pack_expert_weights(module, config, force: bool = False):
+    """Quantize the expert weights once per weight version (in-place updates and weight syncs bump it)."""
+    gu, dn = module.gate_up_proj, module.down_proj
+    version = (gu._version, dn._version, gu.data_ptr(), dn.data_ptr(), config.format)
+    cached = getattr(module, "_trace_fp4_packed", None)
+    if cached is not None and cached[0] == version and not force:
+        return cached[1], cached[2]
+    w_gu, w_dn = expert_weights(module)
+    with torch.no_grad():
+        if config.format == "nvfp4":
+            q_gu = ops.nvfp4_quantize(w_gu.detach().contiguous(), scope="matrix", backend=config.backend)
+            q_dn = ops.nvfp4_quantize(w_dn.detach().contiguous(), scope="matrix", backend=config.backend)
+            q_gu, q_dn = _prepare(q_gu), _prepare(q_dn)
+        else:
+            q_gu = ops.mxfp4_quantize(w_gu.detach().contiguous(), backend=config.backend)
+            q_dn = ops.mxfp4_quantize(w_dn.detach().contiguous(), backend=config.backend)
+    module._trace_fp4_packed = (version, q_gu, q_dn)
+    return q_gu, q_dn
+
+
+def _prepare(q):
+    """The GEMM op's load-time weight layout (trace_ext.ops.prepare_fp4_weight) when the op module exists."""
+    try:
+        from ..ops.gemm import prepare_fp4_weight
+    except ImportError:
+        return q
+    return prepare_fp4_weight(q)
+
+
+def _rows(q, idx):
+    """Rows ``idx`` of an FP4 tensor [R, K]."""
+    from dataclasses import replace
+
+    if hasattr(q, "g"):
+        return replace(q, codes=q.codes[idx], scales=q.scales[idx], g=q.g[idx], shape=(idx.numel(), q.shape[-1]))
+    return replace(q, codes=q.codes[idx], scales=q.scales[idx], shape=(idx.numel(), q.shape[-1]))
+
+
+def _grouped_matmul(x: torch.Tensor, w: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """x [M, K] rows sorted by expert, w [E, N, K] (differentiable): y [M, N]."""
+    parts = [x[bounds[e]:bounds[e + 1]] @ w[e].T for e in range(len(bounds) - 1) if bounds[e + 1] > bounds[e]]
+    if not parts:
+        return x.new_zeros(0, w.shape[1])
+    return torch.cat(parts)
+
+
+def _original_forward(module):
+    """The class's forward; its eager body when the model's experts backend is trace_fp4 itself (no recursion)."""
+    f = type(module).forward
+    impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    if impl == "trace_fp4":
+        f = getattr(f, "__wrapped__", f)
+    return f
+
+
+def fp4_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    """Forward of a converted fused experts module: (hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]."""
+    from ..rl.session import current_session
+
+    sess = current_session()
+    spec: ExpertsSpec = self._trace_fp4
+    if sess is None or sess.mode == "bf16" or not sess.config.quantizes("experts"):
+        return _original_forward(self)(self, hidden_states, top_k_index, top_k_weights)
+    cfg = sess.config
+    layer = spec.layer
+    T, H = hidden_states.shape
+    k = top_k_index.shape[-1]
+    E = spec.num_experts
+    out_dtype = hidden_states.dtype
+    flat_e = top_k_index.reshape(-1)
+    order = torch.sort(flat_e, stable=True).indices
+    tok, slot = order // k, order % k
+    row_expert = flat_e[order]
+    counts = torch.bincount(flat_e, minlength=E)
+    if counts.numel() != E:
+        raise ValueError(f"experts of layer {layer}: top_k_index holds ids >= num_experts ({E})")
+    offsets = torch.zeros(E + 1, dtype=torch.int64, device=hidden_states.device)
+    offsets[1:] = torch.cumsum(counts, 0)
+
+    def keys_tok():
+        seq, pos = sess.row_keys()
+        if seq.numel() != T:
+            raise GuidanceError(f"experts of layer {layer}: {T} token rows, but the forward call has {seq.numel()} tokens")
+        return seq, pos
+
+    def keys_down():
+        seq, pos = keys_tok()
+        return seq[tok], pos[tok], slot
+
+    w4a4 = cfg.activation == "w4a4"
+    if sess.mode == "rollout":
+        q_gu, q_dn = pack_expert_weights(self, cfg)
+        if w4a4:
+            a = _rows(rollout_quantize(sess, "expert_in", layer, hidden_states, keys_tok), tok)
+        else:
+            a = hidden_states[tok]
+        h1 = fp4_grouped_linear(a, q_gu, offsets, out_dtype=out_dtype, backend=cfg.backend)
+        if spec.has_bias:
+            h1 = h1 + self.gate_up_proj_bias[row_expert]
+        h = _apply_gate(self, h1).to(out_dtype)
+        a2 = rollout_quantize(sess, "expert_down_in", layer, h, keys_down) if w4a4 else h
+        h2 = fp4_grouped_linear(a2, q_dn, offsets, out_dtype=out_dtype, backend=cfg.backend)
+    else:
+        cdt = cfg.qat_compute_dtype
+        bounds = offsets.tolist()
+        w_gu, w_dn = expert_weights(self)
+        scope = {"scope": "matrix"} if cfg.format == "nvfp4" else {}
+        wq_gu = fake_quantize(w_gu.contiguous(), cfg.format, out_dtype=cdt, backend=cfg.backend, **scope)
+        wq_dn = fake_quantize(w_dn.contiguous(), cfg.format, out_dtype=cdt, backend=cfg.backend, **scope)
+        if w4a4:
+            x = train_fake_quantize(sess, "expert_in", layer, hidden_states, keys_tok, cdt)[tok]
+        else:
+            x = hidden_states[tok].to(cdt)
+        h1 = _grouped_matmul(x, wq_gu, bounds).to(out_dtype)
+        if spec.has_bias:
+            h1 = h1 + self.gate_up_proj_bias[row_expert]
+        h = _apply_gate(self, h1).to(out_dtype)
+        a2 = train_fake_quantize(sess, "expert_down_in", layer, h, keys_down, cdt) if w4a4 else h.to(cdt)
+        h2 = _grouped_matmul(a2, wq_dn, bounds).to(out_dtype)
+    if spec.has_bias:
+        h2 = h2 + self.down_proj_bias[row_expert]
+    y = h2.float() * top_k_weights[tok, slot].float()[:, None]
+    out = torch.zeros(T, H, dtype=torch.float32, device=hidden_states.device).index_add(0, tok, y)
+    return out.to(out_dtype)

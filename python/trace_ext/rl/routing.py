@@ -1,0 +1,82 @@
+"""Routing replay (R3, Ma et al. 2025): the rollout's top-k experts per (token, layer), replayed in the trainer.
+
+A forward hook on each transformers 5.x router (``(router_logits, top_k_weights, top_k_index)`` outputs)
+records the top-k ids during rollout. In the trainer it swaps in the recorded ids and recomputes their
+weights from the router logits of this forward, with the router's own scoring rule, so the router still
+receives gradients (only the selection is replayed, never the probabilities).
+"""
+from __future__ import annotations
+
+import torch
+
+from .guidance import GuidanceError
+
+ROUTER_KINDS = ("softmax_topk", "sigmoid_group", "topk_softmax")
+
+
+def router_kind(router: torch.nn.Module) -> str:
+    """How the router turns logits into top-k weights.
+
+    softmax_topk: softmax over all experts, gather, renormalise if ``norm_topk_prob`` (Qwen2/3-MoE, OLMoE;
+        Mixtral always renormalises). sigmoid_group: DeepSeek-V3 (sigmoid scores, grouped choice with
+        ``e_score_correction_bias``, renormalise, * routed_scaling_factor). topk_softmax: gpt-oss (softmax over
+        the top-k logits).
+    """
+    name = type(router).__name__
+    if name.endswith(("TopKRouter", "TopkRouter")):
+        if hasattr(router, "e_score_correction_bias"):
+            return "sigmoid_group"
+        if name.startswith("GptOss"):
+            return "topk_softmax"
+        return "softmax_topk"
+    raise ValueError(f"unsupported router {name}: routing replay knows Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3 and gpt-oss")
+
+
+def replay_weights(router: torch.nn.Module, logits: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Top-k weights of the experts ``idx`` [T, k] under this router's rule, differentiable in ``logits``."""
+    kind = router_kind(router)
+    if kind == "softmax_topk":
+        w = torch.softmax(logits.float(), dim=-1).gather(1, idx)
+        if getattr(router, "norm_topk_prob", True):
+            w = w / w.sum(dim=-1, keepdim=True)
+    elif kind == "sigmoid_group":
+        w = logits.float().sigmoid().gather(1, idx)
+        if getattr(router, "norm_topk_prob", True):
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        w = w * router.routed_scaling_factor
+    else:
+        w = torch.softmax(logits.gather(1, idx), dim=1)
+    return w.to(dtype)
+
+
+def router_hook(module, args, output):
+    """Forward hook installed on routers by ``convert``: record (rollout) or replay (trainer) the top-k ids."""
+    from .session import current_session
+
+    sess = current_session()
+    if sess is None or not (sess.record_routes_on or sess.replay_routes_on):
+        return None
+    if not (isinstance(output, tuple) and len(output) == 3):
+        raise RuntimeError(f"{type(module).__name__}: expected (router_logits, top_k_weights, top_k_index), got {type(output).__name__}")
+    logits, weights, idx = output
+    layer = module._trace_fp4_layer
+    keys = sess.row_keys()
+    if keys[0].numel() != idx.shape[0]:
+        raise GuidanceError(f"router of layer {layer}: {idx.shape[0]} token rows, but the forward call has {keys[0].numel()} tokens")
+    if sess.record_routes_on:
+        sess.record_routes(layer, keys, idx)
+        return None
+    rep = sess.replay_routes(layer, keys)
+    if rep.shape != idx.shape:
+        raise GuidanceError(f"routes[{layer}]: recorded top-k shape {tuple(rep.shape)} != router output {tuple(idx.shape)}")
+    if bool((rep >= logits.shape[-1]).any()) or bool((rep < 0).any()):
+        raise GuidanceError(f"routes[{layer}]: recorded expert ids outside [0, {logits.shape[-1]}): guidance from another model?")
+    rep = rep.to(idx.dtype)
+    return logits, replay_weights(module, logits, rep, weights.dtype), rep
+
+
+def topk_sets_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """bool [T]: whether the top-k sets (order ignored) of two [T, k] index tensors differ."""
+    if a.shape != b.shape:
+        raise ValueError(f"top-k shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+    return (a.sort(dim=-1).values != b.sort(dim=-1).values).any(dim=-1)
