@@ -6,7 +6,9 @@ activation rounding follows the rollout's records, with routing replay). Outside
 modules compute exactly what the original bf16 model computes.
 
 Rows are identified by (sequence id, position in the padded sequence[, sub-key]). A forward-pre-hook on the
-top model learns each call's positions: ``cache_position`` when given, else the KV cache's length + arange(S).
+top model learns each call's positions: ``cache_position`` when given, else the KV cache's length
+(``cache=`` / ``past_key_values=``) + arange(S): the index in the padded sequence. ``position_ids`` are not
+used on purpose: with left padding they are not unique per row.
 Rollout and trainer must therefore feed the same padded token sequences with the same sequence ids.
 """
 from __future__ import annotations
@@ -102,7 +104,8 @@ class Session:
             pos = cp.to(device=device, dtype=torch.int64).reshape(1, -1).expand(B, S)
             start = None
         else:
-            past = kwargs.get("past_key_values")
+            past = kwargs.get("cache")  # transformers >= 5.24 ("past_key_values" before, still accepted)
+            past = past if past is not None else kwargs.get("past_key_values")
             start = int(past.get_seq_length()) if past is not None and hasattr(past, "get_seq_length") else 0
             pos = (torch.arange(S, device=device, dtype=torch.int64) + start).reshape(1, S).expand(B, S)
         if start is not None and start + S > MAX_POS:
