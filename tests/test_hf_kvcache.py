@@ -1,0 +1,148 @@
+"""FP4 KV cache for generate and the FP4-KV attention function (SPEC 8, 5): CPU tests on the reference path.
+
+Shapes: a small Qwen3-MoE built from a config (head_dim 32 and 64, 2 KV heads, GQA 2) and the KV shapes of
+Qwen3-30B-A3B (4 KV heads x head_dim 128) for the storage tests.
+"""
+import warnings
+
+import pytest
+import torch
+
+from trace_ext import reference as ref
+from trace_ext.integrations import hf_kvcache as kv
+from trace_ext.rl import FP4Config, rollout, train
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def _model(head_dim=32, layers=2, seed=0):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(
+        vocab_size=64, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
+    cfg._attn_implementation = "sdpa"
+    return Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
+def _decode(model, ids, prefill, cache):
+    """Prefill ``ids[:, :prefill]`` then one token at a time; logits of every position."""
+    out = [model(ids[:, :prefill], past_key_values=cache, use_cache=True).logits]
+    for s in range(prefill, ids.shape[1]):
+        out.append(model(ids[:, s : s + 1], past_key_values=cache, use_cache=True).logits)
+    return torch.cat(out, dim=1).float()
+
+
+@pytest.mark.parametrize("H,D", [(2, 32), (4, 128)])
+def test_layer_stores_spec8_codes_and_returns_their_dequantization(H, D):
+    """Protects SPEC 8: per (token, kv head) NVFP4 codes with the static g, and attention reading exactly
+    the dequantized cache, in prefill (8 tokens) and decode (one token) alike."""
+    g_k, g_v = 0.5, 2.0
+    layer = kv.FP4KVLayer(0, g_k, g_v, backend="reference", paged=False)
+    torch.manual_seed(1)
+    chunks = [torch.randn(2, H, 8, D) * 3, torch.randn(2, H, 1, D), torch.randn(2, H, 1, D) * 40]
+    vchunks = [torch.randn_like(c) for c in chunks]
+    for k, v in zip(chunks, vchunks):
+        keys, values = layer.update(k.bfloat16(), v.bfloat16())
+    K = torch.cat(chunks, 2).bfloat16()
+    V = torch.cat(vchunks, 2).bfloat16()
+    qk = ref.nvfp4_quantize(K, torch.tensor(g_k))
+    qv = ref.nvfp4_quantize(V, torch.tensor(g_v))
+    codes, scales, g = layer.codes("k")
+    assert torch.equal(codes, qk.codes) and torch.equal(scales, qk.scales) and g == g_k
+    assert torch.equal(layer.codes("v")[0], qv.codes) and torch.equal(layer.codes("v")[1], qv.scales)
+    assert torch.equal(keys, ref.nvfp4_dequantize(qk, torch.bfloat16))
+    assert torch.equal(values, ref.nvfp4_dequantize(qv, torch.bfloat16))
+    assert layer.get_seq_length() == 10
+    assert layer.nbytes() == 2 * 2 * H * 10 * (D // 2 + D // 16)
+
+
+def test_paged_store_matches_dense_store():
+    """Protects the GPU layout path (PagedFP4KVCache + fp4kv_append / gather / decode attention, run here on
+    the reference backend): same codes as the dense store, growth past the first pages, decode output close to
+    SDPA over the dequantized cache."""
+    torch.manual_seed(2)
+    dense = kv.FP4KVLayer(0, 1.0, 1.0, backend="reference", paged=False)
+    paged = kv.FP4KVLayer(0, 1.0, 1.0, backend="reference", paged=True)
+    B, H, D = 2, 2, 64
+    steps = [20] + [1] * 14  # 34 tokens: three 16-token pages, two re-layouts
+    for n in steps:
+        k = torch.randn(B, H, n, D).bfloat16()
+        v = torch.randn(B, H, n, D).bfloat16()
+        dk, dv = dense.update(k, v)
+        pk, pv = paged.update(k, v)
+    for w in ("k", "v"):
+        assert torch.equal(dense.codes(w)[0], paged.codes(w)[0])
+        assert torch.equal(dense.codes(w)[1], paged.codes(w)[1])
+    gk, gv = paged.store.gather(torch.bfloat16)
+    assert torch.equal(gk, dk) and torch.equal(gv, dv)
+    q = torch.randn(B, 4, 1, D).bfloat16()
+    out = paged.store.decode(q, None)  # [B, 1, Hq, D]
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), dk.float(), dv.float(), enable_gqa=True)
+    assert out.shape == (B, 1, 4, D)
+    assert (out.float() - want.transpose(1, 2)).abs().max() < 2e-2
+
+
+def test_install_registers_attention_and_uninstall_restores():
+    """Protects install_fp4_kv / uninstall_fp4_kv (used by hf_moe.convert): the model's attention goes through
+    trace_fp4_sdpa and back to its previous implementation; a bad head_dim is refused."""
+    model = _model()
+    kv.install_fp4_kv(model, FP4Config())
+    assert model.config._attn_implementation == kv.ATTN_NAME and kv.is_installed(model)
+    kv.uninstall_fp4_kv(model)
+    assert model.config._attn_implementation == "sdpa" and not kv.is_installed(model)
+    with pytest.raises(ValueError, match="head_dim"):
+        kv.install_fp4_kv(_model(head_dim=24), FP4Config())
+
+
+@torch.no_grad()
+def test_no_session_is_plain_sdpa_and_fp4_cache_quantizes():
+    """Protects the contract outside sessions: with trace_fp4_sdpa installed the model computes exactly what
+    sdpa computes; the FP4 cache changes the logits (its K/V are FP4) but stays close."""
+    model = _model()
+    ids = torch.randint(0, 64, (2, 12))
+    base = model(ids).logits
+    kv.install_fp4_kv(model, FP4Config())
+    assert torch.equal(model(ids).logits, base)
+    fp4 = _decode(model, ids, 6, kv.FP4KVCache(model))
+    assert not torch.equal(fp4, base.float())
+    assert (fp4 - base.float()).abs().max() < 0.5
+
+
+@torch.no_grad()
+def test_rollout_records_the_cache_codes_and_qat_trainer_reproduces_them():
+    """Protects the TRACE KV path: the rollout records the cache's own codes (keys (seq, pos, kv_head), prefill
+    and decode rows), and a full-sequence qat trainer forward over the same tokens lands on the same codes
+    (its K/V are fake-quantized with the same static g)."""
+    model = _model()
+    cfg = FP4Config(routing_replay=False, guidance_layers=None, guidance_kind="full", kv_g_k=0.25, kv_g_v=1.0)
+    kv.install_fp4_kv(model, cfg)
+    ids = torch.randint(0, 64, (3, 11))
+    with rollout(model, cfg, sequence_ids=[7, 8, 9], capture_codes=True) as rec:
+        cache = kv.FP4KVCache(model)
+        _decode(model, ids, 5, cache)
+    for layer in range(2):
+        st = rec.cache.records[("kv_k", layer)]
+        assert len(st) == 3 * 11 * 2  # every (seq, pos, kv_head) row, prefill and decode
+        codes = cache.layers[layer].codes("k")[0]  # [B, H, S, D/2]
+        # store keys are sorted (seq, pos, head): the same order as [B, S, H]
+        assert torch.equal(st.columns["payload"], codes.transpose(1, 2).reshape(-1, codes.shape[-1]))
+        assert torch.all(st.columns["g"] == 0.25)
+    with train(model, cfg, mode="qat", sequence_ids=[7, 8, 9], capture_codes=True) as sess:
+        model(ids)
+    agree = []
+    for key, st in rec.codes.records.items():
+        a, b = st.columns["payload"], sess.codes.records[key].columns["payload"]
+        assert a.shape == b.shape
+        agree.append((a == b).float().mean().item())
+    assert min(agree) > 0.999
+
+
+def test_cache_refuses_head_dim_off_the_block():
+    """Protects SPEC 10 for the cache: head_dim not a multiple of 16 is a ValueError naming it."""
+    layer = kv.FP4KVLayer(0, paged=False)
+    with pytest.raises(ValueError, match="head_dim"):
+        layer.update(torch.zeros(1, 1, 1, 24, dtype=torch.bfloat16), torch.zeros(1, 1, 1, 24, dtype=torch.bfloat16))
