@@ -1,0 +1,212 @@
+// FP4 KV cache append (SPEC 2, 8): quantize new K and V rows (bf16 [T_new, H_kv, D]) with the layer's static
+// decode scale g and scatter codes + E4M3 scale bytes into their pages, for every sequence and head in one
+// launch (prefill chunks and single decode tokens alike).
+//
+// Design:
+// - One thread per 16-element NVFP4 block: two 16-byte loads of bf16, one 8-byte store of packed codes and
+//   one scale byte (FlashInfer#3985: thread-per-block with vector loads/stores is what makes NVFP4 KV
+//   quantization reach bandwidth; byte-per-thread layouts reach ~20%). Consecutive threads take consecutive
+//   blocks of a row, so the D/16 threads of a (token, head) row read D*2 contiguous bytes and write D/2
+//   contiguous code bytes and D/16 contiguous scale bytes.
+// - The numerics are those of fp4_numerics.cuh (e4m3_rn, nvfp4_block_divisor, nvfp4_scaled,
+//   e2m1_rn_magnitude): bit-identical to reference.nvfp4_quantize with g = the static g of the layer.
+// - Token -> sequence by binary search in cu_seqlens (B + 1 int32, L1-resident), position = start_pos[b] +
+//   (token - cu[b]), page = block_table[b, pos / P]. The host has checked the table; the kernel trusts it.
+// - Grid-stride loop over 2 * T * H * D/16 blocks (K first, then V) so one launch covers any T.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "trace_ext/fp4_numerics.cuh"
+#include "trace_ext/host_checks.h"
+
+namespace trace_ext {
+namespace {
+
+constexpr int kAppendThreads = 256;
+constexpr int kBlockElems = kNvfp4Block;  // elements quantized by one thread
+static_assert(kBlockElems == 16, "one thread quantizes exactly one 16-element NVFP4 block (two 16-byte bf16 loads)");
+
+struct AppendParams {
+  // new rows, bf16 [T, H, D] each
+  const uint16_t* k_new;
+  const uint16_t* v_new;
+  // cache storage: codes [pages, P, H, D/2], scales [pages, P, H, D/16]
+  uint8_t* k_codes;
+  uint8_t* k_scales;
+  uint8_t* v_codes;
+  uint8_t* v_scales;
+  // addressing
+  const int32_t* block_table;  // [B, max_pages]
+  const int32_t* cu_seqlens;   // [B + 1]
+  const int32_t* start_pos;    // [B]
+  int batch, max_pages, page_size, heads, head_dim;
+  int64_t tokens;
+  // static decode scales
+  float g_k, g_v;
+};
+
+__device__ __forceinline__ float bf16_bits_to_float(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
+
+// Largest b with cu[b] <= token (token < cu[B]); sequences with no new rows are skipped naturally.
+__device__ __forceinline__ int sequence_of_token(const int32_t* __restrict__ cu, int batch, int64_t token) {
+  int lo = 0, hi = batch - 1;
+  while (lo < hi) {
+    int mid = (lo + hi + 1) >> 1;
+    if ((int64_t)__ldg(cu + mid) <= token) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+__global__ void __launch_bounds__(kAppendThreads) fp4kv_append_kernel(const AppendParams p) {
+  const int nb = p.head_dim / kBlockElems;  // blocks per row
+  const int64_t per_tensor = p.tokens * p.heads * nb;
+  const int64_t total = 2 * per_tensor;
+  for (int64_t item = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; item < total;
+       item += (int64_t)gridDim.x * blockDim.x) {
+    const bool is_v = item >= per_tensor;
+    const int64_t i = is_v ? item - per_tensor : item;
+    const int blk = (int)(i % nb);
+    const int64_t row = i / nb;  // token * H + head
+    const int head = (int)(row % p.heads);
+    const int64_t token = row / p.heads;
+
+    const uint16_t* src = (is_v ? p.v_new : p.k_new) + row * p.head_dim + blk * kBlockElems;
+    const uint4 lo = __ldg(reinterpret_cast<const uint4*>(src));
+    const uint4 hi = __ldg(reinterpret_cast<const uint4*>(src) + 1);
+    const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    float x[kBlockElems];
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+      x[2 * w] = bf16_bits_to_float(words[w] & 0xFFFFu);
+      x[2 * w + 1] = bf16_bits_to_float(words[w] >> 16);
+    }
+    bool finite = true;
+    float amax = 0.0f;
+#pragma unroll
+    for (int e = 0; e < kBlockElems; ++e) {
+      finite = finite && isfinite(x[e]);
+      amax = fmaxf(amax, fabsf(x[e]));
+    }
+    const float g = is_v ? p.g_v : p.g_k;
+    uint8_t scale = kE4M3NaN;
+    uint2 packed = make_uint2(0u, 0u);
+    if (finite) {
+      scale = nvfp4_scale_byte(amax, g);
+      const float t = nvfp4_block_divisor(scale, g);
+      uint32_t w2[2] = {0u, 0u};
+#pragma unroll
+      for (int e = 0; e < kBlockElems; ++e) {
+        const float v = nvfp4_scaled(x[e], t);
+        const uint32_t code = e2m1_rn_magnitude(fabsf(v)) | sign_nibble(v);
+        w2[e >> 3] |= code << (4 * (e & 7));
+      }
+      packed = make_uint2(w2[0], w2[1]);
+    }
+
+    const int b = sequence_of_token(p.cu_seqlens, p.batch, token);
+    const int64_t pos = (int64_t)__ldg(p.start_pos + b) + (token - __ldg(p.cu_seqlens + b));
+    const int64_t page = __ldg(p.block_table + (int64_t)b * p.max_pages + pos / p.page_size);
+    const int64_t cache_row = (page * p.page_size + pos % p.page_size) * p.heads + head;
+    uint8_t* codes = is_v ? p.v_codes : p.k_codes;
+    uint8_t* scales = is_v ? p.v_scales : p.k_scales;
+    *reinterpret_cast<uint2*>(codes + cache_row * (p.head_dim / 2) + blk * (kBlockElems / 2)) = packed;
+    scales[cache_row * nb + blk] = scale;
+  }
+}
+
+void check_cache_tensor(const at::Tensor& t, const char* name, int64_t width, const at::Tensor& ref_codes) {
+  check_dtype(t, at::kByte, name);
+  check_contiguous(t, name);
+  TORCH_CHECK_VALUE(t.dim() == 4 && t.size(0) == ref_codes.size(0) && t.size(1) == ref_codes.size(1) &&
+                        t.size(2) == ref_codes.size(2) && t.size(3) == width,
+                    "trace_ext: ", name, " must be [pages, page_size, H_kv, ", width, "], got ", t.sizes());
+  check_same_device(t, ref_codes, name, "k_codes");
+}
+
+void fp4kv_append_cuda(at::Tensor& k_codes, at::Tensor& k_scales, at::Tensor& v_codes, at::Tensor& v_scales,
+                       const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& block_table,
+                       const at::Tensor& cu_seqlens, const at::Tensor& start_pos, double g_k, double g_v) {
+  const char* op = "fp4kv_append";
+  check_cuda(k_codes, "k_codes");
+  check_dtype(k_codes, at::kByte, "k_codes");
+  TORCH_CHECK_VALUE(k_codes.dim() == 4, "trace_ext: k_codes must be [pages, page_size, H_kv, D/2], got ",
+                    k_codes.sizes());
+  const int64_t D = k_codes.size(3) * 2;
+  TORCH_CHECK_VALUE(D % kNvfp4Block == 0, "trace_ext: head_dim must be a multiple of 16, got ", D);
+  check_cache_tensor(k_codes, "k_codes", D / 2, k_codes);
+  check_cache_tensor(v_codes, "v_codes", D / 2, k_codes);
+  check_cache_tensor(k_scales, "k_scales", D / kNvfp4Block, k_codes);
+  check_cache_tensor(v_scales, "v_scales", D / kNvfp4Block, k_codes);
+  const int64_t P = k_codes.size(1), H = k_codes.size(2);
+  check_dtype(k_new, at::kBFloat16, "k_new");
+  check_dtype(v_new, at::kBFloat16, "v_new");
+  TORCH_CHECK_VALUE(k_new.dim() == 3 && k_new.size(1) == H && k_new.size(2) == D, "trace_ext: k_new must be [T, ", H,
+                    ", ", D, "], got ", k_new.sizes());
+  check_shape(v_new, k_new.sizes(), "v_new");
+  check_contiguous(k_new, "k_new");
+  check_contiguous(v_new, "v_new");
+  check_dtype(block_table, at::kInt, "block_table");
+  check_dtype(cu_seqlens, at::kInt, "cu_seqlens");
+  check_dtype(start_pos, at::kInt, "start_pos");
+  TORCH_CHECK_VALUE(block_table.dim() == 2, "trace_ext: block_table must be [B, max_pages], got ", block_table.sizes());
+  const int64_t B = block_table.size(0);
+  check_shape(cu_seqlens, {B + 1}, "cu_seqlens");
+  check_shape(start_pos, {B}, "start_pos");
+  check_contiguous(block_table, "block_table");
+  check_contiguous(cu_seqlens, "cu_seqlens");
+  check_contiguous(start_pos, "start_pos");
+  for (const auto* t : {&k_new, &v_new, &block_table, &cu_seqlens, &start_pos}) {
+    check_same_device(*t, k_codes, "an argument", "the cache");
+  }
+  const int64_t T = k_new.size(0);
+  if (T == 0 || B == 0) return;
+  TORCH_CHECK_VALUE(T * H * D < (int64_t(1) << 40), "trace_ext: fp4kv_append: too many rows");
+
+  c10::cuda::CUDAGuard guard(k_codes.device());
+  require_kernel_image(fp4kv_append_kernel, op);
+  // the kernel reads bf16 rows with 16-byte loads: an offset view gets an aligned copy
+  const at::Tensor k_src = reinterpret_cast<uintptr_t>(k_new.data_ptr()) % 16 ? k_new.clone() : k_new;
+  const at::Tensor v_src = reinterpret_cast<uintptr_t>(v_new.data_ptr()) % 16 ? v_new.clone() : v_new;
+  AppendParams p;
+  p.k_new = reinterpret_cast<const uint16_t*>(k_src.data_ptr());
+  p.v_new = reinterpret_cast<const uint16_t*>(v_src.data_ptr());
+  p.k_codes = k_codes.data_ptr<uint8_t>();
+  p.k_scales = k_scales.data_ptr<uint8_t>();
+  p.v_codes = v_codes.data_ptr<uint8_t>();
+  p.v_scales = v_scales.data_ptr<uint8_t>();
+  p.block_table = block_table.data_ptr<int32_t>();
+  p.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
+  p.start_pos = start_pos.data_ptr<int32_t>();
+  p.batch = (int)B;
+  p.max_pages = (int)block_table.size(1);
+  p.page_size = (int)P;
+  p.heads = (int)H;
+  p.head_dim = (int)D;
+  p.tokens = T;
+  p.g_k = (float)g_k;
+  p.g_v = (float)g_v;
+  TORCH_CHECK_VALUE(std::isfinite(p.g_k) && p.g_k > 0.0f && std::isfinite(p.g_v) && p.g_v > 0.0f,
+                    "trace_ext: g_k and g_v must be finite and > 0, got ", g_k, ", ", g_v);
+
+  const int64_t items = 2 * T * H * (D / kNvfp4Block);
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, k_codes.get_device());
+  const int64_t want = (items + kAppendThreads - 1) / kAppendThreads;
+  const int grid = (int)std::min<int64_t>(want, (int64_t)sms * 16);
+  fp4kv_append_kernel<<<grid, kAppendThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);
+  check_launch(op);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(trace_ext, CUDA, m) { m.impl("fp4kv_append", &fp4kv_append_cuda); }
+
+}  // namespace trace_ext
