@@ -34,3 +34,24 @@ __all__ += [
     "fp4kv_gather_guidance",
     "fp4kv_prefill_attention",
 ]
+
+# NVFP4 GEMM and MoE routing (SPEC 7)
+from .gemm import (  # noqa: E402
+    MoePermutation,
+    PreparedFP4Weight,
+    fp4_grouped_linear,
+    fp4_linear,
+    moe_permute,
+    moe_unpermute,
+    prepare_fp4_weight,
+)
+
+__all__ += [
+    "fp4_linear",
+    "fp4_grouped_linear",
+    "prepare_fp4_weight",
+    "PreparedFP4Weight",
+    "moe_permute",
+    "moe_unpermute",
+    "MoePermutation",
+]

@@ -1,0 +1,157 @@
+// Shared pieces of the NVFP4-weight GEMM kernels (gemm_w4_sm90.cu, gemm_w4_decode_sm90.cu): the flat params
+// struct, the exact FP4 -> bf16 register conversion, cp.async / ldmatrix / mma wrappers and the grouped tile
+// lookup. See the design note of gemm_w4_sm90.cu for the numerics of the conversion.
+#pragma once
+
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "trace_ext/fp4_numerics.cuh"
+
+namespace trace_ext {
+namespace gemm_w4 {
+
+constexpr int kMaxExperts = 1024;       // offsets of up to this many experts fit the lookup's shared buffer
+constexpr float kScaleFold = 0x1p119f;  // block scale * 2^119: exact, and 448 * 2^119 < 2^128 (bf16 max)
+constexpr float kUnfoldW4A16 = 0x1p7f;  // q bits read as q * 2^-126; * s * 2^119 = q * s * 2^-7
+constexpr float kUnfoldW4A4 = 0x1p14f;  // both operands carry 2^-7
+
+// Flat parameters of every GEMM kernel. Dense: offsets == nullptr, E == 1.
+struct GemmParams {
+  const void* a;             // bf16 [M, K] (W4A16) or uint8 codes [M, K/2] (W4A4)
+  const uint8_t* a_scales;   // uint8 [M, K/16] (W4A4) or nullptr
+  const float* g_a;          // float [M] (W4A4) or nullptr
+  const uint8_t* w_codes;    // uint8 [E, N, K/2]
+  const uint8_t* w_scales;   // uint8 [E, N, K/16]
+  const uint8_t* w_packed;   // decode layout from prepare (see gemm_w4_decode_sm90.cu) or nullptr
+  const float* g_w;          // g_w[e * gw_stride_e + n * gw_stride_n]
+  int64_t gw_stride_e;
+  int64_t gw_stride_n;
+  const int* offsets;        // int32 [E + 1] (grouped) or nullptr
+  __nv_bfloat16* y;          // bf16 [M, N]
+  int M, N, K, E;
+};
+
+// Host-side dispatch targets (each defined in its own translation unit).
+void run_tiled(const GemmParams& p, int64_t rows_hint, cudaStream_t stream);
+
+// ---- exact FP4 -> bf16 ------------------------------------------------------------------------------------
+// One packed byte (element 2i low nibble, 2i+1 high) -> bf16x2 (low half = element 2i) with values q * 2^-126.
+__device__ __forceinline__ uint32_t fp4x2_to_bf16x2_biased(uint32_t byte) {
+  const uint32_t x = byte | (byte << 12);
+  return ((x & 0x00080008u) << 12) | ((x & 0x00070007u) << 6);
+}
+
+// Four packed bytes of a 32-bit word: the bf16x2 of byte j is out[j]. Same numbers as above, fewer ops.
+__device__ __forceinline__ void fp4x8_to_bf16x2x4_biased(uint32_t w, uint32_t out[4]) {
+  // byte j: low nibble at bits 8j..8j+3, high nibble at 8j+4..8j+7.
+  // Spread: lo halves take nibble 2j, hi halves take nibble 2j+1.
+  const uint32_t lo = w & 0x0F0F0F0Fu;         // nibbles 0,2,4,6 (elements 0,2,4,6 of the 8)
+  const uint32_t hi = (w >> 4) & 0x0F0F0F0Fu;  // nibbles 1,3,5,7
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t x = ((lo >> (8 * j)) & 0xFu) | (((hi >> (8 * j)) & 0xFu) << 16);
+    out[j] = ((x & 0x00080008u) << 12) | ((x & 0x00070007u) << 6);
+  }
+}
+
+// E4M3 scale byte -> bf16x2 of s * 2^119 (exact; NaN byte -> NaN, which then poisons the block as SPEC 2 asks).
+__device__ __forceinline__ uint32_t scale_bf16x2_folded(uint8_t s) {
+  const float f = __fmul_rn(e4m3_to_float(s), kScaleFold);
+  const uint32_t u = __bfloat16_as_ushort(__float2bfloat16_rn(f));
+  return u | (u << 16);
+}
+
+// a * b on bf16x2, exact for our operands (fma with -0 addend keeps -0 products and subnormals).
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+
+__device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
+
+// ---- async copies / tensor-core wrappers ----------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(ok ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async8(void* dst, const void* src, bool ok) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(ok ? 8 : 0));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool ok) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(ok ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void mma_bf16_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Stores y[n], y[n+1] (bf16) of one row, guarding the N edge; a 4-byte store when both are in range and aligned.
+__device__ __forceinline__ void store_bf16_pair(__nv_bfloat16* ptr, const float v[2], bool both, bool first, int N) {
+  if (both && (reinterpret_cast<uintptr_t>(ptr) & 3u) == 0) {
+    *reinterpret_cast<__nv_bfloat162*>(ptr) = __floats2bfloat162_rn(v[0], v[1]);
+  } else {
+    if (first) ptr[0] = __float2bfloat16_rn(v[0]);
+    if (both) ptr[1] = __float2bfloat16_rn(v[1]);
+  }
+}
+
+// Grouped lookup, run by one full warp: offsets (already in shared memory, E + 1 entries) give expert e the rows
+// [offsets[e], offsets[e+1]) (clamped to [0, M]); its M tiles of `bm` rows are numbered after those of experts
+// < e. Finds the expert owning tile `tile` (e = -1 when the tile is past the last one).
+__device__ __forceinline__ void find_group_tile(const int* s_off, int E, int M, int bm, int tile, int* e_out,
+                                                int* mb_out, int* me_out) {
+  const int lane = threadIdx.x & 31;
+  int base = 0;
+  *e_out = -1;
+  *mb_out = 0;
+  *me_out = 0;
+  for (int c = 0; c < E; c += 32) {
+    const int j = c + lane;
+    int lo = 0, hi = 0, cnt = 0;
+    if (j < E) {
+      lo = min(max(s_off[j], 0), M);
+      hi = min(max(s_off[j + 1], lo), M);
+      cnt = (hi - lo + bm - 1) / bm;
+    }
+    int inc = cnt;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, inc, d);
+      if (lane >= d) inc += v;
+    }
+    const int excl = inc - cnt;
+    const bool mine = cnt > 0 && tile >= base + excl && tile < base + inc;
+    const unsigned ball = __ballot_sync(0xffffffffu, mine);
+    if (ball) {
+      const int src = __ffs(ball) - 1;
+      const int mb = lo + (tile - base - excl) * bm;
+      *e_out = __shfl_sync(0xffffffffu, j, src);
+      *mb_out = __shfl_sync(0xffffffffu, mb, src);
+      *me_out = __shfl_sync(0xffffffffu, hi, src);
+      return;
+    }
+    base += __shfl_sync(0xffffffffu, inc, 31);
+  }
+}
+
+}  // namespace gemm_w4
+}  // namespace trace_ext

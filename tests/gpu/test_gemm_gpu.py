@@ -1,0 +1,274 @@
+"""GPU tests of the sm_90a NVFP4 GEMM kernels and MoE routing against the float64 reference (SPEC 7).
+
+Acceptance per output: |y - ref| <= 1 bf16 ulp of ref + sqrt(K) * 2^-24 * sum_k |a_k w_k| (the probabilistic
+float32-accumulation bound; without it, outputs that cancel to ~0 cannot be held to an ulp of themselves by any
+fp32-accumulating kernel). Each test also reports the fraction of outputs equal to the reference bit for bit.
+Shapes: Qwen3-30B-A3B experts, OLMoE, Mixtral, DeepSeek-V3; M from 1 to 16384 incl. odd M.
+Run: pytest tests/gpu/test_gemm_gpu.py -q (H200, < 3 minutes).
+"""
+import pytest
+import torch
+
+import trace_ext.ops as O
+from trace_ext import reference as ref
+from trace_ext import reference_gemm as R
+from trace_ext.tensor import NVFP4Tensor
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+# (name, N, K) of real projections
+QWEN_GATE_UP = ("qwen3_30b_a3b.gate_up", 1536, 2048)
+QWEN_DOWN = ("qwen3_30b_a3b.down", 2048, 768)
+OLMOE_GATE_UP = ("olmoe.gate_up", 2048, 2048)
+OLMOE_DOWN = ("olmoe.down", 2048, 1024)
+MIXTRAL_UP = ("mixtral.w1", 14336, 4096)
+MIXTRAL_DOWN = ("mixtral.w2", 4096, 14336)
+DSV3_GATE_UP = ("deepseek_v3.gate_up", 4096, 7168)
+DSV3_DOWN = ("deepseek_v3.down", 7168, 2048)
+
+
+def _quant_w(N, K, E=None, gen=None):
+    shape = (E, N, K) if E else (N, K)
+    x = torch.randn(shape, device=DEV, generator=gen) * 0.02
+    return ref.nvfp4_quantize(x, scope="matrix" if E else "tensor")
+
+
+def _check(y, a64, w64, what):
+    exact = a64 @ w64.T
+    ref_bf16 = R.round_to_bf16(exact)
+    tol = R.gemm_tolerance(a64, w64, ref_bf16)
+    err = (y.double() - ref_bf16.double()).abs()
+    bad = ~(err <= tol)
+    both_nan = torch.isnan(y.double()) & torch.isnan(ref_bf16.double())
+    bad &= ~both_nan
+    n_bad = int(bad.sum())
+    equal = float((y == ref_bf16).double().mean()) if y.numel() else 1.0
+    print(f"{what}: {y.numel()} outputs, bit-equal {equal:.4f}, violations {n_bad}")
+    if n_bad:
+        idx = bad.nonzero()[0].tolist()
+        raise AssertionError(
+            f"{what}: {n_bad} outputs off; first at {idx}: y={float(y[tuple(idx)])} ref={float(ref_bf16[tuple(idx)])} "
+            f"tol={float(tol[tuple(idx)])}"
+        )
+
+
+def _w64(w: NVFP4Tensor):
+    return R.dequantize_f64(w.codes, w.scales) * w.g.double().reshape(*w.g.shape, 1)
+
+
+def _a64(a):
+    if isinstance(a, NVFP4Tensor):
+        return R.dequantize_f64(a.codes, a.scales) * a.g.double()[:, None]
+    return a.double()
+
+
+DENSE_CASES = [
+    (QWEN_GATE_UP, [1, 2, 3, 8, 16, 17, 32, 33, 64, 100, 257, 1024, 4096]),
+    (QWEN_DOWN, [1, 7, 16, 31, 128, 1000]),
+    (OLMOE_DOWN, [1, 16, 333]),
+    (MIXTRAL_UP, [1, 8, 16, 32, 129]),
+    (MIXTRAL_DOWN, [1, 16, 32, 65]),
+    (DSV3_GATE_UP, [1, 13, 32]),
+    (DSV3_DOWN, [1, 16, 300]),
+]
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("shape,Ms", DENSE_CASES, ids=[c[0][0] for c in DENSE_CASES])
+def test_dense_matches_f64_reference(shape, Ms, mode):
+    """Protects fp4_linear (tiled and decode paths, raw and prepared weights) at real shapes and odd M."""
+    name, N, K = shape
+    w = _quant_w(N, K)
+    wp = O.prepare_fp4_weight(w)
+    w64 = _w64(w)
+    for M in Ms:
+        a = torch.randn(M, K, device=DEV).bfloat16()
+        if mode == "w4a4":
+            a = ref.nvfp4_quantize(a)
+        a64 = _a64(a)
+        for wt, tag in ((w, "raw"), (wp, "prepared")):
+            y = O.fp4_linear(a, wt, backend="cuda")
+            assert y.shape == (M, N) and y.dtype == torch.bfloat16
+            _check(y, a64, w64, f"{name} {mode} M={M} {tag}")
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_dense_large_m_16384(mode):
+    """Protects the large-M path at M = 16384 (Mixtral w1 shape split to keep the f64 oracle fast: N=4096)."""
+    N, K, M = 4096, 4096, 16384
+    w = _quant_w(N, K)
+    a = torch.randn(M, K, device=DEV).bfloat16()
+    if mode == "w4a4":
+        a = ref.nvfp4_quantize(a)
+    y = O.fp4_linear(a, w, backend="cuda")
+    _check(y, _a64(a), _w64(w), f"large-M {mode} M={M}")
+
+
+def test_w4a4_act_quant_prologue_equals_prequantized():
+    """Protects act_quant='nvfp4': the same as quantizing A (RTN, per-row g) then the W4A4 GEMM."""
+    name, N, K = QWEN_GATE_UP
+    w = _quant_w(N, K)
+    a = torch.randn(37, K, device=DEV).bfloat16()
+    y1 = O.fp4_linear(a, w, act_quant="nvfp4", backend="cuda")
+    y2 = O.fp4_linear(ref.nvfp4_quantize(a), w, backend="cuda")
+    assert torch.equal(y1, y2)
+
+
+def _grouped_case(E, N, K, counts, mode, w=None, prepared=False, what=""):
+    counts = torch.tensor(counts, dtype=torch.int64)
+    M = int(counts.sum())
+    offsets = torch.zeros(E + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    offsets = offsets.to(DEV)
+    w = w if w is not None else _quant_w(N, K, E)
+    a = torch.randn(M, K, device=DEV).bfloat16()
+    if mode == "w4a4":
+        a = ref.nvfp4_quantize(a)
+    wt = O.prepare_fp4_weight(w) if prepared else w
+    y = O.fp4_grouped_linear(a, wt, offsets, backend="cuda")
+    assert y.shape == (M, N)
+    a64 = _a64(a)
+    w64 = _w64(w)  # [E, N, K]
+    off = offsets.tolist()
+    for e in range(E):
+        lo, hi = off[e], off[e + 1]
+        if hi > lo:
+            _check(y[lo:hi], a64[lo:hi], w64[e], f"{what} expert {e}")
+    return w
+
+
+def _routed_counts(T, E, k, gen):
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.long)
+    return torch.bincount(ids.reshape(-1), minlength=E).tolist()
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_grouped_qwen3_experts_token_batches(mode):
+    """Protects fp4_grouped_linear at Qwen3-30B-A3B (E=128, top-8) decode and prefill batches, both projections,
+    raw and prepared weights (empty experts occur at every T < 16)."""
+    gen = torch.Generator().manual_seed(1)
+    E, k = 128, 8
+    w_gu = _quant_w(1536, 2048, E)
+    w_dn = _quant_w(2048, 768, E)
+    for T in (1, 3, 16, 64, 256, 1000):
+        counts = _routed_counts(T, E, k, gen)
+        for name, (N, K), w in (("gate_up", (1536, 2048), w_gu), ("down", (2048, 768), w_dn)):
+            for prepared in (False, True):
+                _grouped_case(E, N, K, counts, mode, w=w, prepared=prepared, what=f"qwen3 {name} {mode} T={T} prep={prepared}")
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_grouped_olmoe_and_deepseek(mode):
+    """Protects the grouped op at OLMoE (E=64) and DeepSeek-V3 (E=256, N=7168 down) expert shapes."""
+    gen = torch.Generator().manual_seed(2)
+    _grouped_case(64, 2048, 1024, _routed_counts(40, 64, 8, gen), mode, what=f"olmoe down {mode}")
+    _grouped_case(256, 7168, 2048, _routed_counts(4, 256, 8, gen), mode, prepared=True, what=f"dsv3 down {mode}")
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_grouped_all_tokens_on_one_expert_and_empty(mode):
+    """Protects the edge distributions: every row on one (middle / last) expert; all experts empty."""
+    E, N, K = 16, 1536, 2048
+    w = _quant_w(N, K, E)
+    for M, e in ((1, 7), (300, 7), (4096, 15), (33, 0)):
+        counts = [0] * E
+        counts[e] = M
+        _grouped_case(E, N, K, counts, mode, w=w, what=f"one-expert {mode} M={M} e={e}")
+    offsets = torch.zeros(E + 1, dtype=torch.int32, device=DEV)
+    y = O.fp4_grouped_linear(torch.empty(0, K, device=DEV, dtype=torch.bfloat16), w, offsets, backend="cuda")
+    assert y.shape == (0, N)
+
+
+def test_nan_block_propagates():
+    """Protects SPEC 2 through the kernels: a NaN weight block makes its output column NaN, others stay finite."""
+    N, K = 256, 2048
+    w = _quant_w(N, K)
+    w.scales[5, 3] = 0x7F
+    for M in (1, 8, 200):
+        a = torch.randn(M, K, device=DEV).bfloat16()
+        for wt in (w, O.prepare_fp4_weight(w)):
+            y = O.fp4_linear(a, wt, backend="cuda")
+            assert torch.isnan(y[:, 5]).all() and torch.isfinite(y[:, :5]).all() and torch.isfinite(y[:, 6:]).all()
+
+
+def test_k_not_multiple_of_64():
+    """Protects the unaligned-K loaders (K % 16 == 0 only, as SPEC allows): K = 272 and 80."""
+    for N, K in ((48, 272), (130, 80)):
+        w = _quant_w(N, K)
+        for M in (1, 5, 70, 130):
+            a = torch.randn(M, K, device=DEV).bfloat16()
+            _check(O.fp4_linear(a, w, backend="cuda"), a.double(), _w64(w), f"K={K} M={M} w4a16")
+            aq = ref.nvfp4_quantize(a)
+            _check(O.fp4_linear(aq, w, backend="cuda"), _a64(aq), _w64(w), f"K={K} M={M} w4a4")
+
+
+# ---- routing -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T,k,E", [(1, 8, 128), (7, 8, 128), (256, 8, 128), (4096, 8, 128), (300, 8, 256), (50, 2, 8)])
+def test_moe_permute_unpermute_match_reference(T, k, E):
+    """Protects the routing kernels: bit-identical to the stable-sort reference and the slot-order fp32 sum."""
+    H = 2048
+    x = torch.randn(T, H, device=DEV).bfloat16()
+    scores = torch.randn(T, E, device=DEV)
+    wts, ids = torch.topk(torch.softmax(scores, -1), k, dim=-1)
+    p = O.moe_permute(x, ids, E, backend="cuda")
+    q = O.moe_permute(x, ids, E, backend="reference")
+    assert torch.equal(p.offsets, q.offsets) and torch.equal(p.dest_of, q.dest_of)
+    assert torch.equal(p.src_row, q.src_row) and torch.equal(p.x_sorted, q.x_sorted)
+    out = O.moe_unpermute(p.x_sorted, p, wts, backend="cuda")
+    assert torch.equal(out, O.moe_unpermute(q.x_sorted, q, wts, backend="reference"))
+    ids32 = ids.int()
+    assert torch.equal(O.moe_permute(x, ids32, E, backend="cuda").dest_of, p.dest_of)
+
+
+def test_moe_layer_end_to_end_on_gpu():
+    """Protects permute -> grouped W4A16 GEMM -> unpermute on the GPU against the same chain on the reference."""
+    T, k, E, N, K = 64, 8, 128, 1536, 2048
+    x = torch.randn(T, K, device=DEV).bfloat16()
+    wts, ids = torch.topk(torch.softmax(torch.randn(T, E, device=DEV), -1), k, dim=-1)
+    w = _quant_w(N, K, E)
+    p = O.moe_permute(x, ids, E, backend="cuda")
+    y = O.fp4_grouped_linear(p.x_sorted, w, p.offsets, backend="cuda")
+    y_ref = O.fp4_grouped_linear(p.x_sorted, w, p.offsets, backend="reference")
+    a64 = p.x_sorted.double()
+    w64 = _w64(w)
+    off = p.offsets.tolist()
+    for e in range(E):
+        if off[e + 1] > off[e]:
+            _check(y[off[e] : off[e + 1]], a64[off[e] : off[e + 1]], w64[e], f"e2e expert {e}")
+    assert y_ref.shape == y.shape
+    out = O.moe_unpermute(y, p, wts, backend="cuda")
+    assert out.shape == (T, N) and torch.isfinite(out).all()
+
+
+# ---- errors ----------------------------------------------------------------------------------------------------------
+
+
+def test_gpu_errors():
+    """Protects SPEC 10 on the CUDA path: device mismatch RuntimeError, dtype TypeError, shape ValueError (raised
+    by the C++ entry too, when called directly)."""
+    w = _quant_w(64, 128)
+    a = torch.randn(4, 128, device=DEV).bfloat16()
+    with pytest.raises(RuntimeError):
+        O.fp4_linear(a.cpu(), w, backend="cuda")
+    ops = torch.ops.trace_ext
+    g = w.g[:1].contiguous()
+    with pytest.raises(TypeError):
+        ops.fp4_linear(a.float(), None, None, w.codes, w.scales, g, None)
+    with pytest.raises(ValueError):
+        ops.fp4_linear(a[:, :64].contiguous(), None, None, w.codes, w.scales, g, None)
+    with pytest.raises(ValueError):
+        ops.fp4_linear(a, None, None, w.codes, w.scales[:, :4].contiguous(), g, None)
+    with pytest.raises(RuntimeError):
+        ops.fp4_linear(a, None, None, w.codes.cpu(), w.scales, g, None)
+    wg = _quant_w(64, 128, 2)
+    with pytest.raises(ValueError):
+        ops.fp4_grouped_linear(a, None, None, wg.codes, wg.scales, wg.g[:, 0].contiguous(),
+                               torch.zeros(2, dtype=torch.int32, device=DEV), None)
+    with pytest.raises(TypeError):
+        ops.fp4_grouped_linear(a, None, None, wg.codes, wg.scales, wg.g[:, 0].contiguous(),
+                               torch.zeros(3, dtype=torch.int64, device=DEV), None)
+    with pytest.raises(ValueError):
+        O.fp4_grouped_linear(a, wg, torch.tensor([0, 5, 4], dtype=torch.int32, device=DEV), validate=True)
