@@ -54,7 +54,7 @@ def router_hook(module, args, output):
     from .session import current_session
 
     sess = current_session()
-    if sess is None or not (sess.record_routes_on or sess.replay_routes_on):
+    if sess is None or not (sess.record_routes_on or sess.replay_routes_on or sess.codes is not None):
         return None
     if not (isinstance(output, tuple) and len(output) == 3):
         raise RuntimeError(f"{type(module).__name__}: expected (router_logits, top_k_weights, top_k_index), got {type(output).__name__}")
@@ -63,8 +63,12 @@ def router_hook(module, args, output):
     keys = sess.row_keys()
     if keys[0].numel() != idx.shape[0]:
         raise GuidanceError(f"router of layer {layer}: {idx.shape[0]} token rows, but the forward call has {keys[0].numel()} tokens")
+    if sess.role == "train":
+        sess.capture_routes(layer, keys, idx)  # the router's own choice, for router_flip_rate
     if sess.record_routes_on:
         sess.record_routes(layer, keys, idx)
+        return None
+    if not sess.replay_routes_on:
         return None
     rep = sess.replay_routes(layer, keys)
     if rep.shape != idx.shape:

@@ -195,6 +195,13 @@ class Session:
         self.cache.add_routes(layer, encode_keys(keys), topk_idx.detach())
         return True
 
+    def capture_routes(self, layer: int, keys, topk_idx: torch.Tensor) -> bool:
+        """Keep the router's own top-k (before any replay) in ``self.codes`` (diagnostics: router_flip_rate)."""
+        if self.codes is None:
+            return False
+        self.codes.add_routes(layer, encode_keys(keys), topk_idx.detach())
+        return True
+
     def replay_routes(self, layer: int, keys) -> torch.Tensor | None:
         """The rollout's top-k expert ids for these rows (int64 [R, k]), or None when not replaying."""
         if not self.replay_routes_on:
