@@ -1,0 +1,289 @@
+"""Guidance cache, layer policy, session keys and config (SPEC 5, 6): what the rollout hands the trainer."""
+import json
+
+import pytest
+import torch
+
+from trace_ext import reference as ref
+from trace_ext.rl import FP4Config, GuidanceCache, GuidanceError, guided_layers
+from trace_ext.rl.guidance import LayerSite, decode_keys, encode_keys, record_bytes_per_row, to_compact
+from trace_ext.rl.session import Session, current_session, train
+
+K = 64
+
+
+def _rec(rows, K=K, kind="compact", seed=0):
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(seed)) * 2
+    q = ref.nvfp4_quantize(x)
+    return ref.guidance_from_quantized(q, kind)
+
+
+def _keys(seqs, positions, sub=None):
+    seq = torch.tensor(seqs, dtype=torch.int64)
+    pos = torch.tensor(positions, dtype=torch.int64)
+    return (seq, pos) if sub is None else (seq, pos, torch.tensor(sub, dtype=torch.int64))
+
+
+def _cache(kind="compact", **kw):
+    return GuidanceCache(FP4Config(num_layers=4, guidance_kind=kind, offload="none", **kw), {"model_type": "t"}, {2, 3})
+
+
+# ---- keys ----------------------------------------------------------------------------------------------------------
+
+
+def test_keys_round_trip_and_range():
+    """Protects: (seq, pos, sub) pack into one int64 without collisions, and out-of-range keys are refused."""
+    k = encode_keys(_keys([0, 5, 2**31 - 1], [0, 2**24 - 1, 17], [0, 255, 3]))
+    seq, pos, sub = decode_keys(k)
+    assert seq.tolist() == [0, 5, 2**31 - 1] and pos.tolist() == [0, 2**24 - 1, 17] and sub.tolist() == [0, 255, 3]
+    with pytest.raises(ValueError, match="out of range"):
+        encode_keys(_keys([0], [2**24]))
+    with pytest.raises(ValueError, match="out of range"):
+        encode_keys(_keys([0], [0], [256]))
+    with pytest.raises(TypeError):
+        encode_keys((torch.zeros(2), torch.zeros(2)))
+    with pytest.raises(ValueError, match="equal length"):
+        encode_keys((torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)))
+
+
+# ---- cache: record / lookup -------------------------------------------------------------------------------------
+
+
+def test_lookup_returns_rows_in_key_order_across_chunks():
+    """Protects: rows recorded in several chunks (prefill, then decode steps) come back in the trainer's key order."""
+    c = _cache()
+    rec = _rec(6)
+    # prefill: seq 0 and 1, positions 0..1; then one decode row each
+    c.add_record("expert_in", 2, encode_keys(_keys([0, 0, 1, 1], [0, 1, 0, 1])), rec.index_rows(torch.arange(4)))
+    c.add_record("expert_in", 2, encode_keys(_keys([0, 1], [2, 2])), rec.index_rows(torch.tensor([4, 5])))
+    want_order = [5, 0, 2, 1]  # (1,2), (0,0), (1,0), (0,1)
+    got = c.get_record("expert_in", 2, encode_keys(_keys([1, 0, 1, 0], [2, 0, 0, 1])), K, "cpu")
+    exp = rec.index_rows(torch.tensor(want_order))
+    assert torch.equal(got.payload, exp.payload) and torch.equal(got.scales, exp.scales) and torch.equal(got.g, exp.g)
+
+
+def test_last_write_wins():
+    """Protects: re-recording a key (e.g. a recomputed step) replaces the earlier row instead of duplicating it."""
+    c = _cache()
+    a, b = _rec(1, seed=1), _rec(1, seed=2)
+    key = encode_keys(_keys([3], [4]))
+    c.add_record("expert_in", 2, key, a)
+    c.add_record("expert_in", 2, key, b)
+    assert len(c.records[("expert_in", 2)]) == 1
+    assert torch.equal(c.get_record("expert_in", 2, key, K, "cpu").payload, b.payload)
+
+
+def test_missing_and_mismatched_guidance_raise():
+    """Protects: a missing row / site / layer, another K or another format is a clear error, never a fallback."""
+    c = _cache()
+    c.add_record("expert_in", 2, encode_keys(_keys([0, 0], [0, 1])), _rec(2))
+    with pytest.raises(GuidanceError, match=r"first missing key \(seq=0, pos=7"):
+        c.get_record("expert_in", 2, encode_keys(_keys([0, 0], [1, 7])), K, "cpu")
+    with pytest.raises(GuidanceError, match="no guidance for site 'expert_down_in'"):
+        c.get_record("expert_down_in", 2, encode_keys(_keys([0], [0], [0])), K, "cpu")
+    with pytest.raises(GuidanceError, match="no guidance for site 'expert_in' of layer 3"):
+        c.get_record("expert_in", 3, encode_keys(_keys([0], [0])), K, "cpu")
+    with pytest.raises(GuidanceError, match="K=64, the trainer quantizes K=128"):
+        c.get_record("expert_in", 2, encode_keys(_keys([0], [0])), 128, "cpu")
+    with pytest.raises(GuidanceError, match="width"):
+        c.add_record("expert_in", 2, encode_keys(_keys([0], [5])), _rec(1, K=128))
+    with pytest.raises(GuidanceError, match="format"):
+        c.check_compatible(FP4Config(format="mxfp4"), None)
+    with pytest.raises(GuidanceError, match="another model"):
+        c.check_compatible(c.config, {"model_type": "other"})
+
+
+def test_full_records_are_kept_compact_when_the_config_says_so():
+    """Protects: a KV cache hands full codes; a compact config stores just their mantissa bits (SPEC 6 size)."""
+    c = _cache("compact")
+    full = _rec(3, kind="full")
+    c.add_record("kv_k", 2, encode_keys(_keys([0, 0, 0], [0, 0, 0], [0, 1, 2])), full)
+    got = c.get_record("kv_k", 2, encode_keys(_keys([0, 0, 0], [0, 0, 0], [0, 1, 2])), K, "cpu")
+    assert got.kind == "compact" and torch.equal(got.payload, to_compact(full).payload)
+    with pytest.raises(GuidanceError, match="compact"):
+        _cache("full").add_record("kv_k", 2, encode_keys(_keys([0], [0], [0])), _rec(1))
+
+
+def test_bytes_per_token_matches_spec6():
+    """Protects: the reported bytes/token is K/8 + K/16 + 4 per compact row (K/2 + K/16 + 4 full), routes excluded."""
+    c = _cache()
+    T = 5
+    c.add_record("expert_in", 2, encode_keys(_keys([0] * T, list(range(T)))), _rec(T))
+    c.add_record("expert_down_in", 2, encode_keys(_keys([0] * 2 * T, [p for p in range(T) for _ in (0, 1)], [0, 1] * T)),
+                 _rec(2 * T, K=32))
+    c.add_routes(2, encode_keys(_keys([0] * T, list(range(T)))), torch.zeros(T, 2, dtype=torch.int64))
+    want = record_bytes_per_row(64, "compact") + 2 * record_bytes_per_row(32, "compact")
+    assert want == (8 + 4 + 4) + 2 * (4 + 2 + 4)
+    assert c.bytes_per_token() == pytest.approx(want)
+    assert c.bytes_per_token(include_routes=True) == pytest.approx(want + 2 * 2)  # int16 expert ids
+
+
+# ---- policy ------------------------------------------------------------------------------------------------------
+
+
+def test_layer_policy():
+    """Protects: default deeper half (TRACE), explicit list, all layers, and the per-token byte budget (deepest first)."""
+    assert guided_layers(FP4Config(num_layers=6), None) == {3, 4, 5}
+    assert guided_layers(FP4Config(num_layers=7), None) == {3, 4, 5, 6}
+    assert guided_layers(FP4Config(num_layers=6, guidance_layers=[0, 5]), None) == {0, 5}
+    assert guided_layers(FP4Config(num_layers=3, guidance_layers=None), None) == {0, 1, 2}
+    layout = [LayerSite("expert_in", l, 64, 1) for l in range(4)] + [LayerSite("kv_k", l, 64, 2) for l in range(4)]
+    per_layer = 3 * record_bytes_per_row(64, "compact")  # 48
+    cfg = FP4Config(num_layers=4, guidance_budget_bytes_per_token=2 * per_layer + 1)
+    assert guided_layers(cfg, layout) == {2, 3}
+    with pytest.raises(ValueError, match="out of range"):
+        guided_layers(FP4Config(num_layers=2, guidance_layers=[3]), None)
+    with pytest.raises(ValueError, match="num_layers"):
+        guided_layers(FP4Config(), None)
+
+
+def test_config_validation():
+    """Protects: bad configuration values fail at construction with the field's name."""
+    with pytest.raises(ValueError, match="format"):
+        FP4Config(format="fp8")
+    with pytest.raises(ValueError, match="sites"):
+        FP4Config(sites={"experts", "lm_head"})
+    with pytest.raises(TypeError):
+        FP4Config(sites="experts")
+    with pytest.raises(ValueError, match="guidance_layers"):
+        FP4Config(guidance_layers="shallow")
+    with pytest.raises(ValueError, match="kv_g_k"):
+        FP4Config(kv_g_k=0.0)
+    with pytest.raises(ValueError, match="activation"):
+        FP4Config(activation="w8a8")
+    c = FP4Config(guidance_layers=[3, 1, 3])
+    assert c.guidance_layers == (1, 3) and c.with_(format="mxfp4").block == 32
+
+
+# ---- save / load ---------------------------------------------------------------------------------------------------
+
+
+def _filled_cache(seqs=(0, 1, 2, 3)):
+    c = _cache()
+    for s in seqs:
+        c.add_record("expert_in", 2, encode_keys(_keys([s] * 3, [0, 1, 2])), _rec(3, seed=s))
+        c.add_record("expert_down_in", 3, encode_keys(_keys([s] * 2, [0, 0], [0, 1])), _rec(2, K=32, seed=10 + s))
+        c.add_routes(2, encode_keys(_keys([s] * 3, [0, 1, 2])), torch.full((3, 2), s, dtype=torch.int64))
+    return c
+
+
+def _same(a: GuidanceCache, b: GuidanceCache):
+    assert set(a.records) == set(b.records) and set(a.routes) == set(b.routes)
+    for k in a.records:
+        assert torch.equal(a.records[k].keys, b.records[k].keys)
+        for n in ("payload", "scales", "g"):
+            assert torch.equal(a.records[k].columns[n], b.records[k].columns[n])
+    for k in a.routes:
+        assert torch.equal(a.routes[k].keys, b.routes[k].keys)
+        assert torch.equal(a.routes[k].columns["topk"], b.routes[k].columns["topk"])
+
+
+def test_save_load_round_trip(tmp_path):
+    """Protects: a saved cache loads bit-identical, with config, model signature and policy layers."""
+    c = _filled_cache()
+    path = str(tmp_path / "g.safetensors")
+    c.save(path)
+    d = GuidanceCache.load(path)
+    _same(c, d)
+    assert d.config.to_dict() == c.config.to_dict() and d.model_signature == c.model_signature and d.layers == {2, 3}
+
+
+def test_load_validates_header_and_tensors(tmp_path):
+    """Protects: a wrong version, a foreign file, a missing or mis-shaped tensor are refused on load."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    c = _filled_cache()
+    path = str(tmp_path / "g.safetensors")
+    c.save(path)
+    with safe_open(path, "pt") as f:
+        header = json.loads(f.metadata()["trace_ext_guidance"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+
+    def write(name, t, h):
+        p = str(tmp_path / name)
+        save_file(t, p, metadata={"trace_ext_guidance": json.dumps(h)})
+        return p
+
+    with pytest.raises(GuidanceError, match="version"):
+        GuidanceCache.load(write("v.st", tensors, {**header, "version": 99}))
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "foreign.st"))
+    with pytest.raises(GuidanceError, match="not a trace_ext guidance file"):
+        GuidanceCache.load(str(tmp_path / "foreign.st"))
+    t2 = dict(tensors)
+    del t2["rec.expert_in.2.scales"]
+    with pytest.raises(GuidanceError, match="missing"):
+        GuidanceCache.load(write("m.st", t2, header))
+    t3 = dict(tensors)
+    t3["rec.expert_in.2.payload"] = t3["rec.expert_in.2.payload"][:, :2].contiguous()
+    with pytest.raises(GuidanceError, match="payload must be"):
+        GuidanceCache.load(write("s.st", t3, header))
+
+
+# ---- split / merge -------------------------------------------------------------------------------------------------
+
+
+def test_split_and_merge_by_sequence():
+    """Protects: data-parallel micro-batches get exactly their sequences; merging the parts restores the cache."""
+    c = _filled_cache()
+    a, b = c.split([[0, 2], [1, 3]])
+    assert a.sequence_ids().tolist() == [0, 2] and b.sequence_ids().tolist() == [1, 3]
+    assert torch.equal(a.get_routes(2, encode_keys(_keys([2], [1])), "cpu"), torch.full((1, 2), 2))
+    with pytest.raises(GuidanceError):
+        a.get_record("expert_in", 2, encode_keys(_keys([1], [0])), K, "cpu")
+    _same(GuidanceCache.merge([b, a]), c)
+    assert [p.sequence_ids().tolist() for p in c.split(2)] == [[0, 1], [2, 3]]
+    with pytest.raises(GuidanceError, match="occur in two caches"):
+        GuidanceCache.merge([a, a])
+
+
+# ---- session keys ------------------------------------------------------------------------------------------------
+
+
+class _Tiny(torch.nn.Module):
+    """Stands in for a HF model: records the session's token keys at every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, input_ids=None, cache=None, past_key_values=None, cache_position=None):
+        self.seen.append(tuple(t.clone() for t in current_session().token_keys()))
+        return input_ids
+
+
+class _Len:
+    def __init__(self, n):
+        self.n = n
+
+    def get_seq_length(self):
+        return self.n
+
+
+def test_session_positions_follow_the_cache_and_sequence_ids():
+    """Protects: positions = index in the padded sequence (cache length + arange, or cache_position); seq ids given."""
+    m = _Tiny()
+    cfg = FP4Config(num_layers=2, sites=frozenset())
+    with Session(m, cfg, "qat", None, sequence_ids=[7, 9]):
+        m(torch.zeros(2, 3, dtype=torch.long))
+        m(torch.zeros(2, 1, dtype=torch.long), cache=_Len(3))
+        m(torch.zeros(2, 1, dtype=torch.long), past_key_values=_Len(4))
+        m(torch.zeros(2, 2, dtype=torch.long), cache_position=torch.tensor([5, 6]))
+    seqs = [s.tolist() for s, _ in m.seen]
+    pos = [p.tolist() for _, p in m.seen]
+    assert seqs == [[7, 9]] * 4
+    assert pos == [[[0, 1, 2]] * 2, [[3]] * 2, [[4]] * 2, [[5, 6]] * 2]
+    assert current_session() is None
+    with pytest.raises(ValueError, match="2 ids but the batch has 3"):
+        with Session(m, cfg, "qat", None, sequence_ids=[0, 1]):
+            m(torch.zeros(3, 1, dtype=torch.long))
+
+
+def test_guided_training_needs_guidance():
+    """Protects: guided mode without the rollout's cache is an error, not silent RTN."""
+    with pytest.raises(GuidanceError, match="needs guidance"):
+        with train(_Tiny(), FP4Config(num_layers=2), mode="guided"):
+            pass
+    with pytest.raises(ValueError, match="NVFP4"):
+        with train(_Tiny(), FP4Config(num_layers=2, format="mxfp4"), mode="guided", guidance=_cache()):
+            pass
