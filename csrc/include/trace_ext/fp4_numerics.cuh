@@ -74,6 +74,25 @@ __device__ __forceinline__ uint32_t e2m1_sr_magnitude(float a, uint32_t random_w
   return (u < p) ? b.hi : b.lo;
 }
 
+// Same result as e2m1_sr_magnitude, cheaper: the bracket width hi - lo is 0.5, 1 or 2 (a power of two), so
+// fl((a - lo) / (hi - lo)) equals (a - lo) times the exact reciprocal power of two (a - lo is exact by Sterbenz
+// and at least 2^-21 when lo >= 4, so the product never underflows).
+__device__ __forceinline__ uint32_t e2m1_sr_magnitude_pow2(float a, uint32_t random_word) {
+  E2M1Bracket b = e2m1_bracket(a);
+  float inv_width = b.lo < 4u ? 2.0f : (b.lo < 6u ? 1.0f : 0.5f);
+  float u = __uint2float_rn(random_word >> 8) * 0x1p-24f;
+  float p = __fmul_rn(__fsub_rn(a, b.lo_val), inv_width);
+  return (b.lo != b.hi && u < p) ? b.hi : b.lo;
+}
+
+// The code LSBs (mantissa bits) of the eight 4-bit codes packed in w, as one byte (code i -> bit i).
+__device__ __forceinline__ uint32_t nibble_lsbs(uint32_t w) {
+  w &= 0x11111111u;
+  w = (w | (w >> 3)) & 0x03030303u;
+  w = (w | (w >> 6)) & 0x000F000Fu;
+  return (w | (w >> 12)) & 0xFFu;
+}
+
 // SPEC 5, compact guidance: the bracket end whose mantissa bit (code LSB) equals the rollout's bit.
 __device__ __forceinline__ uint32_t e2m1_guided_compact_magnitude(float a, uint32_t mantissa_bit) {
   E2M1Bracket b = e2m1_bracket(a);

@@ -1,0 +1,134 @@
+// Vector load / store helpers shared by the memory-bound quantization kernels (quant_nvfp4.cu,
+// quant_mxfp4.cu): 16-byte global accesses, element conversion to float32 (exact for bf16 / fp16) and back
+// (round to nearest even, as torch's .to(dtype)).
+#pragma once
+
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace trace_ext {
+
+template <typename T>
+struct ElemTraits;
+template <>
+struct ElemTraits<float> {
+  static constexpr int kPerVec = 4;  // elements per 16-byte vector
+};
+template <>
+struct ElemTraits<__nv_bfloat16> {
+  static constexpr int kPerVec = 8;
+};
+template <>
+struct ElemTraits<__half> {
+  static constexpr int kPerVec = 8;
+};
+
+__device__ __forceinline__ uint4 ld_vec(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+__device__ __forceinline__ void st_vec(void* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
+
+// One 16-byte vector -> floats (exact widening).
+template <typename T>
+__device__ __forceinline__ void vec_to_float(uint4 v, float* out);
+
+template <>
+__device__ __forceinline__ void vec_to_float<float>(uint4 v, float* out) {
+  out[0] = __uint_as_float(v.x);
+  out[1] = __uint_as_float(v.y);
+  out[2] = __uint_as_float(v.z);
+  out[3] = __uint_as_float(v.w);
+}
+
+template <>
+__device__ __forceinline__ void vec_to_float<__nv_bfloat16>(uint4 v, float* out) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = __uint_as_float(w[i] << 16);
+    out[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+  }
+}
+
+template <>
+__device__ __forceinline__ void vec_to_float<__half>(uint4 v, float* out) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = __half2float(__ushort_as_half((unsigned short)(w[i] & 0xFFFFu)));
+    out[2 * i + 1] = __half2float(__ushort_as_half((unsigned short)(w[i] >> 16)));
+  }
+}
+
+// Floats -> one 16-byte vector of T (RNE; NaN stays NaN, fp16 overflow gives inf as in torch).
+template <typename T>
+__device__ __forceinline__ uint4 float_to_vec(const float* in);
+
+template <>
+__device__ __forceinline__ uint4 float_to_vec<float>(const float* in) {
+  return make_uint4(__float_as_uint(in[0]), __float_as_uint(in[1]), __float_as_uint(in[2]), __float_as_uint(in[3]));
+}
+
+template <>
+__device__ __forceinline__ uint4 float_to_vec<__nv_bfloat16>(const float* in) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
+    w[i] = *reinterpret_cast<uint32_t*>(&h);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+template <>
+__device__ __forceinline__ uint4 float_to_vec<__half>(const float* in) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    __half2 h = __floats2half2_rn(in[2 * i], in[2 * i + 1]);
+    w[i] = *reinterpret_cast<uint32_t*>(&h);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Load N consecutive elements (N a multiple of the vector width, p 16-byte aligned) as floats.
+template <typename T, int N>
+__device__ __forceinline__ void load_floats(const T* p, float (&out)[N]) {
+  constexpr int kV = ElemTraits<T>::kPerVec;
+  static_assert(N % kV == 0, "a block must be a whole number of 16-byte vectors");
+  uint4 v[N / kV];
+#pragma unroll
+  for (int i = 0; i < N / kV; ++i) v[i] = ld_vec(p + i * kV);
+#pragma unroll
+  for (int i = 0; i < N / kV; ++i) vec_to_float<T>(v[i], out + i * kV);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_floats(T* p, const float (&in)[N]) {
+  constexpr int kV = ElemTraits<T>::kPerVec;
+  static_assert(N % kV == 0, "a block must be a whole number of 16-byte vectors");
+#pragma unroll
+  for (int i = 0; i < N / kV; ++i) st_vec(p + i * kV, float_to_vec<T>(in + i * kV));
+}
+
+// max over |x| as raw bits (non-negative floats order like their bit patterns; >= 0x7F800000 = Inf / NaN).
+template <int N>
+__device__ __forceinline__ uint32_t max_abs_bits(const float (&x)[N]) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < N; ++i) m = max(m, __float_as_uint(x[i]) & 0x7FFFFFFFu);
+  return m;
+}
+
+// max over |x| of the finite elements only (slow path for blocks holding a NaN / Inf).
+template <int N>
+__device__ __forceinline__ uint32_t max_abs_bits_finite(const float (&x)[N]) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    uint32_t b = __float_as_uint(x[i]) & 0x7FFFFFFFu;
+    if (b < 0x7F800000u) m = max(m, b);
+  }
+  return m;
+}
+
+}  // namespace trace_ext

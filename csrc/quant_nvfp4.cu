@@ -1,0 +1,635 @@
+// NVFP4 quantize / fake-quantize / dequantize (SPEC 2, 4, 5, 6), bit-exact against reference.py.
+//
+// Design (memory-bound: 2 B read + 0.5625 B written per bf16 element):
+// - Each thread owns a "unit" of two whole 16-element blocks (32 elements): 16-byte vector loads of x, the
+//   block amax stays in registers (no shuffles, no shared memory), codes leave as one 16-byte store.
+// - g given (per row or one value), guided rounding, and the second pass of long rows: a flat grid over all
+//   units of the [R, K/16] block matrix (a unit may straddle two rows when K/16 is odd; each block reads
+//   the g of its own row).
+// - g None (per-row scale, activations): a team of threads per row (power of two, 8..512 threads) loads its
+//   row into registers once, reduces the row's finite amax (shuffles, plus shared memory across warps of a
+//   team), derives g and quantizes from the registers: one HBM read of x, one launch. Rows up to
+//   kFusedMaxK = 16384 elements fit (512 threads x 32 elements). Longer rows take a documented two-pass
+//   path: kernel 1 writes the per-row g (finite amax / 2688), kernel 2 is the flat kernel reading it.
+// - Every numeric step comes from fp4_numerics.cuh; all float ops are __f*_rn (no contraction, no FTZ).
+// - SR: one philox4x32_10 call per 4 elements (counter = flat element index / 4, SPEC 4).
+// - Swizzled scales: written at their 128x4 offsets; the zero padding is written by the same launch
+//   (a grid-stride pass over the padded bytes of the last row tile and the last column chunk of each tile).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+#include "trace_ext/fp4_numerics.cuh"
+#include "trace_ext/host_checks.h"
+#include "trace_ext/quant_common.cuh"
+
+namespace trace_ext {
+namespace {
+
+constexpr int kBlocksPerUnit = 2;                           // 16-element blocks owned by one thread
+constexpr int kUnitElems = kBlocksPerUnit * kNvfp4Block;    // 32
+constexpr int kFlatThreads = 256;                           // CTA size of the flat kernels
+constexpr int kMaxTeam = 512;                               // largest row team of the fused per-row-g kernel
+constexpr int64_t kFusedMaxK = int64_t(kMaxTeam) * kUnitElems;  // 16384: longest row kept on chip
+constexpr int kMinTeam = 8;
+static_assert(kUnitElems % 8 == 0, "a unit must be whole 16-byte vectors of bf16 / fp16");
+static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 32 elements");
+
+struct QuantParams {
+  // input
+  const void* x;
+  int64_t rows, K, kb;  // kb = K / 16 blocks per row
+  // decode scale: given per row (g_stride 1) or one value (g_stride 0); null = per-row, computed here
+  const float* g;
+  int64_t g_stride;
+  // stochastic rounding
+  uint64_t seed, offset;
+  // guided rounding: the rollout's linear scale bytes [R, kb], g [R], payload [R, K/8] or [R, K/2]
+  const uint8_t* guide_scales;
+  const float* guide_g;
+  const uint8_t* guide_payload;
+  // outputs (null = not produced)
+  uint8_t* codes;   // [R, K/2]
+  uint8_t* scales;  // linear [R, kb], or swizzled [rows_pad, kb_pad]
+  float* g_out;     // [R]
+  uint8_t* mbits;   // [R, K/8]
+  void* y;          // fake-quant output [R, K] in x's dtype
+  bool swizzle;
+  int64_t rows_pad, kb_pad;
+};
+
+// ---- per-block quantization --------------------------------------------------------------------------------
+
+// Codes of one finite block given its divisor t (SPEC 2, 4, 5). guide: compact bits (16) or full codes (64).
+template <int MODE>
+__device__ __forceinline__ uint2 quantize_block(const float (&x)[kNvfp4Block], float t, uint64_t flat_block,
+                                                const QuantParams& p, uint32_t guide_bits, uint2 guide_codes) {
+  uint32_t w[2] = {0u, 0u};
+  Philox4 rnd;
+#pragma unroll
+  for (int i = 0; i < kNvfp4Block; ++i) {
+    if constexpr (MODE == kSR) {
+      if (i % 4 == 0) rnd = sr_words(flat_block * 4 + i / 4, p.seed, p.offset);
+    }
+    const float v = nvfp4_scaled(x[i], t);
+    uint32_t mag;
+    if constexpr (MODE == kRTN) {
+      mag = e2m1_rn_magnitude(fabsf(v));
+    } else {
+      const float a = fminf(fabsf(v), kE2M1Max);
+      if constexpr (MODE == kSR) {
+        mag = e2m1_sr_magnitude_pow2(a, rnd.w[i % 4]);
+      } else if constexpr (MODE == kGuidedCompact) {
+        mag = e2m1_guided_compact_magnitude(a, (guide_bits >> i) & 1u);
+      } else {
+        const uint32_t word = i < 8 ? guide_codes.x : guide_codes.y;
+        mag = e2m1_guided_full_magnitude(v, a, (word >> (4 * (i % 8))) & 0xFu);
+      }
+    }
+    w[i / 8] |= (mag | sign_nibble(v)) << (4 * (i % 8));
+  }
+  return make_uint2(w[0], w[1]);
+}
+
+// Dequantized values of a block (fake quant): fl(fl(q * s) * g), NaN for a non-finite block.
+__device__ __forceinline__ void dequant_block(uint2 codes, uint8_t scale, float g, float (&y)[kNvfp4Block]) {
+  const float s = e4m3_to_float(scale);
+#pragma unroll
+  for (int i = 0; i < kNvfp4Block; ++i) {
+    const uint32_t word = i < 8 ? codes.x : codes.y;
+    y[i] = nvfp4_dequant((word >> (4 * (i % 8))) & 0xFu, s, g);
+  }
+}
+
+// Everything a block produces once its x is in registers and its g is known; writes all outputs of the block.
+template <typename T, int MODE, bool FAKE>
+__device__ __forceinline__ uint2 process_block(const QuantParams& p, const float (&x)[kNvfp4Block], uint32_t max_bits,
+                                               float g, uint64_t fb, int64_t row, int64_t kb, uint32_t guide_bits,
+                                               uint2 guide_codes, uint8_t& scale_out) {
+  bool finite = max_bits < 0x7F800000u;
+  uint8_t s;
+  float t;
+  if constexpr (MODE == kGuidedCompact || MODE == kGuidedFull) {
+    s = p.guide_scales[fb];
+    t = nvfp4_block_divisor(s, g);
+    finite = finite && isfinite(t);  // a rollout NaN scale makes the block NaN
+  } else {
+    s = nvfp4_scale_byte(__uint_as_float(max_bits), g);
+    t = nvfp4_block_divisor(s, g);
+  }
+  uint2 codes = make_uint2(0u, 0u);
+  if (finite) {
+    codes = quantize_block<MODE>(x, t, fb, p, guide_bits, guide_codes);
+  } else {
+    s = kE4M3NaN;
+  }
+  scale_out = s;
+  if constexpr (FAKE) {
+    float y[kNvfp4Block];
+    dequant_block(codes, s, g, y);
+    store_floats<T, kNvfp4Block>(reinterpret_cast<T*>(p.y) + fb * kNvfp4Block, y);
+  }
+  if (p.mbits != nullptr) {
+    const uint32_t bits = nibble_lsbs(codes.x) | (nibble_lsbs(codes.y) << 8);
+    *reinterpret_cast<uint16_t*>(p.mbits + 2 * fb) = (uint16_t)bits;
+  }
+  if (p.scales != nullptr && p.swizzle) p.scales[swizzled_scale_offset(row, kb, p.kb_pad)] = s;
+  if (p.g_out != nullptr && kb == 0 && p.g_out != p.g) p.g_out[row] = g;
+  return codes;
+}
+
+// Loads the guidance of block fb (compact: 16 bits, full: 8 code bytes).
+template <int MODE>
+__device__ __forceinline__ void load_guide(const QuantParams& p, uint64_t fb, uint32_t& bits, uint2& codes) {
+  if constexpr (MODE == kGuidedCompact) {
+    bits = __ldg(reinterpret_cast<const uint16_t*>(p.guide_payload) + fb);
+  } else if constexpr (MODE == kGuidedFull) {
+    codes = __ldg(reinterpret_cast<const uint2*>(p.guide_payload) + fb);
+  }
+}
+
+// Stores the codes and linear scales of a unit (blocks fb0, fb0 + 1; nvalid of them exist).
+__device__ __forceinline__ void store_unit(const QuantParams& p, uint64_t fb0, int nvalid, const uint2 (&codes)[2],
+                                           const uint8_t (&s)[2]) {
+  const bool pair = nvalid == 2 && (fb0 % 2) == 0;  // 16-byte aligned
+  if (p.codes != nullptr) {
+    if (pair) {
+      st_vec(p.codes + 8 * fb0, make_uint4(codes[0].x, codes[0].y, codes[1].x, codes[1].y));
+    } else {
+      for (int b = 0; b < nvalid; ++b) *reinterpret_cast<uint2*>(p.codes + 8 * (fb0 + b)) = codes[b];
+    }
+  }
+  if (p.scales != nullptr && !p.swizzle) {
+    if (pair) {
+      *reinterpret_cast<uint16_t*>(p.scales + fb0) = (uint16_t)(s[0] | (s[1] << 8));
+    } else {
+      for (int b = 0; b < nvalid; ++b) p.scales[fb0 + b] = s[b];
+    }
+  }
+}
+
+// Zero fill of the swizzled layout's padding (rows >= R or scale columns >= kb), grid-stride.
+__device__ void swizzle_pad_zero(const QuantParams& p, int64_t tid, int64_t nthreads) {
+  const int64_t chunks = p.kb_pad / 4;
+  const int64_t tile_bytes = chunks * 512;
+  const int64_t n_tiles = p.rows_pad / 128;
+  const int64_t j1 = (p.rows % 128) ? tile_bytes : 0;         // the whole last row tile
+  const int64_t j2 = (p.kb % 4) ? n_tiles * 512 : 0;          // the last column chunk of every tile
+  for (int64_t j = tid; j < j1 + j2; j += nthreads) {
+    int64_t o;
+    if (j < j1) {
+      o = (n_tiles - 1) * tile_bytes + j;
+    } else {
+      const int64_t jj = j - j1;
+      o = (jj / 512) * tile_bytes + (chunks - 1) * 512 + (jj % 512);
+    }
+    const int64_t tile = o / tile_bytes, rem = o % tile_bytes;
+    const int64_t r = rem % 512;
+    const int64_t m = tile * 128 + ((r % 16) / 4) * 32 + r / 16;
+    const int64_t k = (rem / 512) * 4 + r % 4;
+    if (m >= p.rows || k >= p.kb) p.scales[o] = 0;
+  }
+}
+
+// ---- flat kernel: g known per block (given, guided, or the second pass of long rows) -----------------------
+
+template <typename T, int MODE, bool FAKE>
+__global__ void __launch_bounds__(kFlatThreads) nvfp4_quant_flat_kernel(const QuantParams p) {
+  const uint64_t total_blocks = (uint64_t)p.rows * p.kb;
+  const uint64_t unit = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const uint64_t fb0 = unit * kBlocksPerUnit;
+  if (fb0 < total_blocks) {
+    const int nvalid = fb0 + 1 < total_blocks ? 2 : 1;
+    const T* xp = reinterpret_cast<const T*>(p.x) + fb0 * kNvfp4Block;
+    float x[2][kNvfp4Block];
+    load_floats<T, kNvfp4Block>(xp, x[0]);
+    if (nvalid == 2) {
+      load_floats<T, kNvfp4Block>(xp + kNvfp4Block, x[1]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kNvfp4Block; ++i) x[1][i] = 0.0f;
+    }
+    int64_t row[2], kbi[2];
+    row[0] = (int64_t)(fb0 / (uint64_t)p.kb);
+    kbi[0] = (int64_t)fb0 - row[0] * p.kb;
+    kbi[1] = kbi[0] + 1;
+    row[1] = row[0];
+    if (kbi[1] == p.kb) {
+      kbi[1] = 0;
+      row[1] += 1;
+    }
+    uint32_t gbits[2] = {0u, 0u};
+    uint2 gcodes[2] = {make_uint2(0u, 0u), make_uint2(0u, 0u)};
+    float g[2];
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const int64_t r = b < nvalid ? row[b] : row[0];
+      if constexpr (MODE == kGuidedCompact || MODE == kGuidedFull) {
+        g[b] = __ldg(p.guide_g + r);
+        if (b < nvalid) load_guide<MODE>(p, fb0 + b, gbits[b], gcodes[b]);
+      } else {
+        g[b] = __ldg(p.g + r * p.g_stride);
+      }
+    }
+    uint2 codes[2];
+    uint8_t s[2] = {0, 0};
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      if (b < nvalid) {
+        codes[b] = process_block<T, MODE, FAKE>(p, x[b], max_abs_bits(x[b]), g[b], fb0 + b, row[b], kbi[b], gbits[b],
+                                                gcodes[b], s[b]);
+      }
+    }
+    store_unit(p, fb0, nvalid, codes, s);
+  }
+  if (p.swizzle && p.scales != nullptr) {
+    swizzle_pad_zero(p, (int64_t)blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
+  }
+}
+
+// ---- fused kernel: per-row g computed in the same launch (rows up to kFusedMaxK) ------------------------------
+
+template <typename T, int MODE, bool FAKE>
+__global__ void __launch_bounds__(kMaxTeam) nvfp4_quant_rowg_kernel(const QuantParams p, int team) {
+  static_assert(MODE == kRTN || MODE == kSR, "guided rounding never recomputes g");
+  __shared__ uint32_t warp_max[kMaxTeam / 32];
+  const int rows_per_cta = blockDim.x / team;
+  const int lane_in_team = threadIdx.x % team;
+  const int64_t row = (int64_t)blockIdx.x * rows_per_cta + threadIdx.x / team;
+  const bool row_ok = row < p.rows;
+  const int64_t kb0 = (int64_t)lane_in_team * kBlocksPerUnit;
+  const int nvalid = !row_ok || kb0 >= p.kb ? 0 : (kb0 + 1 < p.kb ? 2 : 1);
+  const uint64_t fb0 = (uint64_t)(row_ok ? row : 0) * p.kb + kb0;
+
+  float x[2][kNvfp4Block];
+  uint32_t mb[2] = {0u, 0u};
+  uint32_t finite_max = 0;
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    if (b < nvalid) {
+      load_floats<T, kNvfp4Block>(reinterpret_cast<const T*>(p.x) + (fb0 + b) * kNvfp4Block, x[b]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kNvfp4Block; ++i) x[b][i] = 0.0f;
+    }
+  }
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    mb[b] = max_abs_bits(x[b]);
+    finite_max = max(finite_max, mb[b] < 0x7F800000u ? mb[b] : max_abs_bits_finite(x[b]));
+  }
+  // Row reduction of the finite amax: shuffles within a warp (or a sub-warp team), then across the team's warps.
+  const int width = team < 32 ? team : 32;
+  for (int off = width / 2; off > 0; off /= 2) finite_max = max(finite_max, __shfl_xor_sync(0xFFFFFFFFu, finite_max, off, width));
+  if (team > 32) {
+    const int warp = threadIdx.x / 32;
+    if (threadIdx.x % 32 == 0) warp_max[warp] = finite_max;
+    __syncthreads();
+    const int first = (threadIdx.x / team) * (team / 32);
+    finite_max = 0;
+    for (int w = 0; w < team / 32; ++w) finite_max = max(finite_max, warp_max[first + w]);
+  }
+  const float g = nvfp4_global_scale(__uint_as_float(finite_max));
+
+  if (nvalid > 0) {
+    uint2 codes[2];
+    uint8_t s[2] = {0, 0};
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      if (b < nvalid) {
+        codes[b] = process_block<T, MODE, FAKE>(p, x[b], mb[b], g, fb0 + b, row, kb0 + b, 0u, make_uint2(0u, 0u), s[b]);
+      }
+    }
+    store_unit(p, fb0, nvalid, codes, s);
+  }
+  if (p.swizzle && p.scales != nullptr) {
+    swizzle_pad_zero(p, (int64_t)blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
+  }
+}
+
+// ---- long rows, pass 1: per-row g from the finite amax -------------------------------------------------------
+
+constexpr int kAmaxThreads = 512;
+
+template <typename T>
+__global__ void __launch_bounds__(kAmaxThreads) nvfp4_row_g_kernel(const void* x_, int64_t K, float* g_out) {
+  __shared__ uint32_t warp_max[kAmaxThreads / 32];
+  constexpr int kV = ElemTraits<T>::kPerVec;
+  const T* x = reinterpret_cast<const T*>(x_) + (int64_t)blockIdx.x * K;
+  uint32_t m = 0;
+  for (int64_t i = (int64_t)threadIdx.x * kV; i < K; i += (int64_t)blockDim.x * kV) {
+    float v[kV];
+    vec_to_float<T>(ld_vec(x + i), v);
+#pragma unroll
+    for (int j = 0; j < kV; ++j) {
+      const uint32_t b = __float_as_uint(v[j]) & 0x7FFFFFFFu;
+      if (b < 0x7F800000u) m = max(m, b);
+    }
+  }
+  for (int off = 16; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < (int)(blockDim.x / 32); ++w) m = max(m, warp_max[w]);
+    g_out[blockIdx.x] = nvfp4_global_scale(__uint_as_float(m));
+  }
+}
+
+// ---- dequantize ---------------------------------------------------------------------------------------------
+
+template <typename T>
+__global__ void __launch_bounds__(kFlatThreads) nvfp4_dequant_kernel(const uint8_t* codes, const uint8_t* scales,
+                                                                     const float* g, int64_t g_stride, int64_t rows,
+                                                                     int64_t kb, T* y) {
+  const uint64_t total_blocks = (uint64_t)rows * kb;
+  const uint64_t fb0 = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) * kBlocksPerUnit;
+  if (fb0 >= total_blocks) return;
+  const int nvalid = fb0 + 1 < total_blocks ? 2 : 1;
+  uint2 c[2];
+  if (nvalid == 2) {
+    const uint4 v = ld_vec(codes + 8 * fb0);
+    c[0] = make_uint2(v.x, v.y);
+    c[1] = make_uint2(v.z, v.w);
+  } else {
+    c[0] = __ldg(reinterpret_cast<const uint2*>(codes) + fb0);
+    c[1] = make_uint2(0u, 0u);
+  }
+  const int64_t row0 = (int64_t)(fb0 / (uint64_t)kb);
+  for (int b = 0; b < nvalid; ++b) {
+    const uint64_t fb = fb0 + b;
+    const int64_t row = b == 0 ? row0 : (int64_t)(fb / (uint64_t)kb);
+    float y16[kNvfp4Block];
+    dequant_block(c[b], __ldg(scales + fb), __ldg(g + row * g_stride), y16);
+    store_floats<T, kNvfp4Block>(y + fb * kNvfp4Block, y16);
+  }
+}
+
+// ---- host side -----------------------------------------------------------------------------------------------
+
+int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+void check_float_x(const at::Tensor& x, int64_t block, const char* op) {
+  check_cuda(x, "x");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+                   "trace_ext.", op, ": x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() == 2, "trace_ext.", op, ": x must be 2-D [R, K], got shape ", x.sizes());
+  TORCH_CHECK_VALUE(x.size(1) % block == 0, "trace_ext.", op, ": x must have shape [R, K] with K a multiple of ", block,
+                    ", got ", x.sizes());
+  check_contiguous(x, "x");
+}
+
+template <typename F>
+void dispatch_dtype(at::ScalarType t, F&& f) {
+  if (t == at::kFloat) {
+    f(float{});
+  } else if (t == at::kBFloat16) {
+    f(__nv_bfloat16{});
+  } else {
+    f(__half{});
+  }
+}
+
+template <int MODE, bool FAKE, typename T>
+void launch_flat(const QuantParams& p, cudaStream_t stream, const char* op) {
+  auto kernel = nvfp4_quant_flat_kernel<T, MODE, FAKE>;
+  require_kernel_image(kernel, op);
+  int64_t units = div_up(p.rows * p.kb, kBlocksPerUnit);
+  int64_t pad_jobs = p.swizzle ? (p.kb_pad / 4) * 512 + (p.rows_pad / 128) * 512 : 0;
+  int64_t threads = std::max<int64_t>(units, std::min<int64_t>(pad_jobs, int64_t(1) << 20));
+  kernel<<<(unsigned)std::max<int64_t>(1, div_up(threads, kFlatThreads)), kFlatThreads, 0, stream>>>(p);
+  check_launch(op);
+}
+
+template <int MODE, bool FAKE, typename T>
+void launch_rowg(const QuantParams& p, cudaStream_t stream, const char* op) {
+  if (p.K > kFusedMaxK) {
+    // Two-pass path for rows that do not fit on chip: per-row g first, then the flat kernel reads it.
+    auto k1 = nvfp4_row_g_kernel<T>;
+    require_kernel_image(k1, op);
+    k1<<<(unsigned)p.rows, kAmaxThreads, 0, stream>>>(p.x, p.K, p.g_out);
+    check_launch(op);
+    QuantParams q = p;
+    q.g = p.g_out;
+    q.g_stride = 1;
+    launch_flat<MODE, FAKE, T>(q, stream, op);
+    return;
+  }
+  auto kernel = nvfp4_quant_rowg_kernel<T, MODE, FAKE>;
+  require_kernel_image(kernel, op);
+  const int64_t units = div_up(p.kb, kBlocksPerUnit);
+  int team = kMinTeam;
+  while (team < units) team *= 2;
+  const int cta = std::max(team, kFlatThreads);
+  const int64_t rows_per_cta = cta / team;
+  kernel<<<(unsigned)div_up(p.rows, rows_per_cta), cta, 0, stream>>>(p, team);
+  check_launch(op);
+}
+
+template <bool FAKE, typename T>
+void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_t stream, const char* op) {
+  switch (rounding) {
+    case kRTN:
+      rowg ? launch_rowg<kRTN, FAKE, T>(p, stream, op) : launch_flat<kRTN, FAKE, T>(p, stream, op);
+      break;
+    case kSR:
+      rowg ? launch_rowg<kSR, FAKE, T>(p, stream, op) : launch_flat<kSR, FAKE, T>(p, stream, op);
+      break;
+    case kGuidedCompact:
+      launch_flat<kGuidedCompact, FAKE, T>(p, stream, op);
+      break;
+    default:
+      launch_flat<kGuidedFull, FAKE, T>(p, stream, op);
+      break;
+  }
+}
+
+struct Prepared {
+  QuantParams p;
+  bool rowg;
+};
+
+// Argument checks shared by nvfp4_quantize and nvfp4_fake_quantize (SPEC 10), and the params they share.
+Prepared prepare(const at::Tensor& x, const std::optional<at::Tensor>& g, int64_t rounding, int64_t seed, int64_t offset,
+                 const std::optional<at::Tensor>& gs, const std::optional<at::Tensor>& gg,
+                 const std::optional<at::Tensor>& gp, const char* op) {
+  check_float_x(x, kNvfp4Block, op);
+  TORCH_CHECK_VALUE(rounding >= kRTN && rounding <= kGuidedFull, "trace_ext.", op,
+                    ": rounding must be 0 (rtn), 1 (sr), 2 (guided compact) or 3 (guided full), got ", rounding);
+  TORCH_CHECK_VALUE(seed >= 0 && offset >= 0, "trace_ext.", op, ": seed and offset must be >= 0, got ", seed, ", ",
+                    offset);
+  const int64_t R = x.size(0), K = x.size(1);
+  Prepared out{};
+  QuantParams& p = out.p;
+  p.x = x.data_ptr();
+  p.rows = R;
+  p.K = K;
+  p.kb = K / kNvfp4Block;
+  p.seed = (uint64_t)seed;
+  p.offset = (uint64_t)offset;
+  const bool guided = rounding >= kGuidedCompact;
+  if (guided) {
+    TORCH_CHECK_VALUE(gs.has_value() && gg.has_value() && gp.has_value(), "trace_ext.", op,
+                      ": guided rounding needs guide_scales, guide_g and guide_payload");
+    const at::Tensor &s = *gs, &gr = *gg, &pl = *gp;
+    for (auto* t : {&s, &gr, &pl}) check_same_device(*t, x, "guidance", "x");
+    check_dtype(s, at::kByte, "guide_scales");
+    check_dtype(pl, at::kByte, "guide_payload");
+    check_dtype(gr, at::kFloat, "guide_g");
+    check_shape(s, {R, p.kb}, "guide_scales");
+    check_shape(gr, {R}, "guide_g");
+    check_shape(pl, {R, rounding == kGuidedCompact ? K / 8 : K / 2}, "guide_payload");
+    check_contiguous(s, "guide_scales");
+    check_contiguous(gr, "guide_g");
+    check_contiguous(pl, "guide_payload");
+    p.guide_scales = s.data_ptr<uint8_t>();
+    p.guide_g = gr.data_ptr<float>();
+    p.guide_payload = pl.data_ptr<uint8_t>();
+    out.rowg = false;
+  } else {
+    TORCH_CHECK_VALUE(!gs.has_value() && !gg.has_value() && !gp.has_value(), "trace_ext.", op,
+                      ": guidance tensors were given but rounding is ", rounding, " (not guided)");
+    if (g.has_value()) {
+      const at::Tensor& gt = *g;
+      check_same_device(gt, x, "g", "x");
+      check_dtype(gt, at::kFloat, "g");
+      TORCH_CHECK_VALUE(gt.numel() == 1 || (gt.dim() == 1 && gt.size(0) == R), "trace_ext.", op,
+                        ": g must have shape [", R, "] (one per row) or [1], got ", gt.sizes());
+      check_contiguous(gt, "g");
+      p.g = gt.data_ptr<float>();
+      p.g_stride = gt.numel() == 1 ? 0 : 1;
+      out.rowg = false;
+    } else {
+      out.rowg = true;
+    }
+  }
+  return out;
+}
+
+// g_out of an empty-K input (no launch): per-row g of an empty row is 1 (SPEC 2), else the given / rollout g.
+at::Tensor g_for_empty(const at::Tensor& x, const std::optional<at::Tensor>& g, int64_t rounding,
+                       const std::optional<at::Tensor>& gg) {
+  const int64_t R = x.size(0);
+  if (rounding >= kGuidedCompact) return gg->clone();
+  if (g.has_value()) return g->reshape({-1}).expand({R}).contiguous();
+  return at::ones({R}, x.options().dtype(at::kFloat));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nvfp4_quantize_cuda(
+    const at::Tensor& x, const std::optional<at::Tensor>& g, int64_t rounding, int64_t seed, int64_t offset,
+    const std::optional<at::Tensor>& guide_scales, const std::optional<at::Tensor>& guide_g,
+    const std::optional<at::Tensor>& guide_payload, bool swizzle, bool emit_mbits) {
+  const char* op = "nvfp4_quantize";
+  Prepared pr = prepare(x, g, rounding, seed, offset, guide_scales, guide_g, guide_payload, op);
+  const int64_t R = x.size(0), K = x.size(1), kb = K / kNvfp4Block;
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto u8 = x.options().dtype(at::kByte);
+  at::Tensor codes = at::empty({R, K / 2}, u8);
+  const int64_t rows_pad = div_up(R, 128) * 128, kb_pad = div_up(kb, 4) * 4;
+  at::Tensor scales = swizzle ? at::empty({rows_pad, kb_pad}, u8) : at::empty({R, kb}, u8);
+  at::Tensor g_out = at::empty({R}, x.options().dtype(at::kFloat));
+  at::Tensor mbits = emit_mbits ? at::empty({R, K / 8}, u8) : at::empty({0}, u8);
+  if (R == 0) return {codes, scales, g_out, mbits};
+  if (K == 0) {
+    if (swizzle) scales.zero_();
+    return {codes, scales, g_for_empty(x, g, rounding, guide_g), mbits};
+  }
+  QuantParams& p = pr.p;
+  p.codes = codes.data_ptr<uint8_t>();
+  p.scales = scales.data_ptr<uint8_t>();
+  p.g_out = g_out.data_ptr<float>();
+  p.mbits = emit_mbits ? mbits.data_ptr<uint8_t>() : nullptr;
+  p.swizzle = swizzle;
+  p.rows_pad = rows_pad;
+  p.kb_pad = kb_pad;
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  dispatch_dtype(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    launch_quant<false, T>(p, rounding, pr.rowg, stream, op);
+  });
+  return {codes, scales, g_out, mbits};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nvfp4_fake_quantize_cuda(
+    const at::Tensor& x, const std::optional<at::Tensor>& g, int64_t rounding, int64_t seed, int64_t offset,
+    const std::optional<at::Tensor>& guide_scales, const std::optional<at::Tensor>& guide_g,
+    const std::optional<at::Tensor>& guide_payload, bool emit_guidance) {
+  const char* op = "nvfp4_fake_quantize";
+  Prepared pr = prepare(x, g, rounding, seed, offset, guide_scales, guide_g, guide_payload, op);
+  const int64_t R = x.size(0), K = x.size(1), kb = K / kNvfp4Block;
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto u8 = x.options().dtype(at::kByte);
+  at::Tensor y = at::empty_like(x);
+  at::Tensor mbits = emit_guidance ? at::empty({R, K / 8}, u8) : at::empty({0}, u8);
+  at::Tensor scales = emit_guidance ? at::empty({R, kb}, u8) : at::empty({0}, u8);
+  // g_buf doubles as the pass-1 buffer of long rows, so it exists whenever the kernel needs g in memory
+  const bool need_g = emit_guidance || (pr.rowg && K > kFusedMaxK);
+  auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor g_buf = need_g ? at::empty({R}, f32) : at::empty({0}, f32);
+  at::Tensor g_out = emit_guidance ? g_buf : at::empty({0}, f32);
+  if (R == 0) return {y, mbits, scales, g_out};
+  if (K == 0) return {y, mbits, scales, emit_guidance ? g_for_empty(x, g, rounding, guide_g) : g_out};
+  QuantParams& p = pr.p;
+  p.y = y.data_ptr();
+  p.mbits = emit_guidance ? mbits.data_ptr<uint8_t>() : nullptr;
+  p.scales = emit_guidance ? scales.data_ptr<uint8_t>() : nullptr;
+  p.g_out = need_g ? g_buf.data_ptr<float>() : nullptr;
+  p.swizzle = false;
+  p.rows_pad = R;
+  p.kb_pad = kb;
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  dispatch_dtype(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    launch_quant<true, T>(p, rounding, pr.rowg, stream, op);
+  });
+  return {y, mbits, scales, g_out};
+}
+
+at::Tensor nvfp4_dequantize_cuda(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& g,
+                                 at::ScalarType dtype) {
+  const char* op = "nvfp4_dequantize";
+  check_cuda(codes, "codes");
+  check_same_device(scales, codes, "scales", "codes");
+  check_same_device(g, codes, "g", "codes");
+  check_dtype(codes, at::kByte, "codes");
+  check_dtype(scales, at::kByte, "scales");
+  check_dtype(g, at::kFloat, "g");
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "trace_ext.", op,
+                   ": dtype must be float32, bfloat16 or float16, got ", dtype);
+  TORCH_CHECK_VALUE(codes.dim() == 2 && codes.size(1) % (kNvfp4Block / 2) == 0, "trace_ext.", op,
+                    ": codes must have shape [R, K/2] with K a multiple of 16, got ", codes.sizes());
+  const int64_t R = codes.size(0), K = codes.size(1) * 2, kb = K / kNvfp4Block;
+  check_shape(scales, {R, kb}, "scales");
+  TORCH_CHECK_VALUE(g.numel() == 1 || (g.dim() == 1 && g.size(0) == R), "trace_ext.", op, ": g must have shape [", R,
+                    "] or [1], got ", g.sizes());
+  check_contiguous(codes, "codes");
+  check_contiguous(scales, "scales");
+  check_contiguous(g, "g");
+  const c10::cuda::CUDAGuard guard(codes.device());
+  at::Tensor y = at::empty({R, K}, codes.options().dtype(dtype));
+  if (R == 0 || K == 0) return y;
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t units = div_up(R * kb, kBlocksPerUnit);
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    auto kernel = nvfp4_dequant_kernel<T>;
+    require_kernel_image(kernel, op);
+    kernel<<<(unsigned)div_up(units, kFlatThreads), kFlatThreads, 0, stream>>>(
+        codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), g.data_ptr<float>(), g.numel() == 1 ? 0 : 1, R, kb,
+        reinterpret_cast<T*>(y.data_ptr()));
+    check_launch(op);
+  });
+  return y;
+}
+
+}  // namespace
+}  // namespace trace_ext
+
+TORCH_LIBRARY_IMPL(trace_ext, CUDA, m) {
+  m.impl("nvfp4_quantize", &trace_ext::nvfp4_quantize_cuda);
+  m.impl("nvfp4_fake_quantize", &trace_ext::nvfp4_fake_quantize_cuda);
+  m.impl("nvfp4_dequantize", &trace_ext::nvfp4_dequantize_cuda);
+}
