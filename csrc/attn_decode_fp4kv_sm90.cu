@@ -1,0 +1,678 @@
+// Split-KV decode attention over the paged NVFP4 KV cache (SPEC 8), Hopper (sm_90a; the code uses only
+// mma.sync / cp.async / cvt.e4m3x2, so the same source also runs on sm_100a).
+//
+// One query token per sequence, GQA (G = Hq / H_kv query heads per KV head, 1..16), over the whole cached
+// length. Output bf16 [B, Hq, D] and the natural-log LSE [B, Hq].
+//
+// Design (decode is bandwidth-bound: 0.5625 B per cached element, 3.56x less than bf16):
+// - Grid (split, kv head, sequence). A CTA owns one KV head of one sequence and a contiguous slice of its
+//   tokens, and serves all G query heads of that KV head from one read of K/V: the G heads are the M rows of
+//   an m16n8k16 MMA, so the FLOPs of GQA ride on tensor cores (at G = 8 the CUDA-core FMA rate alone would
+//   be slower than the memory stream). Splits make batch 1 at 128K fill the GPU; a second kernel combines
+//   the per-split (output, LSE) pairs.
+// - Each of the 4 warps runs its own flash-decoding loop over 16-token tiles (tiles w, w+4, ...) with a
+//   private 4-stage cp.async pipeline: no CTA barrier in the main loop. Page ids for the next tile are
+//   loaded one iteration ahead so the cp.async issue never waits on the block table.
+// - Dequantization happens once per tile, from the staged code bytes straight into MMA fragments (no
+//   per-fragment global byte loads, which is what made earlier FP4/FP8-KV decode kernels lose to bf16):
+//   an E2M1 nibble is turned into the fp16 pattern of q * 2^-14 with two masks and a shift per 4 codes
+//   (sign to bit 15, exponent+mantissa to bits 11..9) and a byte permute, then one HMUL2 by the E4M3 block
+//   scale (cvt.f16x2.e4m3x2). q * s_b * 2^-14 is exact in fp16 (<= 6 significant bits, a multiple of
+//   2^-24), so K and V enter the MMAs exactly; 2^14 and g_k go into the score scale, 2^14 and g_v into the
+//   output.
+// - Q is scaled per row by a power of two so its amax lands in [2^14, 2^15) and converted to fp16: exact
+//   for every element within 2^28 of the row max; the power of two is undone in the score scale.
+// - K fragments: the Q.K^T reduction index (head_dim) may be permuted freely as long as Q uses the same
+//   permutation, so each thread dequantizes one contiguous quarter row of K (one 16- or 8-byte shared
+//   load) and Q is gathered in the matching order. P.V: V is the B operand (k = token, n = head_dim); a
+//   thread needs two tokens per register, so two rows' code words are interleaved with a byte permute
+//   before the nibble expansion; the n index is again a free permutation of head_dim (each thread owns one
+//   16-element scale block of head_dim), undone when the output is written.
+// - Shared code tiles use an XOR swizzle on 16-byte chunks, chosen so that both the K reads (whole quarter
+//   rows) and the V reads (four tokens 2c, 2c+1, 2c+8, 2c+9 per thread) are bank-conflict free.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "trace_ext/fp4_numerics.cuh"
+#include "trace_ext/host_checks.h"
+
+namespace trace_ext {
+namespace {
+
+constexpr int kWarps = 4;                 // independent flash-decoding loops per CTA
+constexpr int kThreads = kWarps * 32;
+constexpr int kTile = 16;                 // tokens per warp tile: two n8 tiles of Q.K^T, one k16 step of P.V
+constexpr int kStages = 4;                // cp.async stages per warp
+constexpr int kMaxGroup = 16;             // query heads per KV head: the M = 16 rows of one MMA
+constexpr int kCtaTokens = kWarps * kTile;  // split lengths are multiples of this
+constexpr int kMinSplitTokens = 512;      // heuristic: below this a split's pipeline never fills
+constexpr int kQExp = 14;                 // Q row amax is scaled into [2^14, 2^15)
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kTwo14 = 16384.0f;        // K and V are held as q * s_b * 2^-14
+static_assert(kTile == 16, "a warp tile is one k16 step of the P.V MMA and two n8 tiles of Q.K^T");
+static_assert(kMaxGroup == 16, "the query heads of one KV head are the 16 rows of an m16n8k16 MMA");
+
+template <int D>
+struct Geo {
+  static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
+  static constexpr int kRowBytes = D / 2;               // code bytes per (token, head) row
+  static constexpr int kScaleBytes = D / kNvfp4Block;   // scale bytes per row
+  static constexpr int kChunks = kRowBytes / 16;        // 16-byte chunks per code row
+  static constexpr int kRowsPerLine = 128 / kRowBytes;  // code rows per 128-byte shared-memory line
+  static constexpr int kCodeTile = kTile * kRowBytes;
+  static constexpr int kScaleTile = kTile * kScaleBytes;
+  static constexpr int kStageBytes = 2 * kCodeTile + 2 * kScaleTile;
+  static constexpr int kKBytes = D / 8;                 // K code bytes one thread reads per row (a quarter)
+  static constexpr int kKWords = kKBytes / 4;
+  static constexpr int kVBytes = D / 16;                // V code bytes one thread reads per row (one block)
+  static constexpr int kVWords = kVBytes / 4;
+  static constexpr int kKSteps = D / 16;                // k16 steps of Q.K^T
+  static constexpr int kONTiles = D / 8;                // n8 tiles of the output
+  static constexpr int kSmemBytes = kWarps * kStages * kStageBytes;
+  static constexpr int kCombineBytes = kWarps * kMaxGroup * (D + 2) * 4;
+  static constexpr int kSmem = kSmemBytes > kCombineBytes ? kSmemBytes : kCombineBytes;
+  static_assert(kKWords * 8 == D / 4 && kKSteps == 2 * kKWords * 4 / 4, "a thread's K quarter row feeds every k-step");
+  static_assert(kStageBytes % 16 == 0, "stages must stay 16-byte aligned for cp.async");
+  static_assert(kCodeTile % 128 == 0, "the swizzle works on whole 128-byte lines");
+};
+
+struct DecodeParams {
+  // query and outputs
+  const uint16_t* q;   // bf16 [B, Hq, D]
+  uint16_t* out;       // bf16 [B, Hq, D] (num_splits == 1)
+  float* lse;          // fp32 [B, Hq] (num_splits == 1)
+  float* o_part;       // fp32 [B, Hq, splits, D] (num_splits > 1)
+  float* lse_part;     // fp32 [B, Hq, splits], log2 units (num_splits > 1)
+  // cache
+  const uint8_t* k_codes;
+  const uint8_t* k_scales;
+  const uint8_t* v_codes;
+  const uint8_t* v_scales;
+  const int32_t* block_table;  // [B, max_pages]
+  const int32_t* seq_lens;     // [B]
+  int heads_q, heads_kv, group, page_size, max_pages, num_splits;
+  float score_scale;  // softmax_scale * g_k * 2^14 * log2(e)
+  float out_scale;    // g_v * 2^14
+};
+
+// ---- small PTX helpers -------------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_small(uint32_t dst, const void* src, int src_bytes) {
+  static_assert(N == 4 || N == 8, "cp.async.ca copies 4, 8 or 16 bytes");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(N), "r"(src_bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  __half2 r = __hmul2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+// Two E4M3 scale bytes (lo, hi) -> half2 (exact).
+__device__ __forceinline__ uint32_t e4m3x2_to_half2(uint32_t two_bytes) {
+  __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_bytes & 0xFFFFu), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
+// The four E2M1 codes in the high nibbles of w's bytes, as the high bytes of fp16 q * 2^-14:
+// sign -> bit 7, exponent and mantissa (3 bits) -> bits 3..1.
+__device__ __forceinline__ uint32_t e2m1_hi_nibbles_to_f16_hibytes(uint32_t w) {
+  return (w & 0x80808080u) | ((w >> 3) & 0x0E0E0E0Eu);
+}
+// ... and of the low nibbles.
+__device__ __forceinline__ uint32_t e2m1_lo_nibbles_to_f16_hibytes(uint32_t w) {
+  return ((w << 4) & 0x80808080u) | ((w << 1) & 0x0E0E0E0Eu);
+}
+// fp16x2 whose high bytes are bytes 0 and 1 (kPairLo) or 2 and 3 (kPairHi) of x; low bytes zero.
+constexpr uint32_t kPairLo = 0x1404u;
+constexpr uint32_t kPairHi = 0x3424u;
+__device__ __forceinline__ uint32_t f16x2_from_hibytes(uint32_t x, uint32_t sel) { return __byte_perm(x, 0u, sel); }
+
+// Byte offset of 16-byte chunk `chunk` of code row `t` inside a code tile (XOR swizzle, see design note).
+template <int D>
+__device__ __forceinline__ int code_offset(int t, int chunk) {
+  using G = Geo<D>;
+  const int line = t / G::kRowsPerLine;
+  const int slot = ((t % G::kRowsPerLine) * G::kChunks + chunk) ^ (2 * (line % G::kChunks));
+  return line * 128 + slot * 16;
+}
+
+// ---- the split-KV kernel -------------------------------------------------------------------------------------
+
+template <int D>
+struct WarpLoader {
+  using G = Geo<D>;
+  const uint8_t* k_codes;
+  const uint8_t* v_codes;
+  const uint8_t* k_scales;
+  const uint8_t* v_scales;
+  const int32_t* table_row;
+  int page_size, heads_kv, kv_head, lane;
+
+  // Page id of this lane's scale token (lane % 16) in the tile starting at `t0`; 0 past `end`.
+  __device__ __forceinline__ int page_of(int t0, int end) const {
+    const int t = t0 + (lane & (kTile - 1));
+    return t < end ? __ldg(table_row + t / page_size) : 0;
+  }
+
+  __device__ __forceinline__ void issue(uint8_t* stage, int t0, int end, int page) const {
+    const int tl = lane & (kTile - 1);
+    const int t = t0 + tl;
+    const bool valid = t < end;
+    const int64_t row = valid ? ((int64_t)page * page_size + (t % page_size)) * heads_kv + kv_head : 0;
+    // scale rows: lanes 0..15 K, 16..31 V
+    {
+      const bool is_v = lane >= kTile;
+      const uint8_t* src = (is_v ? v_scales : k_scales) + row * G::kScaleBytes;
+      uint8_t* dst = stage + 2 * G::kCodeTile + (is_v ? G::kScaleTile : 0) + tl * G::kScaleBytes;
+      cp_async_small<G::kScaleBytes>(smem_addr(dst), src, valid ? G::kScaleBytes : 0);
+    }
+    // code rows: 16 rows x kChunks chunks for K and for V
+#pragma unroll
+    for (int i = 0; i < kTile * G::kChunks / 32; ++i) {
+      const int q = lane + 32 * i;
+      const int r = q / G::kChunks;
+      const int chunk = q % G::kChunks;
+      const int64_t rrow = __shfl_sync(0xffffffffu, row, r);
+      const bool rvalid = t0 + r < end;
+      const int off = code_offset<D>(r, chunk);
+      cp_async_16(smem_addr(stage + off), k_codes + rrow * G::kRowBytes + chunk * 16, rvalid ? 16 : 0);
+      cp_async_16(smem_addr(stage + G::kCodeTile + off), v_codes + rrow * G::kRowBytes + chunk * 16, rvalid ? 16 : 0);
+    }
+  }
+};
+
+template <int D>
+__global__ void __launch_bounds__(kThreads, 3) fp4kv_decode_kernel(const DecodeParams p) {
+  using G = Geo<D>;
+  extern __shared__ __align__(128) uint8_t smem[];
+
+  const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r = lane / 4, c = lane % 4;  // MMA fragment row / column group
+
+  const int len = __ldg(p.seq_lens + b);
+  const int per_split = (len + p.num_splits - 1) / p.num_splits;
+  const int chunk_len = (per_split + kCtaTokens - 1) / kCtaTokens * kCtaTokens;
+  const int start = split * chunk_len;
+  const int end = min(len, start + chunk_len);
+  const int n_tiles = end > start ? (end - start + kTile - 1) / kTile : 0;
+  const int my_tiles = n_tiles > warp ? (n_tiles - warp + kWarps - 1) / kWarps : 0;
+
+  // ---- Q fragments (fp16, row-scaled by a power of two, head_dim permuted like the K fragments) ----
+  uint32_t qa[G::kKSteps][4];
+  float row_scale[2];
+  {
+    float qv[2][D / 4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int head = r + 8 * h;
+      float amax = 0.0f;
+      if (head < p.group) {
+        const uint4* src = reinterpret_cast<const uint4*>(
+            p.q + ((int64_t)b * p.heads_q + (int64_t)kv_head * p.group + head) * D + c * (D / 4));
+#pragma unroll
+        for (int v = 0; v < D / 32; ++v) {
+          const uint4 u = __ldg(src + v);
+          const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            qv[h][8 * v + 2 * e] = __uint_as_float(w[e] << 16);
+            qv[h][8 * v + 2 * e + 1] = __uint_as_float(w[e] & 0xFFFF0000u);
+          }
+        }
+#pragma unroll
+        for (int e = 0; e < D / 4; ++e) amax = fmaxf(amax, fabsf(qv[h][e]));
+      } else {
+#pragma unroll
+        for (int e = 0; e < D / 4; ++e) qv[h][e] = 0.0f;
+      }
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      int e2 = 0;
+      if (amax > 0.0f && isfinite(amax)) {
+        const int field = (int)((__float_as_uint(amax) >> 23) & 0xFFu);
+        e2 = kQExp - (field == 0 ? -127 : field - 127);
+        e2 = max(-126, min(127, e2));
+      }
+      const float up = exp2_exact(e2);
+      row_scale[h] = __fmul_rn(p.score_scale, exp2_exact(-e2));
+#pragma unroll
+      for (int e = 0; e < D / 4; ++e) qv[h][e] = __fmul_rn(qv[h][e], up);
+    }
+    // k-step 2i + s takes elements 8i + 4s + {0, 2} (k = 2c, 2c+1) and 8i + 4s + {1, 3} (k = 2c+8, 2c+9)
+#pragma unroll
+    for (int ks = 0; ks < G::kKSteps; ++ks) {
+      const int base = 8 * (ks / 2) + 4 * (ks % 2);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        __half2 lo = __floats2half2_rn(qv[h][base + 0], qv[h][base + 2]);
+        __half2 hi = __floats2half2_rn(qv[h][base + 1], qv[h][base + 3]);
+        qa[ks][h] = *reinterpret_cast<uint32_t*>(&lo);      // a0a1 (row r), a2a3 (row r + 8)
+        qa[ks][2 + h] = *reinterpret_cast<uint32_t*>(&hi);  // a4a5, a6a7
+      }
+    }
+  }
+
+  float o[G::kONTiles][4];
+#pragma unroll
+  for (int j = 0; j < G::kONTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.0f, 0.0f};
+
+  uint8_t* wsmem = smem + warp * kStages * G::kStageBytes;
+  WarpLoader<D> ld{p.k_codes, p.v_codes, p.k_scales, p.v_scales, p.block_table + (int64_t)b * p.max_pages,
+                   p.page_size, p.heads_kv, kv_head, lane};
+  auto tile_start = [&](int i) { return start + (warp + kWarps * i) * kTile; };
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < my_tiles) ld.issue(wsmem + s * G::kStageBytes, tile_start(s), end, ld.page_of(tile_start(s), end));
+    cp_async_commit();
+  }
+  int next_page = (kStages - 1 < my_tiles) ? ld.page_of(tile_start(kStages - 1), end) : 0;
+
+  for (int i = 0; i < my_tiles; ++i) {
+    {
+      const int nxt = i + kStages - 1;
+      if (nxt < my_tiles) ld.issue(wsmem + (nxt % kStages) * G::kStageBytes, tile_start(nxt), end, next_page);
+      cp_async_commit();
+      if (nxt + 1 < my_tiles) next_page = ld.page_of(tile_start(nxt + 1), end);
+    }
+    cp_async_wait<kStages - 1>();
+    __syncwarp();
+
+    const uint8_t* st = wsmem + (i % kStages) * G::kStageBytes;
+    const uint8_t* kc = st;
+    const uint8_t* vc = st + G::kCodeTile;
+    const uint8_t* ksc = st + 2 * G::kCodeTile;
+    const uint8_t* vsc = ksc + G::kScaleTile;
+    const int t0 = tile_start(i);
+
+    // ---- S = Q.K^T for tokens 8 nt + r (B operand rows), two n8 tiles ----
+    float s[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+      const int t = 8 * nt + r;
+      uint32_t w[G::kKWords];
+      uint32_t sc[G::kKWords];  // half2 (s, s) per word
+      if constexpr (D == 128) {
+        const uint4 u = *reinterpret_cast<const uint4*>(kc + code_offset<D>(t, c));
+        w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w;
+        const uint32_t s2 = e4m3x2_to_half2(*reinterpret_cast<const uint16_t*>(ksc + t * G::kScaleBytes + 2 * c));
+        sc[0] = sc[1] = __byte_perm(s2, 0u, 0x1010);
+        sc[2] = sc[3] = __byte_perm(s2, 0u, 0x3232);
+      } else {
+        const uint2 u = *reinterpret_cast<const uint2*>(kc + code_offset<D>(t, c / 2) + (c % 2) * 8);
+        w[0] = u.x, w[1] = u.y;
+        const uint32_t s2 = e4m3x2_to_half2(ksc[t * G::kScaleBytes + c]);
+        sc[0] = sc[1] = __byte_perm(s2, 0u, 0x1010);
+      }
+#pragma unroll
+      for (int wi = 0; wi < G::kKWords; ++wi) {
+        const uint32_t hb = e2m1_hi_nibbles_to_f16_hibytes(w[wi]);  // nibbles 1, 3, 5, 7
+        const uint32_t lb = e2m1_lo_nibbles_to_f16_hibytes(w[wi]);  // nibbles 0, 2, 4, 6
+        // k-step 2 wi: b0b1 = (n0, n2), b2b3 = (n1, n3); k-step 2 wi + 1: (n4, n6), (n5, n7)
+        mma_f16(s[nt], qa[2 * wi], hmul2(f16x2_from_hibytes(lb, kPairLo), sc[wi]),
+                hmul2(f16x2_from_hibytes(hb, kPairLo), sc[wi]));
+        mma_f16(s[nt], qa[2 * wi + 1], hmul2(f16x2_from_hibytes(lb, kPairHi), sc[wi]),
+                hmul2(f16x2_from_hibytes(hb, kPairHi), sc[wi]));
+      }
+    }
+
+    // ---- online softmax (log2 domain), rows r and r + 8 ----
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = t0 + 8 * nt + 2 * c + (e & 1);
+        const float x = tok < end ? s[nt][e] * row_scale[e >> 1] : -INFINITY;
+        s[nt][e] = x;
+        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+      }
+    }
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+      const float m_new = fmaxf(m_run[h], mx[h]);
+      const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+      alpha[h] = exp2f(m_run[h] - m_use);
+      m_run[h] = m_new;
+      mx[h] = m_use;
+    }
+    float psum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float pe = exp2f(s[nt][e] - mx[e >> 1]);
+        s[nt][e] = pe;
+        psum[e >> 1] += pe;
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) l_run[h] = l_run[h] * alpha[h] + psum[h];
+#pragma unroll
+    for (int j = 0; j < G::kONTiles; ++j) {
+      o[j][0] *= alpha[0], o[j][1] *= alpha[0];
+      o[j][2] *= alpha[1], o[j][3] *= alpha[1];
+    }
+    uint32_t pa[4];
+    {
+      __half2 h0 = __floats2half2_rn(s[0][0], s[0][1]);  // row r, tokens 2c, 2c+1
+      __half2 h1 = __floats2half2_rn(s[0][2], s[0][3]);  // row r+8
+      __half2 h2 = __floats2half2_rn(s[1][0], s[1][1]);  // row r, tokens 8+2c, 9+2c
+      __half2 h3 = __floats2half2_rn(s[1][2], s[1][3]);
+      pa[0] = *reinterpret_cast<uint32_t*>(&h0);
+      pa[1] = *reinterpret_cast<uint32_t*>(&h1);
+      pa[2] = *reinterpret_cast<uint32_t*>(&h2);
+      pa[3] = *reinterpret_cast<uint32_t*>(&h3);
+    }
+
+    // ---- O += P.V: tokens (2c, 2c+1) and (2c+8, 2c+9); head_dim column r owns d = r * D/8 + j ----
+    {
+      const int vblk = r * (D / 8) / kNvfp4Block;
+      const int voff = r * G::kVBytes;  // byte offset of this thread's block inside a row
+      uint32_t vw[4][G::kVWords];
+      uint32_t vs2[2];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int t = 2 * c + (k & 1) + 8 * (k >> 1);
+        const uint8_t* src = vc + code_offset<D>(t, voff / 16) + voff % 16;
+        if constexpr (G::kVWords == 2) {
+          const uint2 u = *reinterpret_cast<const uint2*>(src);
+          vw[k][0] = u.x, vw[k][1] = u.y;
+        } else {
+          vw[k][0] = *reinterpret_cast<const uint32_t*>(src);
+        }
+      }
+#pragma unroll
+      for (int pr = 0; pr < 2; ++pr) {
+        const int t = 2 * c + 8 * pr;
+        const uint32_t two = (uint32_t)vsc[t * G::kScaleBytes + vblk] | ((uint32_t)vsc[(t + 1) * G::kScaleBytes + vblk] << 8);
+        vs2[pr] = e4m3x2_to_half2(two);
+      }
+#pragma unroll
+      for (int wi = 0; wi < G::kVWords; ++wi) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          // bytes (2 half, 2 half + 1) of both tokens of each pair, interleaved: [t0.b, t1.b, t0.b', t1.b']
+          const uint32_t sel = half == 0 ? 0x5140u : 0x7362u;
+          uint32_t hb[2], lb[2];
+#pragma unroll
+          for (int pr = 0; pr < 2; ++pr) {
+            const uint32_t z = __byte_perm(vw[2 * pr][wi], vw[2 * pr + 1][wi], sel);
+            hb[pr] = e2m1_hi_nibbles_to_f16_hibytes(z);
+            lb[pr] = e2m1_lo_nibbles_to_f16_hibytes(z);
+          }
+          // nibble n of the 4-byte group -> output column j = 8 wi + 4 half + n
+          const int j0 = 8 * wi + 4 * half;
+          mma_f16(o[j0 + 0], pa, hmul2(f16x2_from_hibytes(lb[0], kPairLo), vs2[0]),
+                  hmul2(f16x2_from_hibytes(lb[1], kPairLo), vs2[1]));
+          mma_f16(o[j0 + 1], pa, hmul2(f16x2_from_hibytes(hb[0], kPairLo), vs2[0]),
+                  hmul2(f16x2_from_hibytes(hb[1], kPairLo), vs2[1]));
+          mma_f16(o[j0 + 2], pa, hmul2(f16x2_from_hibytes(lb[0], kPairHi), vs2[0]),
+                  hmul2(f16x2_from_hibytes(lb[1], kPairHi), vs2[1]));
+          mma_f16(o[j0 + 3], pa, hmul2(f16x2_from_hibytes(hb[0], kPairHi), vs2[0]),
+                  hmul2(f16x2_from_hibytes(hb[1], kPairHi), vs2[1]));
+        }
+      }
+    }
+    __syncwarp();
+  }
+  cp_async_wait<0>();
+
+  // ---- combine the 4 warps' (m, l, O) in shared memory ----
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
+  }
+  __syncthreads();
+  float* sm_o = reinterpret_cast<float*>(smem);                  // [warps][16][D]
+  float* sm_m = sm_o + kWarps * kMaxGroup * D;                     // [warps][16]
+  float* sm_l = sm_m + kWarps * kMaxGroup;                         // [warps][16]
+#pragma unroll
+  for (int j = 0; j < G::kONTiles; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = r + 8 * (e >> 1);
+      const int d = (2 * c + (e & 1)) * (D / 8) + j;
+      sm_o[(warp * kMaxGroup + row) * D + d] = o[j][e];
+    }
+  }
+  if (c == 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      sm_m[warp * kMaxGroup + r + 8 * h] = m_run[h];
+      sm_l[warp * kMaxGroup + r + 8 * h] = l_run[h];
+    }
+  }
+  __syncthreads();
+
+  for (int idx = threadIdx.x; idx < p.group * D; idx += kThreads) {
+    const int row = idx / D, d = idx % D;
+    float m_all = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m_all = fmaxf(m_all, sm_m[w * kMaxGroup + row]);
+    float l_all = 0.0f, o_all = 0.0f;
+    if (m_all != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float mw = sm_m[w * kMaxGroup + row];
+        if (mw == -INFINITY) continue;
+        const float f = exp2f(mw - m_all);
+        l_all += f * sm_l[w * kMaxGroup + row];
+        o_all += f * sm_o[(w * kMaxGroup + row) * D + d];
+      }
+    }
+    const int64_t bh = (int64_t)b * p.heads_q + (int64_t)kv_head * p.group + row;
+    const bool empty = !(l_all > 0.0f);
+    const float val = empty ? 0.0f : o_all / l_all * p.out_scale;
+    const float lse2 = empty ? -INFINITY : m_all + log2f(l_all);
+    if (p.num_splits == 1) {
+      __nv_bfloat16 ob = __float2bfloat16_rn(val);
+      p.out[bh * D + d] = *reinterpret_cast<uint16_t*>(&ob);
+      if (d == 0) p.lse[bh] = empty ? -INFINITY : lse2 * kLn2;
+    } else {
+      p.o_part[(bh * p.num_splits + split) * D + d] = val;
+      if (d == 0) p.lse_part[bh * p.num_splits + split] = lse2;
+    }
+  }
+}
+
+// Combine the splits of one (sequence, query head): weights 2^(lse_s - max), LSE in natural log.
+template <int D>
+__global__ void __launch_bounds__(D) fp4kv_decode_combine_kernel(const float* __restrict__ o_part,
+                                                                  const float* __restrict__ lse_part, uint16_t* out,
+                                                                  float* lse, int num_splits) {
+  const int64_t bh = blockIdx.x;
+  const int d = threadIdx.x;
+  const float* lp = lse_part + bh * num_splits;
+  float m = -INFINITY;
+  for (int s = 0; s < num_splits; ++s) m = fmaxf(m, lp[s]);
+  float l = 0.0f, acc = 0.0f;
+  if (m != -INFINITY) {
+    for (int s = 0; s < num_splits; ++s) {
+      const float ls = lp[s];
+      if (ls == -INFINITY) continue;
+      const float f = exp2f(ls - m);
+      l += f;
+      acc += f * o_part[(bh * num_splits + s) * D + d];
+    }
+  }
+  const bool empty = !(l > 0.0f);
+  __nv_bfloat16 ob = __float2bfloat16_rn(empty ? 0.0f : acc / l);
+  out[bh * D + d] = *reinterpret_cast<uint16_t*>(&ob);
+  if (d == 0) lse[bh] = empty ? -INFINITY : (m + log2f(l)) * kLn2;
+}
+
+// ---- host ------------------------------------------------------------------------------------------------
+
+template <int D>
+int choose_splits(int batch_heads, int64_t max_len, int device) {
+  static int cached_sms[64] = {0}, cached_per_sm[64] = {0};  // per device; occupancy of this D's kernel
+  const int slot = device & 63;
+  if (cached_sms[slot] == 0) {
+    int sms = 0, per_sm = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fp4kv_decode_kernel<D>, kThreads, Geo<D>::kSmem);
+    cached_per_sm[slot] = per_sm;
+    cached_sms[slot] = sms;
+  }
+  const int sms = cached_sms[slot], per_sm = cached_per_sm[slot];
+  const int64_t slots = (int64_t)sms * std::max(per_sm, 1);
+  int64_t want = (slots + batch_heads - 1) / batch_heads;
+  const int64_t by_len = std::max<int64_t>(1, max_len / kMinSplitTokens);
+  return (int)std::max<int64_t>(1, std::min(want, by_len));
+}
+
+template <int D>
+void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max_len, const at::Tensor& q,
+            at::Tensor& out, at::Tensor& lse) {
+  DecodeParams p = base;
+  const int device = q.get_device();
+  const int splits = num_splits_arg > 0 ? num_splits_arg : choose_splits<D>(batch * p.heads_kv, max_len, device);
+  p.num_splits = splits;
+  at::Tensor o_part, lse_part;
+  if (splits > 1) {
+    o_part = at::empty({batch, p.heads_q, splits, D}, q.options().dtype(at::kFloat));
+    lse_part = at::empty({batch, p.heads_q, splits}, q.options().dtype(at::kFloat));
+    p.o_part = o_part.data_ptr<float>();
+    p.lse_part = lse_part.data_ptr<float>();
+  }
+  require_kernel_image(fp4kv_decode_kernel<D>, "fp4kv_decode_attention");
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  dim3 grid(splits, p.heads_kv, batch);
+  fp4kv_decode_kernel<D><<<grid, kThreads, Geo<D>::kSmem, stream>>>(p);
+  check_launch("fp4kv_decode_attention");
+  if (splits > 1) {
+    fp4kv_decode_combine_kernel<D><<<batch * p.heads_q, D, 0, stream>>>(
+        o_part.data_ptr<float>(), lse_part.data_ptr<float>(), reinterpret_cast<uint16_t*>(out.data_ptr()),
+        lse.data_ptr<float>(), splits);
+    check_launch("fp4kv_decode_attention (combine)");
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> fp4kv_decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_codes,
+                                                               const at::Tensor& k_scales, const at::Tensor& v_codes,
+                                                               const at::Tensor& v_scales,
+                                                               const at::Tensor& block_table,
+                                                               const at::Tensor& seq_lens, double softmax_scale,
+                                                               double g_k, double g_v, int64_t num_splits) {
+  check_cuda(q, "q");
+  check_dtype(q, at::kBFloat16, "q");
+  TORCH_CHECK_VALUE(q.dim() == 3, "trace_ext: q must be [B, Hq, D], got ", q.sizes());
+  check_contiguous(q, "q");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  TORCH_CHECK_VALUE(D == 64 || D == 128, "trace_ext: fp4kv_decode_attention: head_dim must be 64 or 128, got ", D);
+  const char* names[4] = {"k_codes", "k_scales", "v_codes", "v_scales"};
+  const at::Tensor* cache[4] = {&k_codes, &k_scales, &v_codes, &v_scales};
+  for (int i = 0; i < 4; ++i) {
+    check_dtype(*cache[i], at::kByte, names[i]);
+    check_contiguous(*cache[i], names[i]);
+    check_same_device(*cache[i], q, names[i], "q");
+  }
+  TORCH_CHECK_VALUE(k_codes.dim() == 4 && k_codes.size(3) == D / 2, "trace_ext: k_codes must be [pages, P, H_kv, ",
+                    D / 2, "], got ", k_codes.sizes());
+  const int64_t pages = k_codes.size(0), P = k_codes.size(1), Hkv = k_codes.size(2);
+  check_shape(v_codes, k_codes.sizes(), "v_codes");
+  check_shape(k_scales, {pages, P, Hkv, D / kNvfp4Block}, "k_scales");
+  check_shape(v_scales, {pages, P, Hkv, D / kNvfp4Block}, "v_scales");
+  TORCH_CHECK_VALUE(Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= kMaxGroup, "trace_ext: Hq (", Hq,
+                    ") must be a multiple of H_kv (", Hkv, ") with at most ", kMaxGroup, " query heads per KV head");
+  check_dtype(block_table, at::kInt, "block_table");
+  check_dtype(seq_lens, at::kInt, "seq_lens");
+  TORCH_CHECK_VALUE(block_table.dim() == 2 && block_table.size(0) == B, "trace_ext: block_table must be [", B,
+                    ", max_pages], got ", block_table.sizes());
+  check_shape(seq_lens, {B}, "seq_lens");
+  check_contiguous(block_table, "block_table");
+  check_contiguous(seq_lens, "seq_lens");
+  check_same_device(block_table, q, "block_table", "q");
+  check_same_device(seq_lens, q, "seq_lens", "q");
+  TORCH_CHECK_VALUE(num_splits >= 0 && num_splits <= 65535, "trace_ext: num_splits must be in [0, 65535], got ",
+                    num_splits);
+  TORCH_CHECK_VALUE(std::isfinite(softmax_scale), "trace_ext: softmax_scale must be finite");
+  TORCH_CHECK_VALUE(std::isfinite(g_k) && g_k > 0 && std::isfinite(g_v) && g_v > 0,
+                    "trace_ext: g_k and g_v must be finite and > 0");
+  TORCH_CHECK_VALUE(pages * P * Hkv * D < (int64_t(1) << 40), "trace_ext: cache too large");
+
+  c10::cuda::CUDAGuard guard(q.device());
+  int major = 0, minor = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device());
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.get_device());
+  TORCH_CHECK(major * 10 + minor >= 89, "trace_ext: fp4kv_decode_attention needs sm_89 or newer (cvt.e4m3x2, built for ",
+              TRACE_EXT_ARCHS_STR, "), this GPU is sm_", major, minor);
+
+  at::Tensor out = at::empty({B, Hq, D}, q.options());
+  at::Tensor lse = at::empty({B, Hq}, q.options().dtype(at::kFloat));
+  if (B == 0) return {out, lse};
+
+  DecodeParams p{};
+  p.q = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  p.out = reinterpret_cast<uint16_t*>(out.data_ptr());
+  p.lse = lse.data_ptr<float>();
+  p.k_codes = k_codes.data_ptr<uint8_t>();
+  p.k_scales = k_scales.data_ptr<uint8_t>();
+  p.v_codes = v_codes.data_ptr<uint8_t>();
+  p.v_scales = v_scales.data_ptr<uint8_t>();
+  p.block_table = block_table.data_ptr<int32_t>();
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.heads_q = (int)Hq;
+  p.heads_kv = (int)Hkv;
+  p.group = (int)(Hq / Hkv);
+  p.page_size = (int)P;
+  p.max_pages = (int)block_table.size(1);
+  p.score_scale = (float)(softmax_scale * g_k * (double)kTwo14 * (double)kLog2e);
+  p.out_scale = (float)(g_v * (double)kTwo14);
+  const int64_t max_len = block_table.size(1) * P;  // an upper bound of seq_lens without a host sync
+  if (D == 64) {
+    launch<64>(p, (int)B, (int)num_splits, max_len, q, out, lse);
+  } else {
+    launch<128>(p, (int)B, (int)num_splits, max_len, q, out, lse);
+  }
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(trace_ext, CUDA, m) { m.impl("fp4kv_decode_attention", &fp4kv_decode_attention_cuda); }
+
+}  // namespace trace_ext
