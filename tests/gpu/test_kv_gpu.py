@@ -1,0 +1,286 @@
+"""CUDA FP4 KV cache kernels (csrc/kv_append_fp4.cu, csrc/attn_decode_fp4kv_sm90.cu) against the reference.
+
+- append: cache bytes equal the reference append (reference.nvfp4_quantize per (token, head) row with the
+  static g) bit for bit, on random and adversarial rows, several sequences with different start positions.
+- decode attention: error against a float64 attention over the dequantized cache is at most twice that of
+  torch SDPA in bf16 over the same dequantized K/V (same run), LSE within 2e-3; contexts 1, 17, 4096, 131072,
+  partly filled pages, mixed lengths (and an empty sequence), GQA 1 / 4 / 8 / 16, head dims 64 and 128,
+  explicit and automatic split counts.
+- the prefill / trainer path over the same cache, SPEC 10 errors from the compiled ops, opcheck.
+Run: pytest tests/gpu/test_kv_gpu.py -q   (on the H200, with the extension built; < 3 min)
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trace_ext import ops
+from trace_ext import reference_kv as RKV
+from trace_ext.kvcache import PagedFP4KVCache
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+
+
+def make_cache(lens, Hkv, D, P, *, g_k=None, g_v=None, seed=0, spare_pages=5, backend="cuda"):
+    """A cache holding random K/V for sequences of `lens` tokens, pages in shuffled order; returns what wrote it."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    B = len(lens)
+    max_pages = max(1, max(math.ceil(n / P) for n in lens))
+    num_pages = B * max_pages + spare_pages
+    T = sum(lens)
+    k = torch.randn(T, Hkv, D, generator=gen, device=DEV)
+    v = torch.randn(T, Hkv, D, generator=gen, device=DEV)
+    k[..., ::17] *= 8.0  # outlier channels, as real K has
+    k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    if g_k is None:
+        g_k = float(k.float().abs().max()) / 2688.0
+    if g_v is None:
+        g_v = float(v.float().abs().max()) / 2688.0
+    cache = PagedFP4KVCache(num_pages, P, Hkv, D, device=DEV, g_k=g_k, g_v=g_v)
+    perm = torch.randperm(num_pages, generator=gen, device=DEV)[: B * max_pages]
+    table = perm.reshape(B, max_pages).to(torch.int32)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    ops.fp4kv_append(cache, k, v, table, cu, torch.zeros(B, dtype=torch.int32, device=DEV), backend=backend)
+    return cache, table, torch.tensor(lens, dtype=torch.int32, device=DEV), k, v, cu
+
+
+def errors_vs_reference(out, lse, q, cache, table, seq_lens, scale):
+    """(kernel max error, SDPA-bf16 max error, LSE max error) against float64 attention over the dequantized cache."""
+    K, V = ops.fp4kv_gather(cache, table, seq_lens, torch.float32)
+    ref_out, ref_lse = RKV.attention_with_lse(q, K, V, seq_lens, scale)
+    live = seq_lens > 0
+    S = K.shape[2]
+    mask = (torch.arange(S, device=DEV)[None, :] < seq_lens[:, None].long())[:, None, None, :]
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q[live][:, :, None], K[live].bfloat16(), V[live].bfloat16(), attn_mask=mask[live], scale=scale, enable_gqa=True
+    )[:, :, 0]
+    err = (out[live].float() - ref_out[live]).abs().max().item()
+    err_sdpa = (sdpa.float() - ref_out[live]).abs().max().item()
+    lse_err = (lse[live] - ref_lse[live]).abs().max().item()
+    # empty sequences: zero output, -inf LSE
+    assert not out[~live].any() and torch.isneginf(lse[~live]).all()
+    return err, err_sdpa, lse_err
+
+
+# ---- append ----------------------------------------------------------------------------------------------------
+
+
+def adversarial_rows(T, H, D, gen):
+    x = torch.randn(T, H, D, generator=gen, device=DEV) * torch.exp2(
+        torch.randint(-20, 20, (T, H, 1), generator=gen, device=DEV).float()
+    )
+    flat = x.view(-1, 16)
+    n = flat.shape[0]
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -2.5, 0.0, -0.0, 3.0, 1.0, 0.5, -5.0], device=DEV)
+    flat[0 : n : 7] = ties  # exact E2M1 ties with g = 1 (s_b = 1 when amax = 6)
+    flat[1 : n : 11] = 0.0  # zero block (t = 0)
+    flat[2 : n : 13] = -0.0
+    flat[3 : n : 17, 5] = float("nan")
+    flat[4 : n : 19, 9] = float("inf")
+    flat[5 : n : 23] *= 1e30  # saturating scale bytes
+    flat[6 : n : 29] *= 1e-30  # subnormal / zero scale bytes
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("g", [1.0, 0.0123])
+def test_append_is_bit_exact(D, g):
+    """Codes and scale bytes equal the reference append, for prefill chunks and decode tokens in one launch."""
+    gen = torch.Generator(device=DEV).manual_seed(D)
+    H, P = 4, 16
+    counts = [300, 1, 0, 17, 64]
+    start = [5, 4095, 3, 0, 40]
+    B = len(counts)
+    max_pages = 4096 // P + 1
+    pages = B * max_pages
+    table = torch.randperm(pages, generator=gen, device=DEV).reshape(B, max_pages).to(torch.int32)
+    T = sum(counts)
+    k = adversarial_rows(T, H, D, gen)
+    v = torch.randn(T, H, D, generator=gen, device=DEV).to(torch.bfloat16)
+    cu = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    sp = torch.tensor(start, dtype=torch.int32, device=DEV)
+    a = PagedFP4KVCache(pages, P, H, D, device=DEV, g_k=g, g_v=g * 3)
+    b = PagedFP4KVCache(pages, P, H, D, device=DEV, g_k=g, g_v=g * 3)
+    ops.fp4kv_append(a, k, v, table, cu, sp, backend="cuda")
+    ops.fp4kv_append(b, k, v, table, cu, sp, backend="reference")
+    for name, x, y in zip(("k_codes", "k_scales", "v_codes", "v_scales"), a.tensors(), b.tensors()):
+        bad = x != y
+        assert not bad.any(), f"{name}: {int(bad.sum())} bytes differ, first at {bad.nonzero()[0].tolist()}"
+    # read back through gather: the rows are where the table says
+    kc, _ = RKV.gather_codes(a.k_codes, a.k_scales, table, sp + torch.tensor(counts, device=DEV, dtype=torch.int32))
+    q = RKV.quantize_rows(k[int(cu[3]) : int(cu[4])], g)
+    assert torch.equal(kc[3, :, 0:17], q.codes.transpose(0, 1))
+
+
+def test_append_from_an_offset_view():
+    """A k_new that is a view at an odd offset (not 16-byte aligned) is read correctly."""
+    H, D, P = 2, 64, 16
+    base = torch.randn(1 + 40 * H * D, device=DEV).to(torch.bfloat16)
+    k = base[1:].view(40, H, D)
+    a = PagedFP4KVCache(4, P, H, D, device=DEV)
+    b = PagedFP4KVCache(4, P, H, D, device=DEV)
+    table = torch.tensor([[3, 1, 0]], dtype=torch.int32, device=DEV)
+    cu = torch.tensor([0, 40], dtype=torch.int32, device=DEV)
+    z = torch.zeros(1, dtype=torch.int32, device=DEV)
+    ops.fp4kv_append(a, k, k, table, cu, z, backend="cuda")
+    ops.fp4kv_append(b, k, k, table, cu, z, backend="reference")
+    assert all(torch.equal(x, y) for x, y in zip(a.tensors(), b.tensors()))
+
+
+# ---- decode attention --------------------------------------------------------------------------------------------
+
+DECODE_CASES = [
+    # lens, Hq, Hkv, D, page size
+    pytest.param([1], 8, 8, 128, 16, id="ctx1-gqa1-d128"),
+    pytest.param([17], 32, 8, 128, 16, id="ctx17-gqa4-d128"),
+    pytest.param([4096], 32, 4, 128, 16, id="ctx4096-gqa8-d128"),
+    pytest.param([131072], 32, 8, 128, 64, id="ctx131072-gqa4-d128"),
+    pytest.param([1, 17, 4096, 300, 0, 77], 32, 4, 64, 16, id="mixed-gqa8-d64-empty"),
+    pytest.param([17, 1000, 3], 16, 1, 128, 7, id="mixed-gqa16-page7"),
+    pytest.param([33, 4096], 8, 8, 64, 32, id="mixed-gqa1-d64"),
+    pytest.param([4096, 16], 12, 4, 64, 16, id="gqa3-d64"),
+]
+
+
+@pytest.mark.parametrize("lens, Hq, Hkv, D, P", DECODE_CASES)
+def test_decode_error_at_most_twice_sdpa_bf16(lens, Hq, Hkv, D, P):
+    cache, table, seq_lens, *_ = make_cache(lens, Hkv, D, P, seed=len(lens) * 7 + D)
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    q = (torch.randn(len(lens), Hq, D, generator=gen, device=DEV) * 2).to(torch.bfloat16)
+    scale = 1.0 / math.sqrt(D)
+    out, lse = ops.fp4kv_decode_attention(q, cache, table, seq_lens, backend="cuda")
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (len(lens), Hq)
+    err, err_sdpa, lse_err = errors_vs_reference(out, lse, q, cache, table, seq_lens, scale)
+    print(f"lens={lens} Hq={Hq} Hkv={Hkv} D={D}: err {err:.3e} sdpa-bf16 err {err_sdpa:.3e} lse err {lse_err:.2e}")
+    assert err <= 2 * err_sdpa + 1e-6, f"decode error {err:.3e} > 2 x SDPA bf16 error {err_sdpa:.3e}"
+    assert lse_err <= 2e-3
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 64, 1000])
+def test_decode_split_counts_agree(num_splits):
+    """Explicit split counts (incl. more splits than tiles: empty splits) give the same attention."""
+    lens = [2000, 5, 333]
+    cache, table, seq_lens, *_ = make_cache(lens, 4, 128, 16, seed=3)
+    q = torch.randn(3, 16, 128, device=DEV).to(torch.bfloat16)
+    out, lse = ops.fp4kv_decode_attention(q, cache, table, seq_lens, 0.1, num_splits=num_splits, backend="cuda")
+    err, err_sdpa, lse_err = errors_vs_reference(out, lse, q, cache, table, seq_lens, 0.1)
+    assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
+
+
+def test_decode_with_large_and_tiny_query_rows():
+    """Q rows of very different magnitudes (the kernel rescales each row by a power of two) and a zero row."""
+    lens = [700]
+    cache, table, seq_lens, *_ = make_cache(lens, 2, 128, 16, seed=5)
+    q = torch.randn(1, 8, 128, device=DEV)
+    q[0, 0] *= 1e4
+    q[0, 1] *= 1e-4
+    q[0, 2] = 0.0
+    q = q.to(torch.bfloat16)
+    out, lse = ops.fp4kv_decode_attention(q, cache, table, seq_lens, 0.05, backend="cuda")
+    err, err_sdpa, lse_err = errors_vs_reference(out, lse, q, cache, table, seq_lens, 0.05)
+    assert err <= 2 * err_sdpa + 1e-6
+    ref_lse = RKV.decode_attention(q, *cache.tensors(), cache.g_k, cache.g_v, table, seq_lens, 0.05)[1]
+    assert ((lse - ref_lse).abs() <= 2e-3 * ref_lse.abs().clamp(min=1)).all()
+
+
+def test_decode_after_incremental_appends_matches_reference_cache():
+    """Prefill chunk + decode steps through the CUDA append, then decode: same as the reference-built cache."""
+    H, D, P, Hq = 4, 128, 16, 16
+    a = PagedFP4KVCache(64, P, H, D, device=DEV, g_k=0.01, g_v=0.02)
+    b = PagedFP4KVCache(64, P, H, D, device=DEV, g_k=0.01, g_v=0.02)
+    table = torch.arange(64, device=DEV, dtype=torch.int32).flip(0).reshape(2, 32)
+    lens = torch.zeros(2, dtype=torch.int32, device=DEV)
+    for step, n in enumerate([100, 1, 1, 37, 1]):
+        k = torch.randn(2 * n, H, D, device=DEV).to(torch.bfloat16)
+        v = torch.randn(2 * n, H, D, device=DEV).to(torch.bfloat16)
+        cu = torch.tensor([0, n, 2 * n], dtype=torch.int32, device=DEV)
+        ops.fp4kv_append(a, k, v, table, cu, lens, backend="cuda")
+        ops.fp4kv_append(b, k, v, table, cu, lens, backend="reference")
+        lens = lens + n
+        q = torch.randn(2, Hq, D, device=DEV).to(torch.bfloat16)
+        oa, la = ops.fp4kv_decode_attention(q, a, table, lens, backend="cuda")
+        ob, lb = ops.fp4kv_decode_attention(q, b, table, lens, backend="cuda")
+        assert torch.equal(oa, ob) and torch.equal(la, lb), f"step {step}"
+
+
+def test_prefill_path_matches_decode_over_the_same_cache():
+    """Trainer side: fake-quantize K/V (RTN with the static g, or guided by the cache's codes) + SDPA gives the
+    dequantized cache exactly, and its last query agrees with the decode kernel as closely as SDPA itself."""
+    lens = [257, 64]
+    Hkv, Hq, D = 4, 16, 128
+    cache, table, seq_lens, k, v, cu = make_cache(lens, Hkv, D, 16, seed=11)
+    q_last = torch.randn(2, Hq, D, device=DEV).to(torch.bfloat16)
+    out, lse = ops.fp4kv_decode_attention(q_last, cache, table, seq_lens, backend="cuda")
+    err, err_sdpa, _ = errors_vs_reference(out, lse, q_last, cache, table, seq_lens, 1 / math.sqrt(D))
+    Kc, _ = ops.fp4kv_gather(cache, table, seq_lens)
+    gk = ops.fp4kv_gather_guidance(cache, table, seq_lens, "k")
+    gv = ops.fp4kv_gather_guidance(cache, table, seq_lens, "v")
+    S = int(seq_lens.max())
+    for b, n in enumerate(lens):
+        kk = k[int(cu[b]) : int(cu[b + 1])].permute(1, 0, 2)[None].contiguous()
+        vv = v[int(cu[b]) : int(cu[b + 1])].permute(1, 0, 2)[None].contiguous()
+        qq = torch.randn(1, Hq, n, D, device=DEV).to(torch.bfloat16)
+        qq[0, :, -1] = q_last[b]
+        rows = (torch.arange(Hkv * S, device=DEV).reshape(Hkv, S)[:, :n].reshape(-1) + b * Hkv * S)
+        o_rtn = ops.fp4kv_prefill_attention(qq, kk, vv, g_k=cache.g_k, g_v=cache.g_v)
+        o_gd = ops.fp4kv_prefill_attention(
+            qq, kk, vv, g_k=cache.g_k, g_v=cache.g_v, guidance_k=gk.index_rows(rows), guidance_v=gv.index_rows(rows)
+        )
+        assert torch.equal(o_rtn, o_gd)
+        assert torch.equal(ops.nvfp4_fake_quantize(kk, torch.tensor(cache.g_k, device=DEV)), Kc[b : b + 1, :, :n])
+        diff = (o_rtn[0, :, -1].float() - out[b].float()).abs().max().item()
+        assert diff <= err + 2 * err_sdpa + 1e-6
+
+
+# ---- errors, opcheck -----------------------------------------------------------------------------------------------
+
+
+def test_compiled_ops_raise_spec_errors():
+    cache, table, seq_lens, *_ = make_cache([40], 2, 128, 16)
+    q = torch.randn(1, 4, 128, device=DEV).to(torch.bfloat16)
+    op = torch.ops.trace_ext.fp4kv_decode_attention
+    args = (cache.k_codes, cache.k_scales, cache.v_codes, cache.v_scales, table, seq_lens, 0.1, 1.0, 1.0, 0)
+    with pytest.raises(TypeError):
+        op(q.half(), *args)
+    with pytest.raises(ValueError):
+        op(q[:, :3].contiguous(), *args)
+    with pytest.raises(ValueError):
+        op(torch.randn(1, 4, 96, device=DEV).bfloat16(), *args)  # head_dim must match the cache
+    with pytest.raises(RuntimeError):
+        op(q.cpu(), *args)
+    with pytest.raises(TypeError):
+        op(q, *args[:4], table.long(), *args[5:])
+    app = torch.ops.trace_ext.fp4kv_append
+    k = torch.randn(3, 2, 128, device=DEV).to(torch.bfloat16)
+    cu = torch.tensor([0, 3], dtype=torch.int32, device=DEV)
+    z = torch.zeros(1, dtype=torch.int32, device=DEV)
+    with pytest.raises(TypeError):
+        app(*cache.tensors(), k.float(), k, table, cu, z, 1.0, 1.0)
+    with pytest.raises(ValueError):
+        app(*cache.tensors(), k[:, :1].contiguous(), k[:, :1].contiguous(), table, cu, z, 1.0, 1.0)
+    with pytest.raises(ValueError):
+        app(*cache.tensors(), k, k, table, cu[:1], z, 1.0, 1.0)
+    # the public ops: a head_dim the kernels are not built for is a clear error when CUDA is forced
+    c96 = PagedFP4KVCache(4, 16, 1, 96, device=DEV)
+    t96 = torch.zeros(1, 1, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="head_dim"):
+        ops.fp4kv_decode_attention(torch.zeros(1, 1, 96, device=DEV, dtype=torch.bfloat16), c96, t96, z, backend="cuda")
+    with pytest.raises(RuntimeError, match="cache is on"):
+        ops.fp4kv_decode_attention(q.cpu(), cache, table, seq_lens)
+
+
+def test_opcheck_on_cuda():
+    cache, table, seq_lens, k, v, cu = make_cache([40, 3], 2, 64, 16)
+    q = torch.randn(2, 4, 64, device=DEV).to(torch.bfloat16)
+    torch.library.opcheck(
+        torch.ops.trace_ext.fp4kv_decode_attention.default,
+        (q, *cache.tensors(), table, seq_lens, 0.125, cache.g_k, cache.g_v, 3),
+    )
+    torch.library.opcheck(
+        torch.ops.trace_ext.fp4kv_append.default,
+        (*[t.clone() for t in cache.tensors()], k, v, table, cu, torch.zeros_like(seq_lens), cache.g_k, cache.g_v),
+    )
