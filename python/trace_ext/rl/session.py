@@ -66,10 +66,11 @@ class Session:
                 raise ValueError("sequence_ids must be distinct")
         layout = getattr(model, "_trace_fp4_layout", None)
         self.signature = model_signature(model)
-        guide = (role == "rollout" and mode == "rollout") or mode == "guided"
+        if mode == "guided" and config.format != "nvfp4":
+            raise ValueError(f"guided rounding (SPEC 5) is defined for NVFP4; format={config.format!r} supports bf16, rollout and qat")
+        # an MXFP4 rollout records routes but no activation guidance (there is none to give, SPEC 5)
+        guide = (role == "rollout" and mode == "rollout" and config.format == "nvfp4") or mode == "guided"
         self.layers = guided_layers(config, layout) if guide and _guides_any(config) else frozenset()
-        if guide and _guides_any(config) and config.format != "nvfp4":
-            raise ValueError(f"rollout guidance (SPEC 5) is defined for NVFP4; format={config.format!r} supports bf16 and qat")
         # routing: the rollout records the top-k of every MoE layer; the trainer replays them (R3)
         self.record_routes_on = role == "rollout" and config.routing_replay
         self.replay_routes_on = role == "train" and cache is not None and (config.routing_replay or mode == "guided")
