@@ -19,7 +19,8 @@
 //  - Grouped (MoE): one launch covers all experts. blockIdx.y enumerates the concatenated M tiles of all experts;
 //    each CTA finds its expert from offsets[] (loaded to shared memory, one warp scan); empty experts own no tile;
 //    CTAs past the last tile exit. Offsets are clamped to [0, M] so bad values never access out of bounds.
-//  - Small M (decode) has its own weight-stationary kernel in gemm_w4_decode_sm90.cu.
+//  - Small M (decode: M <= 32 dense, <= 16 rows per expert on average grouped) with a prepared weight runs the
+//    weight-stationary kernel of gemm_w4_decode_sm90.cu; everything else runs here.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
@@ -266,6 +267,8 @@ void launch_tiled(const GemmParams& p, int m_tiles, cudaStream_t stream) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem));
     attr_set = true;
   }
+  TORCH_CHECK(m_tiles <= 65535, "trace_ext: fp4_linear: M = ", p.M, " needs ", m_tiles,
+              " row tiles, more than one launch holds (65535)");
   dim3 grid((p.N + kBN - 1) / kBN, m_tiles);
   kernel<<<grid, kThreads, C::kSmem, stream>>>(p);
   check_launch("fp4_linear");
@@ -313,8 +316,16 @@ void require_sm90(const at::Tensor& t, const char* op) {
 struct Problem {
   GemmParams p{};
   at::Tensor y;
+  std::vector<at::Tensor> keep;  // 16-byte-aligned copies of operands that arrived as offset views
   bool empty = false;
 };
+
+// The kernels copy 16-byte chunks: a contiguous view that starts mid-allocation is copied once (values unchanged).
+const at::Tensor& aligned16(const at::Tensor& t, Problem& pr) {
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0) return t;
+  pr.keep.push_back(t.clone());
+  return pr.keep.back();
+}
 
 Problem make_problem(const char* op, const at::Tensor& a, const std::optional<at::Tensor>& a_scales,
                      const std::optional<at::Tensor>& g_a, const at::Tensor& w_codes, const at::Tensor& w_scales,
@@ -414,13 +425,14 @@ Problem make_problem(const char* op, const at::Tensor& a, const std::optional<at
     return pr;
   }
   require_sm90(a, op);
+  pr.keep.reserve(5);
   GemmParams& p = pr.p;
-  p.a = a.data_ptr();
-  p.a_scales = w4a4 ? a_scales->data_ptr<uint8_t>() : nullptr;
+  p.a = aligned16(a, pr).data_ptr();
+  p.a_scales = w4a4 ? aligned16(*a_scales, pr).data_ptr<uint8_t>() : nullptr;
   p.g_a = w4a4 ? g_a->data_ptr<float>() : nullptr;
-  p.w_codes = w_codes.data_ptr<uint8_t>();
-  p.w_scales = w_scales.data_ptr<uint8_t>();
-  p.w_packed = w_packed.has_value() ? w_packed->data_ptr<uint8_t>() : nullptr;
+  p.w_codes = aligned16(w_codes, pr).data_ptr<uint8_t>();
+  p.w_scales = aligned16(w_scales, pr).data_ptr<uint8_t>();
+  p.w_packed = w_packed.has_value() ? aligned16(*w_packed, pr).data_ptr<uint8_t>() : nullptr;
   p.g_w = g_w.data_ptr<float>();
   p.gw_stride_e = gse;
   p.gw_stride_n = gsn;
@@ -436,7 +448,9 @@ Problem make_problem(const char* op, const at::Tensor& a, const std::optional<at
 void run(Problem& pr, const at::Tensor& a, int64_t rows_hint) {
   const c10::cuda::CUDAGuard guard(a.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  run_tiled(pr.p, rows_hint, stream);
+  const int max_rows = pr.p.offsets != nullptr ? kDecodeMaxRowsGrouped : kDecodeMaxRows;
+  if (decode_supported(pr.p) && rows_hint <= max_rows) run_decode(pr.p, rows_hint, a, stream);
+  else run_tiled(pr.p, rows_hint, stream);
 }
 
 at::Tensor fp4_linear_cuda(const at::Tensor& a, const std::optional<at::Tensor>& a_scales,

@@ -113,8 +113,19 @@ def test_kernel_fp4_to_bf16_bit_trick_is_exact_for_every_code_and_scale():
     assert torch.isnan(prod[~ok]).all()
 
 
+def test_decode_word_extraction_recovers_every_pair():
+    """Protects the decode kernel's FP4 -> bf16 extraction from the re-encoded words: for random bytes, pair j of
+    the word (shift/AND as in gemm_w4_decode_sm90.cu) equals the linear pair (elements 2j, 2j+1)."""
+    b = torch.randint(0, 256, (4096, 4), dtype=torch.uint8)
+    w = R.encode_decode_word(b)
+    pairs = R.decode_word_pairs(w)
+    for j in range(4):
+        want = _biased_pair(b[:, j].long())  # byte j holds elements 2j (low nibble) and 2j + 1
+        assert torch.equal(pairs[j], want), j
+
+
 def test_decode_layout_is_a_permutation_that_the_kernel_indexing_inverts():
-    """Protects prepare_fp4_weight: the packed bytes hold every code and scale byte once, where the decode kernel
+    """Protects prepare_fp4_weight: the packed bytes hold every code and scale once, where the decode kernel
     (lane = 4g + t, 16 code bytes per k64 step, 8 scale bytes per 256 K) looks for them."""
     E, N, K = 2, 32, 512
     codes = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8)
@@ -131,8 +142,12 @@ def test_decode_layout_is_a_permutation_that_the_kernel_indexing_inverts():
                     for kt in range(4):
                         v = packed[e, base + kt * 512 + lane * 16 : base + kt * 512 + lane * 16 + 16]
                         c0 = kb * 128 + kt * 32 + t * 8
-                        assert torch.equal(v[:8], codes[e, nb * 16 + g, c0 : c0 + 8])
-                        assert torch.equal(v[8:], codes[e, nb * 16 + g + 8, c0 : c0 + 8])
+                        for half, row in ((0, nb * 16 + g), (1, nb * 16 + g + 8)):
+                            for wi in range(2):
+                                got = v[half * 8 + wi * 4 : half * 8 + wi * 4 + 4].long()
+                                word = int((got << torch.arange(0, 32, 8)).sum())
+                                lin = codes[e, row, c0 + wi * 4 : c0 + wi * 4 + 4]
+                                assert word == int(R.encode_decode_word(lin[None])[0])
                         sv = packed[e, base + 2048 + lane * 8 + 2 * kt : base + 2048 + lane * 8 + 2 * kt + 2]
                         blk = kb * 16 + kt * 4 + t
                         assert int(sv[0]) == int(scales[e, nb * 16 + g, blk])

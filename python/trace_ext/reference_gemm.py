@@ -175,12 +175,42 @@ def decode_layout_supported(N: int, K: int) -> bool:
     return N % DECODE_ROWS == 0 and K % DECODE_K == 0 and K > 0 and N > 0
 
 
+# Bit positions (within a 16-bit half) of the 4 bits (sign, e1, e0, m) of pair j of a decode-layout word: the
+# kernel extracts pairs 0-2 with one shift and one AND each (mask 0x81C0 per half), pair 3 with three shifts.
+DECODE_BITS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (13, 14, 11, 10))
+
+
+def encode_decode_word(b: torch.Tensor) -> torch.Tensor:
+    """4 linear code bytes [..., 4] (elements 0..7) -> the decode kernel's 32-bit word (int64 [...]): pair j =
+    (element 2j, element 2j+1) goes to the low / high 16-bit half at DECODE_BITS[j]."""
+    b = b.to(torch.int64)
+    nib = torch.stack((b & 0xF, b >> 4), dim=-1).reshape(*b.shape[:-1], 8)  # element i = nib[..., i]
+    w = torch.zeros(b.shape[:-1], dtype=torch.int64, device=b.device)
+    for j, pos in enumerate(DECODE_BITS):
+        for half in (0, 1):
+            n = nib[..., 2 * j + half]
+            for bit, p in zip((3, 2, 1, 0), pos):
+                w |= ((n >> bit) & 1) << (p + 16 * half)
+    return w
+
+
+def decode_word_pairs(w: torch.Tensor) -> list[torch.Tensor]:
+    """The kernel's extraction (int64 emulation): 4 bf16x2 words holding q * 2^-126 of pairs 0..3."""
+    M = 0x81C081C0
+    return [
+        w & M,
+        (w << 3) & M,
+        (w << 6) & M,
+        ((w << 2) & 0x80008000) | ((w >> 4) & 0x00C000C0) | ((w >> 6) & 0x01000100),
+    ]
+
+
 def to_decode_layout(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Linear NVFP4 weight (codes [..., N, K/2], scales [..., N, K/16]) -> the decode kernel's packed bytes.
 
     Per expert, per 16-row block nb, per 256-K super-tile kb: 2304 bytes =
-      codes [kt=0..3][lane=0..31][16]: lane = 4*g + t holds row g's code bytes kt*32 + t*8 .. +8 (elements
-        kt*64 + 16t .. +16, one NVFP4 block), then row g+8's same 8 bytes;
+      codes [kt=0..3][lane=0..31][16]: lane = 4*g + t holds the 16 elements kt*64 + 16t .. +16 (one NVFP4 block)
+        of row g as two words (encode_decode_word of its 8 linear bytes, 4 at a time), then row g+8's two words;
       scales [lane][8]: byte 2*kt = scale of (row g, block kt*4 + t), byte 2*kt + 1 = (row g + 8, same block).
     Each lane streams 16 + 2 bytes per 64 K. Returns uint8 [..., N * K / 2 + N * K / 16] (flat per expert).
     """
@@ -188,9 +218,14 @@ def to_decode_layout(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     K = Kh * 2
     if not decode_layout_supported(N, K):
         raise ValueError(f"the decode layout needs N % {DECODE_ROWS} == 0 and K % {DECODE_K} == 0, got N={N}, K={K}")
-    L = int(torch.tensor(lead).prod()) if lead else 1
+    L = 1
+    for d in lead:
+        L *= d
     c = codes.reshape(L, N // 16, 2, 8, K // 256, 4, 4, 8)  # [L, nb, half(g/g+8), g, kb, kt, t, byte]
-    c = c.permute(0, 1, 4, 5, 3, 6, 2, 7)  # [L, nb, kb, kt, g, t, half, byte]
+    c = c.permute(0, 1, 4, 5, 3, 6, 2, 7).contiguous()  # [L, nb, kb, kt, g, t, half, byte]
+    words = encode_decode_word(c.reshape(*c.shape[:-1], 2, 4))  # [..., half, 2 words]
+    shifts = torch.arange(0, 32, 8, device=codes.device, dtype=torch.int64)
+    c = ((words.unsqueeze(-1) >> shifts) & 0xFF).to(torch.uint8)  # little-endian bytes
     c = c.reshape(L, N // 16, K // 256, 4 * 32 * 16)
     s = scales.reshape(L, N // 16, 2, 8, K // 256, 4, 4)  # [L, nb, half, g, kb, kt, t]
     s = s.permute(0, 1, 4, 3, 6, 5, 2)  # [L, nb, kb, g, t, kt, half]

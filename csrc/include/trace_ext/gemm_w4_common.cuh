@@ -3,6 +3,7 @@
 // lookup. See the design note of gemm_w4_sm90.cu for the numerics of the conversion.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <cstdint>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -33,8 +34,13 @@ struct GemmParams {
   int M, N, K, E;
 };
 
+constexpr int kDecodeMaxRows = 32;         // dense: M at most this -> decode kernel (when the weight is prepared)
+constexpr int kDecodeMaxRowsGrouped = 16;  // grouped: average rows per expert at most this -> decode kernel
+
 // Host-side dispatch targets (each defined in its own translation unit).
 void run_tiled(const GemmParams& p, int64_t rows_hint, cudaStream_t stream);
+bool decode_supported(const GemmParams& p);
+void run_decode(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream);
 
 // ---- exact FP4 -> bf16 ------------------------------------------------------------------------------------
 // One packed byte (element 2i low nibble, 2i+1 high) -> bf16x2 (low half = element 2i) with values q * 2^-126.

@@ -1,0 +1,275 @@
+// Small-M (decode) NVFP4-weight GEMM for sm_90a: Y[M, N] = A[M, K] @ W[N, K]^T with M <= 32 per expert, dense and
+// grouped (MoE), W4A16 and W4A4. Needs the packed weight of trace_ext.ops.prepare_fp4_weight
+// (reference_gemm.to_decode_layout); shapes outside it (N % 16, K % 256) use the tiled kernel.
+//
+// Design note:
+//  - Weight-stationary, swapped operands: the weight fills the MMA M side (m16 = 16 weight rows), the few tokens
+//    the N side (n8), so an M = 1 decode wastes 7/8 of the tiny B operand instead of 15/16 of the weight tile.
+//    mma.sync m16n8k16 bf16 -> fp32.
+//  - The MMA's k slots are permuted (sum order is free): lane (g, t) covers elements 16t + 4ks + {0..3} of each
+//    64-wide K step, so its 16 weight elements per row are ONE NVFP4 block (one scale per row per step) and its
+//    16 activation elements are contiguous (two 16-byte loads of bf16, one 8-byte load of FP4 codes).
+//  - Packed layout: per (16-row block, 256-K super-tile) 2304 bytes; a lane streams one 16-byte code load per 64 K
+//    and one 8-byte scale load per 256 K, all loads issued for the whole super-tile before any math (4 x 16 B in
+//    flight per lane and n-block). Codes are re-encoded offline so FP4 -> bf16 costs 1 AND (pair 0), a shift + AND
+//    (pairs 1, 2) and 3 shifts + 3 ANDs/ORs (pair 3) per 8 elements; values come out as q * 2^-126 and one bf16x2
+//    multiply by (s * 2^119) gives the exact q * s * 2^-7 (see gemm_w4_sm90.cu).
+//  - Parallelism: a CTA is 8 warps on the same K range, each warp NB 16-row blocks (the activation fragments are
+//    reused NB times in registers and 8 times through L1). Dense problems split K over gridDim.y CTAs to fill the
+//    132 SMs; partial sums go to an fp32 workspace and the last CTA of each N tile (atomic ticket) adds them in
+//    split order (deterministic) and runs the epilogue. Grouped problems run one CTA per (N tile, expert), no split;
+//    experts with no rows exit at once, experts with more than 8 * MT8 rows loop over row chunks.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+
+#include "trace_ext/fp4_numerics.cuh"
+#include "trace_ext/gemm_w4_common.cuh"
+#include "trace_ext/host_checks.h"
+
+namespace trace_ext {
+namespace gemm_w4 {
+
+constexpr int kDecWarps = 8;
+constexpr int kDecThreads = kDecWarps * 32;
+constexpr int kSuperK = 256;                       // K per packed super-tile
+constexpr int kTileBytes = 16 * kSuperK / 2 + 16 * kSuperK / 16;  // 2304
+constexpr int kCodeBytes = 16 * kSuperK / 2;       // 2048
+constexpr int kTargetWarps = 132 * 16;             // warps to keep in flight (132 SMs x 16)
+static_assert(kTileBytes == 2304 && kCodeBytes == 2048, "packed super-tile layout (reference_gemm.to_decode_layout)");
+
+// One decode-layout word -> bf16x2 of pairs 0..3 (values q * 2^-126), reference_gemm.decode_word_pairs.
+__device__ __forceinline__ void decode_word(uint32_t q, uint32_t r[4]) {
+  constexpr uint32_t kM = 0x81C081C0u;
+  r[0] = q & kM;
+  r[1] = (q << 3) & kM;
+  r[2] = (q << 6) & kM;
+  r[3] = ((q << 2) & 0x80008000u) | ((q >> 4) & 0x00C000C0u) | ((q >> 6) & 0x01000100u);
+}
+
+__device__ __forceinline__ uint4 ld_stream16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 ld_stream8(const void* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
+template <int MT8, int NB, bool kAFp4>
+__global__ void __launch_bounds__(kDecThreads) gemm_w4_decode_kernel(const GemmParams p, float* __restrict__ ws,
+                                                                     int* __restrict__ tickets, int splits) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int e = blockIdx.z;
+  const int K = p.K, N = p.N;
+  const int KT = K / kSuperK;
+  int m_lo = 0, m_hi = p.M;
+  if (p.offsets != nullptr) {
+    m_lo = min(max(p.offsets[e], 0), p.M);
+    m_hi = min(max(p.offsets[e + 1], m_lo), p.M);
+  }
+  if (m_lo >= m_hi) return;
+  const int s = blockIdx.y;
+  const int kt0 = (int)((int64_t)KT * s / splits), kt1 = (int)((int64_t)KT * (s + 1) / splits);
+  const int nb0 = (blockIdx.x * kDecWarps + warp) * NB;  // first 16-row block of this warp
+  const int n_blocks = N / 16;
+  const uint8_t* wpk = p.w_packed + (int64_t)e * ((int64_t)N * K / 2 + (int64_t)N * K / 16);
+  const float* gw = p.g_w + (int64_t)e * p.gw_stride_e;
+  const float fold = kAFp4 ? kUnfoldW4A4 : kUnfoldW4A16;
+
+  for (int mc = m_lo; mc < m_hi; mc += 8 * MT8) {
+    float acc[NB][MT8][4];
+#pragma unroll
+    for (int b = 0; b < NB; ++b)
+#pragma unroll
+      for (int i = 0; i < MT8; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[b][i][c] = 0.f;
+
+    for (int kt = kt0; kt < kt1; ++kt) {
+      // ---- issue every weight load of this super-tile first
+      uint4 wv[NB][4];
+      uint2 sv[NB];
+#pragma unroll
+      for (int b = 0; b < NB; ++b) {
+        const int nb = min(nb0 + b, n_blocks - 1);  // clamped: out-of-range blocks compute garbage, never stored
+        const uint8_t* tile = wpk + ((int64_t)nb * KT + kt) * kTileBytes;
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wv[b][kk] = ld_stream16(tile + kk * 512 + lane * 16);
+        sv[b] = ld_stream8(tile + kCodeBytes + lane * 8);
+      }
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        // ---- activation fragments: row mc + 8i + g, elements k + 16t .. +16
+        const int k = kt * kSuperK + kk * 64 + 16 * t;
+        uint32_t bq[MT8][8];
+#pragma unroll
+        for (int i = 0; i < MT8; ++i) {
+          const int m = mc + 8 * i + g;
+          if (m < m_hi) {
+            if constexpr (!kAFp4) {
+              const uint4* src =
+                  reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(p.a) + (int64_t)m * K + k);
+              const uint4 x0 = __ldg(src), x1 = __ldg(src + 1);
+              bq[i][0] = x0.x; bq[i][1] = x0.y; bq[i][2] = x0.z; bq[i][3] = x0.w;
+              bq[i][4] = x1.x; bq[i][5] = x1.y; bq[i][6] = x1.z; bq[i][7] = x1.w;
+            } else {
+              const uint8_t* ac = reinterpret_cast<const uint8_t*>(p.a) + (int64_t)m * (K / 2) + k / 2;
+              const uint2 c = __ldg(reinterpret_cast<const uint2*>(ac));
+              const uint32_t sc = scale_bf16x2_folded(__ldg(p.a_scales + (int64_t)m * (K / 16) + k / 16));
+              const uint32_t cw[2] = {c.x, c.y};
+#pragma unroll
+              for (int j = 0; j < 8; ++j)
+                bq[i][j] = bf16x2_mul(fp4x2_to_bf16x2_biased((cw[j >> 2] >> (8 * (j & 3))) & 0xFFu), sc);
+            }
+          } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) bq[i][j] = 0u;
+          }
+        }
+        // ---- weights: convert, scale, MMA
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+          const uint32_t s_lo = scale_bf16x2_folded((uint8_t)(((kk < 2 ? sv[b].x : sv[b].y) >> (16 * (kk & 1))) & 0xFF));
+          const uint32_t s_hi =
+              scale_bf16x2_folded((uint8_t)(((kk < 2 ? sv[b].x : sv[b].y) >> (16 * (kk & 1) + 8)) & 0xFF));
+          uint32_t rg[8], rh[8];  // rows g and g+8: pairs 0..7 of the 16-element block
+          decode_word(wv[b][kk].x, rg);
+          decode_word(wv[b][kk].y, rg + 4);
+          decode_word(wv[b][kk].z, rh);
+          decode_word(wv[b][kk].w, rh + 4);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            rg[j] = bf16x2_mul(rg[j], s_lo);
+            rh[j] = bf16x2_mul(rh[j], s_hi);
+          }
+#pragma unroll
+          for (int ks = 0; ks < 4; ++ks) {
+            const uint32_t af[4] = {rg[2 * ks], rh[2 * ks], rg[2 * ks + 1], rh[2 * ks + 1]};
+#pragma unroll
+            for (int i = 0; i < MT8; ++i) {
+              const uint32_t bf[2] = {bq[i][2 * ks], bq[i][2 * ks + 1]};
+              mma_bf16_16816(acc[b][i], af, bf);
+            }
+          }
+        }
+      }
+    }
+
+    // ---- reduction over splits and epilogue. acc[b][i]: c0 (n = 16nb + g, m = 8i + 2t), c1 (m + 1),
+    // c2 (n + 8, m), c3 (n + 8, m + 1).
+    bool last = true;
+    if (splits > 1) {
+      __shared__ int s_last;
+#pragma unroll
+      for (int b = 0; b < NB; ++b) {
+        const int nb = nb0 + b;
+        if (nb >= n_blocks) continue;
+#pragma unroll
+        for (int i = 0; i < MT8; ++i)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int n = nb * 16 + g + (c >> 1) * 8, m = mc + 8 * i + 2 * t + (c & 1);
+            if (m < m_hi) ws[((int64_t)s * p.M + m) * N + n] = acc[b][i][c];
+          }
+      }
+      __threadfence();
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        const int ticket = atomicAdd(tickets + blockIdx.x, 1);
+        s_last = ticket == splits - 1;
+        if (s_last) tickets[blockIdx.x] = 0;
+      }
+      __syncthreads();
+      last = s_last;
+      if (!last) return;  // dense only (one row chunk), so leaving is safe
+      __threadfence();
+#pragma unroll
+      for (int b = 0; b < NB; ++b) {
+        const int nb = nb0 + b;
+        if (nb >= n_blocks) continue;
+#pragma unroll
+        for (int i = 0; i < MT8; ++i)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int n = nb * 16 + g + (c >> 1) * 8, m = mc + 8 * i + 2 * t + (c & 1);
+            float v = 0.f;
+            if (m < m_hi)
+              for (int ss = 0; ss < splits; ++ss) v = __fadd_rn(v, __ldcg(ws + ((int64_t)ss * p.M + m) * N + n));
+            acc[b][i][c] = v;
+          }
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+      const int nb = nb0 + b;
+      if (nb >= n_blocks) continue;
+#pragma unroll
+      for (int i = 0; i < MT8; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int n = nb * 16 + g + (c >> 1) * 8, m = mc + 8 * i + 2 * t + (c & 1);
+          if (m >= m_hi) continue;
+          const float ga = p.g_a != nullptr ? p.g_a[m] : 1.0f;
+          const float v = __fmul_rn(__fmul_rn(acc[b][i][c], fold), __fmul_rn(ga, gw[(int64_t)n * p.gw_stride_n]));
+          p.y[(int64_t)m * N + n] = __float2bfloat16_rn(v);
+        }
+    }
+  }
+}
+
+bool decode_supported(const GemmParams& p) {
+  return p.w_packed != nullptr && p.N % 16 == 0 && p.K % kSuperK == 0 && p.K > 0;
+}
+
+template <int MT8, int NB, bool kAFp4>
+void launch_decode(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
+  auto kernel = gemm_w4_decode_kernel<MT8, NB, kAFp4>;
+  require_kernel_image(kernel, "fp4_linear (decode)");
+  const int rows_per_cta = kDecWarps * 16 * NB;
+  const int n_tiles = (p.N + rows_per_cta - 1) / rows_per_cta;
+  const int KT = p.K / kSuperK;
+  int splits = 1;
+  at::Tensor ws, tickets;
+  if (p.offsets == nullptr) {
+    splits = std::max(1, std::min(KT, (kTargetWarps / kDecWarps + n_tiles - 1) / n_tiles));
+    if (splits > 1) {
+      ws = at::empty({(int64_t)splits * p.M * p.N}, like.options().dtype(at::kFloat));
+      tickets = at::zeros({n_tiles}, like.options().dtype(at::kInt));
+    }
+  }
+  dim3 grid(n_tiles, splits, p.offsets != nullptr ? p.E : 1);
+  TORCH_CHECK(grid.z <= 65535, "trace_ext: too many experts for one launch");
+  kernel<<<grid, kDecThreads, 0, stream>>>(p, splits > 1 ? ws.data_ptr<float>() : nullptr,
+                                           splits > 1 ? tickets.data_ptr<int>() : nullptr, splits);
+  check_launch("fp4_linear (decode)");
+}
+
+void run_decode(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream) {
+  const bool a4 = p.a_scales != nullptr;
+  if (p.offsets != nullptr) {
+    // grouped: rows per expert vary; chunks of 8 or 16 rows, one 16-row block per warp
+    if (rows_hint <= 8) {
+      if (a4) launch_decode<1, 1, true>(p, like, stream); else launch_decode<1, 1, false>(p, like, stream);
+    } else {
+      if (a4) launch_decode<2, 1, true>(p, like, stream); else launch_decode<2, 1, false>(p, like, stream);
+    }
+    return;
+  }
+  if (rows_hint <= 8) {
+    if (a4) launch_decode<1, 1, true>(p, like, stream); else launch_decode<1, 1, false>(p, like, stream);
+  } else if (rows_hint <= 16) {
+    if (a4) launch_decode<2, 2, true>(p, like, stream); else launch_decode<2, 2, false>(p, like, stream);
+  } else {
+    if (a4) launch_decode<4, 2, true>(p, like, stream); else launch_decode<4, 2, false>(p, like, stream);
+  }
+}
+
+}  // namespace gemm_w4
+}  // namespace trace_ext
