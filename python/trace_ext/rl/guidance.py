@@ -77,13 +77,17 @@ class RowStore:
         self._keys = keys  # sorted unique keys once finalized
         self._cols = columns
         self._events: list = []
+        self._pending_device_bytes = 0  # bytes of device chunks not yet offloaded (kept incrementally: O(1) per add)
 
     # appending ----------------------------------------------------------------------------------------------------
     def add(self, keys: torch.Tensor, cols: dict) -> None:
         self._chunks.append((keys, cols))
+        if keys.is_cuda:
+            self._pending_device_bytes += _nbytes(keys, cols)
 
     def pending_nbytes(self) -> int:
-        return sum(_nbytes(k, c) for k, c in self._chunks)
+        """Bytes of rows still on the device (waiting for the next offload)."""
+        return self._pending_device_bytes
 
     def offload_async(self, stream) -> None:
         """Concatenate pending device chunks and copy them to pinned CPU memory on ``stream`` (no host sync)."""
@@ -108,6 +112,7 @@ class RowStore:
             t.record_stream(stream)
         self._events.append(ev)
         self._chunks = host + [(out_k, out_c)]
+        self._pending_device_bytes = 0
 
     def synchronize(self) -> None:
         for ev in self._events:
@@ -123,7 +128,9 @@ class RowStore:
         if self._keys is not None:
             parts.append((self._keys, self._cols))
         parts += self._chunks
-        dev = parts[-1][0].device
+        # offloaded rows stay in host memory: sort there rather than pull everything back to the device
+        devs = {k.device for k, _ in parts}
+        dev = torch.device("cpu") if any(d.type == "cpu" for d in devs) else parts[-1][0].device
         keys = torch.cat([k.to(dev) for k, _ in parts])
         names = list(parts[0][1])
         cols = {n: torch.cat([c[n].to(dev) for _, c in parts]) for n in names}
@@ -137,6 +144,7 @@ class RowStore:
         self._keys = keys[last]
         self._cols = {n: t[sel] for n, t in cols.items()}
         self._chunks = []
+        self._pending_device_bytes = 0
 
     @property
     def keys(self) -> torch.Tensor:
