@@ -36,6 +36,15 @@ def _rot(items):
     return nxt
 
 
+def _bench_or_nan(fn, **kw):
+    """do_bench_cold, or NaN (row reported as MISS) when the call fails: one failing shape never stops the run."""
+    try:
+        return do_bench_cold(fn, **kw)
+    except Exception as e:  # noqa: BLE001 - report and go on
+        print(f"  failed: {type(e).__name__}: {e}")
+        return float("nan")
+
+
 def _row(group, shape, ms, nbytes, flops, copy_bw, base_ms, target_speedup, target_bw_frac, extra=""):
     gbs = nbytes / (ms * 1e-3) / 1e9
     tfs = flops / (ms * 1e-3) / 1e12
@@ -74,8 +83,8 @@ def bench_dense_decode(copy_bw, rows):
             a = torch.randn(M, K, device=DEV).bfloat16()
             nw = _rot([s[0] for s in sets])
             nb = _rot([s[1] for s in sets])
-            ms = do_bench_cold(lambda: O.fp4_linear(a, nw(), backend="cuda"))
-            base = do_bench_cold(lambda: torch.matmul(a, nb().T))
+            ms = _bench_or_nan(lambda: O.fp4_linear(a, nw(), backend="cuda"))
+            base = _bench_or_nan(lambda: torch.matmul(a, nb().T))
             nbytes = N * K // 2 + N * K // 16 + M * K * 2 + M * N * 2
             rows.append(
                 _row("dense-decode W4A16", f"M={M} N={N} K={K}", ms, nbytes, 2 * M * N * K, copy_bw, base,
@@ -107,8 +116,8 @@ def bench_grouped_decode(copy_bw, rows):
             nw = _rot([s[0] for s in sets])
             nb = _rot([s[1] for s in sets])
             offs_end = offsets[1:].contiguous()
-            ms = do_bench_cold(lambda: O.fp4_grouped_linear(a, nw(), offsets, backend="cuda"))
-            base = do_bench_cold(lambda: torch._grouped_mm(a, nb(), offs=offs_end))
+            ms = _bench_or_nan(lambda: O.fp4_grouped_linear(a, nw(), offsets, backend="cuda"))
+            base = _bench_or_nan(lambda: torch._grouped_mm(a, nb(), offs=offs_end))
             nbytes = active * (N * K // 2 + N * K // 16) + M * K * 2 + M * N * 2
             tgt = 2.0 if T == 1 else (3.0 if T in (16, 64) else None)
             rows.append(
@@ -132,9 +141,9 @@ def bench_large_m(copy_bw, rows):
             nw = _rot([s[0] for s in sets])
             nb = _rot([s[1] for s in sets])
             flops = 2 * M * N * K
-            base = do_bench_cold(lambda: torch.matmul(a, nb().T), rep_ms=100)
-            ms16 = do_bench_cold(lambda: O.fp4_linear(a, nw(), backend="cuda"), rep_ms=100)
-            ms4 = do_bench_cold(lambda: O.fp4_linear(a, nw(), act_quant="nvfp4", backend="cuda"), rep_ms=100)
+            base = _bench_or_nan(lambda: torch.matmul(a, nb().T), rep_ms=100)
+            ms16 = _bench_or_nan(lambda: O.fp4_linear(a, nw(), backend="cuda"), rep_ms=100)
+            ms4 = _bench_or_nan(lambda: O.fp4_linear(a, nw(), act_quant="nvfp4", backend="cuda"), rep_ms=100)
             nbytes = N * K // 2 + N * K // 16 + M * K * 2 + M * N * 2
             rows.append(_row("large-M W4A16", f"M={M} N={N} K={K}", ms16, nbytes, flops, copy_bw, base, 0.7, None))
             rows.append(

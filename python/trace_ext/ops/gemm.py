@@ -92,8 +92,6 @@ def _weight_parts(w, grouped: bool):
     if not ok:
         want = f"E={E} or E*N={E * N}" if grouped else f"1 or N={N}"
         raise ValueError(f"g_w must have {want} elements, got {g.numel()}")
-    if grouped and g.numel() == E * N and N > 1 and bool((g.reshape(E, N) == g.reshape(E, N)[:, :1]).all()):
-        g = g.reshape(E, N)[:, 0].contiguous()  # per-row copies of a per-matrix scale (NVFP4Tensor stores them so)
     return codes, scales, g.contiguous(), None
 
 
