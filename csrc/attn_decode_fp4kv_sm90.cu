@@ -641,12 +641,15 @@ std::tuple<at::Tensor, at::Tensor> fp4kv_decode_attention_cuda(const at::Tensor&
   TORCH_CHECK(major * 10 + minor >= 89, "trace_ext: fp4kv_decode_attention needs sm_89 or newer (cvt.e4m3x2, built for ",
               TRACE_EXT_ARCHS_STR, "), this GPU is sm_", major, minor);
 
+  TORCH_CHECK_VALUE(B <= 65535 && Hkv <= 65535, "trace_ext: fp4kv_decode_attention takes at most 65535 sequences and KV heads");
   at::Tensor out = at::empty({B, Hq, D}, q.options());
   at::Tensor lse = at::empty({B, Hq}, q.options().dtype(at::kFloat));
   if (B == 0) return {out, lse};
 
+  // Q rows are read with 16-byte loads: an offset view gets an aligned copy
+  const at::Tensor q_src = reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 ? q.clone() : q;
   DecodeParams p{};
-  p.q = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  p.q = reinterpret_cast<const uint16_t*>(q_src.data_ptr());
   p.out = reinterpret_cast<uint16_t*>(out.data_ptr());
   p.lse = lse.data_ptr<float>();
   p.k_codes = k_codes.data_ptr<uint8_t>();

@@ -90,17 +90,23 @@ class PagedFP4KVCache:
         return self.k_codes, self.k_scales, self.v_codes, self.v_scales
 
     # ---- conveniences over trace_ext.ops.kv ----------------------------------------------------------------------
-    def append(self, k_new, v_new, block_table, cu_seqlens_new, start_pos, backend: str = "auto") -> None:
+    def append(
+        self, k_new, v_new, block_table, cu_seqlens_new, start_pos, backend: str = "auto", *, validate=True
+    ) -> None:
         """Quantize and store new K/V rows; see ``trace_ext.ops.kv.fp4kv_append``."""
         from .ops.kv import fp4kv_append
 
-        fp4kv_append(self, k_new, v_new, block_table, cu_seqlens_new, start_pos, backend=backend)
+        fp4kv_append(self, k_new, v_new, block_table, cu_seqlens_new, start_pos, backend=backend, validate=validate)
 
-    def decode_attention(self, q, block_table, seq_lens, softmax_scale=None, num_splits: int = 0, backend: str = "auto"):
+    def decode_attention(
+        self, q, block_table, seq_lens, softmax_scale=None, num_splits: int = 0, backend: str = "auto", *, validate=True
+    ):
         """Decode attention of one query token per sequence; see ``trace_ext.ops.kv.fp4kv_decode_attention``."""
         from .ops.kv import fp4kv_decode_attention
 
-        return fp4kv_decode_attention(q, self, block_table, seq_lens, softmax_scale, num_splits, backend=backend)
+        return fp4kv_decode_attention(
+            q, self, block_table, seq_lens, softmax_scale, num_splits, backend=backend, validate=validate
+        )
 
     def gather(self, block_table, seq_lens, dtype: torch.dtype = torch.bfloat16):
         """Dequantized (K, V) [B, H_kv, S_max, D]; see ``trace_ext.ops.kv.fp4kv_gather``."""

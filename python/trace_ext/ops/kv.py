@@ -102,6 +102,8 @@ def fp4kv_append(
     cu_seqlens_new: torch.Tensor,
     start_pos: torch.Tensor,
     backend: str = "auto",
+    *,
+    validate: bool = True,
 ) -> None:
     """Quantize new K/V rows into the cache, in place (one launch for all sequences and heads on CUDA).
 
@@ -111,6 +113,9 @@ def fp4kv_append(
     Token j of sequence b goes to position start_pos[b] + j. Any number of new tokens per sequence (a prefill
     chunk, one decode token, or none). Each (token, head) row is quantized exactly as
     ``reference.nvfp4_quantize(row, g=cache.g_k / g_v)`` (RTN, SPEC 2), bit for bit.
+    validate: check cu_seqlens and that every target position has a valid page (one host sync); pass False
+    in a decode loop whose allocator guarantees it (checks are skipped anyway under CUDA-graph capture and
+    torch.compile).
     """
     _check_cache(cache)
     H, D = cache.num_kv_heads, cache.head_dim
@@ -127,7 +132,7 @@ def fp4kv_append(
     _check_int32(start_pos, "start_pos", (B,))
     _check_device(cache, k_new=k_new, v_new=v_new, block_table=block_table, cu_seqlens_new=cu_seqlens_new, start_pos=start_pos)
     which = resolve_backend(backend, cache.k_codes, k_new, v_new, block_table, cu_seqlens_new, start_pos)
-    if _value_checks_possible(k_new):
+    if validate and _value_checks_possible(k_new):
         cu = cu_seqlens_new.long()
         counts = cu[1:] - cu[:-1]
         bad = torch.stack([cu[0] != 0, cu[-1] != T, (counts < 0).any() if B else cu[0] != 0]).cpu()
@@ -167,6 +172,8 @@ def fp4kv_decode_attention(
     softmax_scale: float | None = None,
     num_splits: int = 0,
     backend: str = "auto",
+    *,
+    validate: bool = True,
 ):
     """Attention of one query token per sequence over its whole cached length (the query is the newest token).
 
@@ -177,6 +184,8 @@ def fp4kv_decode_attention(
     Returns (out bfloat16 [B, Hq, D], lse float32 [B, Hq]): lse = log sum_j exp(softmax_scale * q.k_j)
     (natural log; -inf and out = 0 for an empty sequence). K/V are read dequantized: g_k is folded into the
     score scale and g_v into the output.
+    validate: check that every cached position has a valid page (one host sync); pass False in a decode loop
+    whose allocator guarantees it.
     """
     _check_cache(cache)
     H, D = cache.num_kv_heads, cache.head_dim
@@ -204,7 +213,7 @@ def fp4kv_decode_attention(
                 f"head, got head_dim={D}, {Hq // H}"
             )
         which = "reference"
-    if _value_checks_possible(q):
+    if validate and _value_checks_possible(q):
         _check_table(cache, block_table, seq_lens, "seq_lens")
     if B == 0:
         return q.new_empty((0, Hq, D)), q.new_empty((0, Hq), dtype=torch.float32)
