@@ -58,6 +58,7 @@ constexpr int kQExp = 14;                 // Q row amax is scaled into [2^14, 2^
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kTwo14 = 16384.0f;        // K and V are held as q * s_b * 2^-14
+constexpr float kRescaleSlack = 8.0f;     // log2 growth of a row max tolerated before O is rescaled
 static_assert(kTile == 16, "a warp tile is one k16 step of the P.V MMA and two n8 tiles of Q.K^T");
 static_assert(kMaxGroup == 16, "the query heads of one KV head are the 16 rows of an m16n8k16 MMA");
 
@@ -366,34 +367,40 @@ __global__ void __launch_bounds__(kThreads, 3) fp4kv_decode_kernel(const DecodeP
         mx[e >> 1] = fmaxf(mx[e >> 1], x);
       }
     }
-    float alpha[2];
+    // Lazy rescaling: the running max only moves (and O, l are rescaled) when a row's max grew by more than
+    // kRescaleSlack (log2 units); otherwise P = 2^(x - m_run) <= 2^kRescaleSlack, still exact enough in fp16
+    // and harmless in the fp32 accumulators. Saves the D/2 multiplies per thread per tile of the O rescale.
+    bool grow = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
       mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-      const float m_new = fmaxf(m_run[h], mx[h]);
-      const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-      alpha[h] = exp2f(m_run[h] - m_use);
-      m_run[h] = m_new;
-      mx[h] = m_use;
+      grow = grow || (mx[h] > m_run[h] + kRescaleSlack);  // also true on the first finite max (m_run = -inf)
+    }
+    if (__any_sync(0xffffffffu, grow)) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float m_new = fmaxf(m_run[h], mx[h]);
+        const float alpha = m_new == -INFINITY ? 1.0f : exp2f(m_run[h] - m_new);
+        m_run[h] = m_new;
+        l_run[h] *= alpha;
+#pragma unroll
+        for (int j = 0; j < G::kONTiles; ++j) o[j][2 * h] *= alpha, o[j][2 * h + 1] *= alpha;
+      }
     }
     float psum[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float pe = exp2f(s[nt][e] - mx[e >> 1]);
+        const float m_ref = m_run[e >> 1] == -INFINITY ? 0.0f : m_run[e >> 1];
+        const float pe = exp2f(s[nt][e] - m_ref);
         s[nt][e] = pe;
         psum[e >> 1] += pe;
       }
     }
 #pragma unroll
-    for (int h = 0; h < 2; ++h) l_run[h] = l_run[h] * alpha[h] + psum[h];
-#pragma unroll
-    for (int j = 0; j < G::kONTiles; ++j) {
-      o[j][0] *= alpha[0], o[j][1] *= alpha[0];
-      o[j][2] *= alpha[1], o[j][3] *= alpha[1];
-    }
+    for (int h = 0; h < 2; ++h) l_run[h] += psum[h];
     uint32_t pa[4];
     {
       __half2 h0 = __floats2half2_rn(s[0][0], s[0][1]);  // row r, tokens 2c, 2c+1
@@ -558,10 +565,24 @@ int choose_splits(int batch_heads, int64_t max_len, int device) {
     cached_sms[slot] = sms;
   }
   const int sms = cached_sms[slot], per_sm = cached_per_sm[slot];
+  // One (or a whole number of) full waves: every CTA of a split moves the same bytes, so the makespan is set by
+  // the fullest wave. Take the smallest split count whose CTAs fill >= 90% of the resident slots of their
+  // waves (the best fill otherwise), without splits shorter than kMinSplitTokens.
   const int64_t slots = (int64_t)sms * std::max(per_sm, 1);
-  int64_t want = (slots + batch_heads - 1) / batch_heads;
-  const int64_t by_len = std::max<int64_t>(1, max_len / kMinSplitTokens);
-  return (int)std::max<int64_t>(1, std::min(want, by_len));
+  const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(max_len / kMinSplitTokens, 4 * slots / batch_heads + 1));
+  int64_t best = 1;
+  double best_fill = 0.0;
+  for (int64_t s = 1; s <= max_splits; ++s) {
+    const int64_t ctas = (int64_t)batch_heads * s;
+    const int64_t waves = (ctas + slots - 1) / slots;
+    const double fill = (double)ctas / (double)(waves * slots);
+    if (fill > best_fill + 0.02) {
+      best = s;
+      best_fill = fill;
+    }
+    if (fill >= 0.9) break;
+  }
+  return (int)best;
 }
 
 template <int D>
