@@ -105,3 +105,28 @@ def test_errors():
         fake_quantize(torch.randn(2, 32), "mxfp4", rounding="guided", guidance=rec)
     with pytest.raises(ValueError):
         fake_quantize(torch.randn(3, 32), rounding="guided", guidance=rec)  # 3 rows, record of 2
+
+
+def test_fake_quant_grouped_matmul_matches_the_explicit_ste_graph():
+    """Protects: the memory-lean QAT GEMM (fq(w) recomputed in backward) has the values and gradients of the plain
+    graph x @ fq(w)^T with straight-through weights, per expert group, including an expert with no rows."""
+    from trace_ext.autograd import fake_quant_grouped_matmul
+
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(3, 48, 64, generator=g) * 0.1).to(torch.bfloat16).requires_grad_(True)
+    x = torch.randn(7, 64, generator=g, dtype=torch.float32).requires_grad_(True)
+    bounds = [0, 4, 4, 7]  # expert 1 gets no rows
+    y = fake_quant_grouped_matmul(x, w, bounds, backend="reference")
+    up = torch.randn(y.shape, generator=g)
+    y.backward(up)
+    x2 = x.detach().clone().requires_grad_(True)
+    w2 = w.detach().clone().requires_grad_(True)
+    wq = fake_quantize(w2, "nvfp4", scope="matrix", out_dtype=torch.float32, backend="reference")
+    y2 = torch.cat([x2[:4] @ wq[0].T, x2[4:] @ wq[2].T])
+    y2.backward(up)
+    assert torch.equal(y, y2)
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(w.grad, w2.grad)
+    assert torch.count_nonzero(w.grad[1]) == 0
+    with pytest.raises(ValueError, match="bounds"):
+        fake_quant_grouped_matmul(x, w, [0, 7], backend="reference")

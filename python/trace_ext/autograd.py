@@ -100,3 +100,66 @@ def fake_quantize(
     y = _FakeQuantSTE.apply(x, out_dtype, box, format, rounding, guidance, g, scope, seed, offset, capture, kind, backend,
                             scale_rounding)
     return (y, box[0]) if capture else y
+
+
+def _quantized_weight(w: torch.Tensor, fmt: str, dtype: torch.dtype, backend: str) -> torch.Tensor:
+    scope = {"scope": "matrix"} if fmt == "nvfp4" else {}
+    y, _ = _fake_quant_values(w.detach().contiguous(), fmt, "rtn", None, None, scope.get("scope", "row"), 0, 0, False,
+                              "compact", backend, "floor")
+    return y.to(dtype)
+
+
+def _grouped(x, wq, bounds, transpose=False):
+    parts = []
+    for e in range(len(bounds) - 1):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            parts.append(x[lo:hi] @ (wq[e] if transpose else wq[e].T))
+    n = wq.shape[2] if transpose else wq.shape[1]
+    return torch.cat(parts) if parts else x.new_zeros(0, n)
+
+
+class _FakeQuantGroupedMatmul(torch.autograd.Function):
+    """y[rows of e] = x[rows of e] @ fq(w[e])^T. fq(w) is recomputed in backward instead of saved: the trainer then
+    holds no fake-quantized copy of every expert matrix between forward and backward (only x and the parameter)."""
+
+    @staticmethod
+    def forward(ctx, x, w, bounds, fmt, backend):
+        wq = _quantized_weight(w, fmt, x.dtype, backend)
+        ctx.save_for_backward(x, w)
+        ctx.meta = (bounds, fmt, backend)
+        return _grouped(x, wq, bounds)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w = ctx.saved_tensors
+        bounds, fmt, backend = ctx.meta
+        gx = gw = None
+        wq = _quantized_weight(w, fmt, gy.dtype, backend) if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[0]:
+            gx = _grouped(gy, wq, bounds, transpose=True)
+        if ctx.needs_input_grad[1]:
+            # straight-through: d fq(w) / d w = identity
+            gw = torch.zeros(w.shape, dtype=gy.dtype, device=gy.device)
+            for e in range(len(bounds) - 1):
+                lo, hi = bounds[e], bounds[e + 1]
+                if hi > lo:
+                    gw[e] = gy[lo:hi].T @ x[lo:hi]
+            gw = gw.to(w.dtype)
+        return gx, gw, None, None, None
+
+
+def fake_quant_grouped_matmul(x: torch.Tensor, w: torch.Tensor, bounds: list[int], format: str = "nvfp4",
+                              backend: str = "auto") -> torch.Tensor:
+    """QAT GEMM of the experts: rows of ``x`` [M, K] sorted by expert (``bounds`` = offsets as a list, E + 1 entries)
+    times the RTN fake-quantized ``w`` [E, N, K] (NVFP4 one g per expert matrix, or MXFP4), in x's dtype.
+
+    Gradients: d/dx through fq(w) (recomputed in backward), d/dw straight-through (SPEC 5). A dense layer is E = 1.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if w.dim() != 3 or x.dim() != 2 or x.shape[1] != w.shape[2]:
+        raise ValueError(f"expected x [M, K] and w [E, N, K] with the same K, got {tuple(x.shape)} and {tuple(w.shape)}")
+    if len(bounds) != w.shape[0] + 1 or bounds[0] != 0 or bounds[-1] != x.shape[0]:
+        raise ValueError(f"bounds must have E + 1 = {w.shape[0] + 1} entries from 0 to M = {x.shape[0]}, got {bounds}")
+    return _FakeQuantGroupedMatmul.apply(x, w, list(bounds), format, backend)

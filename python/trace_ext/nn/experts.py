@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
-from ..autograd import fake_quantize
+from ..autograd import fake_quant_grouped_matmul
 from ..rl.guidance import GuidanceError
 from .gemm import fp4_grouped_linear
 from .sites import rollout_quantize, train_fake_quantize
@@ -89,14 +89,6 @@ def _rows(q, idx):
     return replace(q, codes=q.codes[idx], scales=q.scales[idx], shape=(idx.numel(), q.shape[-1]))
 
 
-def _grouped_matmul(x: torch.Tensor, w: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-    """x [M, K] rows sorted by expert, w [E, N, K] (differentiable): y [M, N]."""
-    parts = [x[bounds[e]:bounds[e + 1]] @ w[e].T for e in range(len(bounds) - 1) if bounds[e + 1] > bounds[e]]
-    if not parts:
-        return x.new_zeros(0, w.shape[1])
-    return torch.cat(parts)
-
-
 def _original_forward(module):
     """The class's forward; its eager body when the model's experts backend is trace_fp4 itself (no recursion)."""
     f = type(module).forward
@@ -157,19 +149,16 @@ def fp4_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Te
         cdt = cfg.qat_compute_dtype
         bounds = offsets.tolist()
         w_gu, w_dn = expert_weights(self)
-        scope = {"scope": "matrix"} if cfg.format == "nvfp4" else {}
-        wq_gu = fake_quantize(w_gu.contiguous(), cfg.format, out_dtype=cdt, backend=cfg.backend, **scope)
-        wq_dn = fake_quantize(w_dn.contiguous(), cfg.format, out_dtype=cdt, backend=cfg.backend, **scope)
         if w4a4:
             x = train_fake_quantize(sess, "expert_in", layer, hidden_states, keys_tok, cdt)[tok]
         else:
             x = hidden_states[tok].to(cdt)
-        h1 = _grouped_matmul(x, wq_gu, bounds).to(out_dtype)
+        h1 = fake_quant_grouped_matmul(x, w_gu, bounds, cfg.format, cfg.backend).to(out_dtype)
         if spec.has_bias:
             h1 = h1 + self.gate_up_proj_bias[row_expert]
         h = _apply_gate(self, h1).to(out_dtype)
         a2 = train_fake_quantize(sess, "expert_down_in", layer, h, keys_down, cdt) if w4a4 else h.to(cdt)
-        h2 = _grouped_matmul(a2, wq_dn, bounds).to(out_dtype)
+        h2 = fake_quant_grouped_matmul(a2, w_dn, bounds, cfg.format, cfg.backend).to(out_dtype)
     if spec.has_bias:
         h2 = h2 + self.down_proj_bias[row_expert]
     y = h2.float() * top_k_weights[tok, slot].float()[:, None]

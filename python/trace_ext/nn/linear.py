@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as Fn
 
 from .. import ops
-from ..autograd import fake_quantize
+from ..autograd import fake_quant_grouped_matmul
 from .gemm import fp4_linear
 from .sites import rollout_quantize, train_fake_quantize
 
@@ -75,10 +75,9 @@ class FP4Linear(torch.nn.Module):
             y = fp4_linear(a, self.packed_weight(cfg), out_dtype=x.dtype, backend=cfg.backend)
         else:
             cdt = cfg.qat_compute_dtype
-            scope = {"scope": "tensor"} if cfg.format == "nvfp4" else {}
-            wq = fake_quantize(self.weight, cfg.format, out_dtype=cdt, backend=cfg.backend, **scope)
             a = train_fake_quantize(sess, self.site, self.layer, x2, keys, cdt) if w4a4 else x2.to(cdt)
-            y = (a @ wq.T).to(x.dtype)
+            # one matrix = one g (SPEC 2 weights): the grouped form with E = 1
+            y = fake_quant_grouped_matmul(a, self.weight.unsqueeze(0), [0, R], cfg.format, cfg.backend).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)

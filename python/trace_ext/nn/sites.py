@@ -24,7 +24,9 @@ def rollout_quantize(sess, site: str, layer: int, x: torch.Tensor, keys_fn):
     keys = _keys(keys_fn, site, layer) if want_rec else keys_fn()
     if keys is None:  # unkeyed rows (4.x experts) are not captured for diagnostics
         return ops.nvfp4_quantize(x, backend=cfg.backend)
-    q, rec = quantize_with_record(x, kind="full", backend=cfg.backend)
+    # the kernel emits compact records itself; full codes only when the config or the diagnostics need them
+    kind = "full" if (want_cap or cfg.guidance_kind == "full") else "compact"
+    q, rec = quantize_with_record(x, kind=kind, backend=cfg.backend)
     if want_rec:
         sess.record(site, layer, keys, rec)
     if want_cap:
