@@ -41,8 +41,11 @@ gpu-build:
 	grep "trace_ext build" $(GPU_TMP)/build.log
 	cd /tmp && python3 -c "import trace_ext, json; print(json.dumps(trace_ext.backends(), default=str))"
 
+# one pytest process per file: a crash in one file cannot hide the results of the others
 gpu-test:
-	python3 -m pytest $(or $(GPU_TESTS),tests/gpu tests/test_ops_quant.py) -q -ra -p no:cacheprovider $(PYTEST_ARGS) 2>&1 | tee $(GPU_TMP)/tests.log | tail -40
+	for t in $(or $(GPU_TESTS),tests/gpu/test_*.py tests/test_ops_quant.py); do \
+	  echo "=== $$t"; python3 -m pytest $$t -q -rfE --tb=short -p no:cacheprovider $(PYTEST_ARGS) 2>&1 | grep -v "^  File\|Extension modules" | tail -60; \
+	done 2>&1 | tee $(GPU_TMP)/tests.log | grep -E "^===|passed|failed|error|Error|Fatal|FAILED|ERROR" | head -80
 
 gpu-bench:
 	for b in $(or $(BENCHES),bench/bench_quant.py bench/bench_gemm.py bench/bench_kv.py); do \
