@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+from trace_ext import formats as F
 from trace_ext import reference as ref
 from trace_ext.integrations import hf_kvcache as kv
 from trace_ext.rl import FP4Config, rollout, train
@@ -146,3 +147,38 @@ def test_cache_refuses_head_dim_off_the_block():
     layer = kv.FP4KVLayer(0, paged=False)
     with pytest.raises(ValueError, match="head_dim"):
         layer.update(torch.zeros(1, 1, 1, 24, dtype=torch.bfloat16), torch.zeros(1, 1, 1, 24, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("kind", ["compact", "full"])
+def test_guided_trainer_lands_on_the_cache_codes(kind):
+    """Protects guided KV rounding through the HF model: the trainer's K/V differ slightly from the rollout's
+    (k_proj / v_proj weights nudged by 0.2%), RTN then disagrees with the cache's codes on many elements, while
+    guided rounding with the rollout's records (compact or full) reproduces >= 99.9% of them."""
+    from trace_ext.integrations.hf_moe import convert
+
+    model = _model(head_dim=64)
+    cfg = FP4Config(guidance_layers=None, guidance_kind=kind)
+    convert(model, cfg)
+    ids = torch.randint(0, 64, (4, 12))
+    with torch.no_grad():
+        with rollout(model, sequence_ids=[0, 1, 2, 3], capture_codes=True) as rec:
+            _decode(model, ids, 6, kv.FP4KVCache(model))
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight.mul_(1.002)
+            layer.self_attn.v_proj.weight.mul_(0.998)
+        agreement = {}
+        for mode in ("qat", "guided"):
+            with train(model, mode=mode, guidance=rec.cache, sequence_ids=[0, 1, 2, 3], capture_codes=True) as sess:
+                model(ids[:, :-1])  # the rollout never processed the last token
+            agree = []
+            for (site, layer), st in sess.codes.records.items():
+                if site not in kv.KV_SITES:
+                    continue
+                ro = rec.codes.records[(site, layer)]
+                idx, found = ro.find(st.keys)
+                assert bool(found.all())
+                mine, theirs = F.unpack_nibbles(st.columns["payload"]), F.unpack_nibbles(ro.columns["payload"][idx])
+                agree.append((mine == theirs).float().mean().item())
+            agreement[mode] = min(agree)
+    assert agreement["guided"] >= 0.999
+    assert agreement["qat"] < 0.99
