@@ -12,7 +12,8 @@
 //   the per-split (output, LSE) pairs.
 // - Each of the 4 warps runs its own flash-decoding loop over 16-token tiles (tiles w, w+4, ...) with a
 //   private 4-stage cp.async pipeline: no CTA barrier in the main loop. Page ids for the next tile are
-//   loaded one iteration ahead so the cp.async issue never waits on the block table.
+//   loaded one iteration ahead so the cp.async issue never waits on the block table, and page column / slot
+//   advance by constants (no integer division per tile). Any page size works (a tile may straddle pages).
 // - Dequantization happens once per tile, from the staged code bytes straight into MMA fragments (no
 //   per-fragment global byte loads, which is what made earlier FP4/FP8-KV decode kernels lose to bf16):
 //   an E2M1 nibble is turned into the fp16 pattern of q * 2^-14 with two masks and a shift per 4 codes
@@ -182,18 +183,33 @@ struct WarpLoader {
   const uint8_t* v_scales;
   const int32_t* table_row;
   int page_size, heads_kv, kv_head, lane;
+  // Page-table column and slot of this lane's token (lane % 16) in the next tile to fetch. A warp's tiles are
+  // kCtaTokens apart, so both advance by a constant: no integer division in the main loop.
+  int col, slot, step_col, step_slot;
 
-  // Page id of this lane's scale token (lane % 16) in the tile starting at `t0`; 0 past `end`.
-  __device__ __forceinline__ int page_of(int t0, int end) const {
-    const int t = t0 + (lane & (kTile - 1));
-    return t < end ? __ldg(table_row + t / page_size) : 0;
+  __device__ __forceinline__ void init(int first_tile_start) {
+    const int t = first_tile_start + (lane & (kTile - 1));
+    col = t / page_size;
+    slot = t % page_size;
+    step_col = kCtaTokens / page_size;
+    step_slot = kCtaTokens % page_size;
   }
 
-  __device__ __forceinline__ void issue(uint8_t* stage, int t0, int end, int page) const {
+  // (page id, slot) of this lane's token in the tile starting at `t0` (page 0 past `end`); tiles must be
+  // fetched in order, once each.
+  __device__ __forceinline__ int2 fetch(int t0, int end) {
+    const int t = t0 + (lane & (kTile - 1));
+    const int2 ps = make_int2(t < end ? __ldg(table_row + col) : 0, slot);
+    col += step_col;
+    slot += step_slot;
+    if (slot >= page_size) slot -= page_size, ++col;
+    return ps;
+  }
+
+  __device__ __forceinline__ void issue(uint8_t* stage, int t0, int end, int2 ps) const {
     const int tl = lane & (kTile - 1);
-    const int t = t0 + tl;
-    const bool valid = t < end;
-    const int64_t row = valid ? ((int64_t)page * page_size + (t % page_size)) * heads_kv + kv_head : 0;
+    const bool valid = t0 + tl < end;
+    const int64_t row = valid ? ((int64_t)ps.x * page_size + ps.y) * heads_kv + kv_head : 0;
     // scale rows: lanes 0..15 K, 16..31 V
     {
       const bool is_v = lane >= kTile;
@@ -298,20 +314,21 @@ __global__ void __launch_bounds__(kThreads, 3) fp4kv_decode_kernel(const DecodeP
   WarpLoader<D> ld{p.k_codes, p.v_codes, p.k_scales, p.v_scales, p.block_table + (int64_t)b * p.max_pages,
                    p.page_size, p.heads_kv, kv_head, lane};
   auto tile_start = [&](int i) { return start + (warp + kWarps * i) * kTile; };
+  ld.init(tile_start(0));
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < my_tiles) ld.issue(wsmem + s * G::kStageBytes, tile_start(s), end, ld.page_of(tile_start(s), end));
+    if (s < my_tiles) ld.issue(wsmem + s * G::kStageBytes, tile_start(s), end, ld.fetch(tile_start(s), end));
     cp_async_commit();
   }
-  int next_page = (kStages - 1 < my_tiles) ? ld.page_of(tile_start(kStages - 1), end) : 0;
+  int2 next_ps = (kStages - 1 < my_tiles) ? ld.fetch(tile_start(kStages - 1), end) : make_int2(0, 0);
 
   for (int i = 0; i < my_tiles; ++i) {
     {
       const int nxt = i + kStages - 1;
-      if (nxt < my_tiles) ld.issue(wsmem + (nxt % kStages) * G::kStageBytes, tile_start(nxt), end, next_page);
+      if (nxt < my_tiles) ld.issue(wsmem + (nxt % kStages) * G::kStageBytes, tile_start(nxt), end, next_ps);
       cp_async_commit();
-      if (nxt + 1 < my_tiles) next_page = ld.page_of(tile_start(nxt + 1), end);
+      if (nxt + 1 < my_tiles) next_ps = ld.fetch(tile_start(nxt + 1), end);
     }
     cp_async_wait<kStages - 1>();
     __syncwarp();
