@@ -9,6 +9,7 @@ with trace_ext.rl.train(model, mode="guided", guidance=rec.cache):
     logits = model(out[:, :-1]).logits
 ```
 """
+from . import metrics, routing
 from .config import FP4Config
 from .guidance import GuidanceCache, GuidanceError, GuidanceRecorder, guided_layers
 from .session import Session, current_session, model_signature, rollout, train
@@ -21,6 +22,8 @@ __all__ = [
     "Session",
     "current_session",
     "guided_layers",
+    "metrics",
+    "routing",
     "model_signature",
     "rollout",
     "train",
