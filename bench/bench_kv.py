@@ -9,7 +9,8 @@ GB/s and % of the device-to-device copy bandwidth measured in the same run; anch
 (enable_gqa=True) on bf16 K/V of identical shapes in the same run; speedup = SDPA ms / FP4 ms.
 Targets: >= 75% of copy bandwidth and >= 3.0x SDPA on the first three cases, >= 2.0x at B=1, S=131072.
 Append row: a 4096-token prefill chunk for 8 sequences (bytes = bf16 K/V read + codes and scales written),
-target >= 70% of copy bandwidth. Extra rows (no target) sweep the split count of two decode cases.
+target >= 70% of copy bandwidth. Extra rows (no target) sweep the split count of two decode cases and the
+page size of the first.
 
 Run from the repo root with the package installed:  python bench/bench_kv.py   (< 3 min)
 """
@@ -37,15 +38,16 @@ DECODE_CASES = [
 ]
 BW_TARGET = 75.0
 APPEND_TARGET = 70.0
+PAGE_SWEEP = {"B32 Hq32 Hkv4 S8K": (1, 64, 256)}
 SPLIT_SWEEP = {"B32 Hq32 Hkv4 S8K": (1, 2, 4, 8), "B1 Hq32 Hkv8 S128K": (16, 32, 64, 132)}
 
 
-def random_cache(B, Hkv, S, gen):
+def random_cache(B, Hkv, S, gen, page=PAGE):
     """Random but valid cache bytes (no NaN scale bytes) for B sequences of S tokens, pages shuffled."""
-    pages_per_seq = math.ceil(S / PAGE)
+    pages_per_seq = math.ceil(S / page)
     num_pages = B * pages_per_seq
-    code_shape = (num_pages, PAGE, Hkv, D // 2)
-    scale_shape = (num_pages, PAGE, Hkv, D // 16)
+    code_shape = (num_pages, page, Hkv, D // 2)
+    scale_shape = (num_pages, page, Hkv, D // 16)
     kc = torch.randint(0, 256, code_shape, dtype=torch.uint8, device="cuda", generator=gen)
     vc = torch.randint(0, 256, code_shape, dtype=torch.uint8, device="cuda", generator=gen)
     ks = torch.randint(0x30, 0x48, scale_shape, dtype=torch.uint8, device="cuda", generator=gen)
@@ -92,6 +94,17 @@ def decode_rows(copy_gbs, gen):
             })
         del kc, ks, vc, vs
         torch.cuda.empty_cache()
+        if name in PAGE_SWEEP:
+            for page in PAGE_SWEEP[name]:
+                kc, ks, vc, vs, table, seq_lens = random_cache(B, Hkv, S, gen, page)
+                ms_p = do_bench_cold(lambda: op(q, kc, ks, vc, vs, table, seq_lens, scale, g_k, g_v, 0))
+                gbs_p = nbytes / (ms_p * 1e-3) / 1e9
+                sweep.append({
+                    "case": f"decode {name} page={page}", "ms": ms_p, "MB": nbytes / 1e6, "GB/s": gbs_p,
+                    "% copy": 100.0 * gbs_p / copy_gbs, "sdpa ms": ms_sdpa, "sdpa GB/s": float("nan"),
+                    "speedup": ms_sdpa / ms_p, "target": "(sweep)", "status": "-",
+                })
+                del kc, ks, vc, vs
     return rows, sweep
 
 
