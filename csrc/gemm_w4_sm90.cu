@@ -3,7 +3,8 @@
 // g_a[m] * g_w[n] is applied once in the epilogue.
 //
 // Design note (general tiled path, every M):
-//  - mma.sync m16n8k16 bf16 -> fp32 (the bf16 wgmma large-M kernel lives in gemm_w4_wgmma_sm90.cu when built);
+//  - mma.sync m16n8k16 bf16 -> fp32; runs for mid-size M (and K % 64 != 0). M >= 256 (rows per expert on
+//    average, grouped) runs the bf16 wgmma kernel of gemm_w4_wgmma_sm90.cu;
 //    CTA tile 128 (or 64) x 128 x 64, 8 warps in 2 (M) x 4 (N), 3-stage cp.async pipeline (16-byte copies of A,
 //    FP4 codes and 4-byte scale words; byte copies only when K is not a multiple of 64).
 //  - FP4 stays FP4 in global and shared memory; each warp dequantizes its own B (and, for W4A4, A) fragments in
@@ -450,6 +451,7 @@ void run(Problem& pr, const at::Tensor& a, int64_t rows_hint) {
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int max_rows = pr.p.offsets != nullptr ? kDecodeMaxRowsGrouped : kDecodeMaxRows;
   if (decode_supported(pr.p) && rows_hint <= max_rows) run_decode(pr.p, rows_hint, a, stream);
+  else if (wgmma_supported(pr.p) && rows_hint >= kWgmmaMinRows) run_wgmma(pr.p, stream);
   else run_tiled(pr.p, rows_hint, stream);
 }
 

@@ -203,6 +203,20 @@ def test_k_not_multiple_of_64():
             _check(O.fp4_linear(aq, w, backend="cuda"), _a64(aq), _w64(w), f"K={K} M={M} w4a4")
 
 
+def test_tile_edges_every_path():
+    """Protects the row / column edges of each kernel: N not a multiple of any tile (200, 48), M just past the
+    decode / tiled / wgmma thresholds, prepared and raw weights."""
+    for N, K in ((200, 256), (48, 512)):
+        w = _quant_w(N, K)
+        wp = O.prepare_fp4_weight(w)
+        for M in (1, 31, 33, 255, 256, 257, 513):
+            a = torch.randn(M, K, device=DEV).bfloat16()
+            aq = ref.nvfp4_quantize(a)
+            for wt in (w, wp):
+                _check(O.fp4_linear(a, wt, backend="cuda"), a.double(), _w64(w), f"edge N={N} K={K} M={M} w4a16")
+                _check(O.fp4_linear(aq, wt, backend="cuda"), _a64(aq), _w64(w), f"edge N={N} K={K} M={M} w4a4")
+
+
 # ---- routing -----------------------------------------------------------------------------------------------------
 
 

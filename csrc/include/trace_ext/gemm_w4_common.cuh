@@ -41,6 +41,9 @@ constexpr int kDecodeMaxRowsGrouped = 16;  // grouped: average rows per expert a
 void run_tiled(const GemmParams& p, int64_t rows_hint, cudaStream_t stream);
 bool decode_supported(const GemmParams& p);
 void run_decode(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream);
+constexpr int kWgmmaMinRows = 256;  // rows (per expert on average, grouped) from which the wgmma kernel runs
+bool wgmma_supported(const GemmParams& p);
+void run_wgmma(const GemmParams& p, cudaStream_t stream);
 
 // ---- exact FP4 -> bf16 ------------------------------------------------------------------------------------
 // One packed byte (element 2i low nibble, 2i+1 high) -> bf16x2 (low half = element 2i) with values q * 2^-126.

@@ -1,0 +1,348 @@
+// Large-M NVFP4-weight GEMM for sm_90a on bf16 wgmma (dense and grouped, W4A16 and W4A4).
+//
+// Design note:
+//  - FA3-FP8 pattern without a dedicated producer: CTA tile 256 (M) x 128 (N) x 64 (K), 2 warpgroups, each owning
+//    128 rows as two m64n128k16 wgmma accumulators (128 fp32 registers per thread). Raw tiles (bf16 A, FP4 codes +
+//    scale bytes) arrive by 16-byte cp.async in a 3-stage ring; every thread then dequantizes its share of the FP4
+//    tile(s) of the NEXT k step into a 128B-swizzled bf16 buffer (double-buffered) while the tensor cores run the
+//    wgmma of the current one (wgmma is asynchronous: issue, then wait_group 1). 128B swizzle keeps both the
+//    16-byte dequant stores and the wgmma reads bank-conflict free; K advances inside the swizzle atom by moving
+//    the descriptor start address 32 bytes per k16.
+//  - Dequantization (exact, as in gemm_w4_sm90.cu): one code word = 8 elements; nibbles split into low / high
+//    halves (2 ops), then per element pair one byte-permute, one integer multiply (x * (2^12 + 2^6) places the sign
+//    at bit 15 and the magnitude at bits 6-8 of each bf16 half, no carries because the fields are disjoint) and
+//    one AND give q * 2^-126 in bf16x2; one bf16x2 multiply by s * 2^119 gives q * s * 2^-7.
+//  - The 256-row tile makes the dequantization of W (128 x 64 per k step) cost 1/256 of the MMA work per element;
+//    W4A4 also dequantizes A (256 x 64).
+//  - Generic-proxy shared-memory writes (cp.async and the dequant stores) are published to the async proxy with
+//    fence.proxy.async before the barrier that precedes the wgmma.
+//  - Compiled only for sm_90a (wgmma); on other targets the kernel body is empty and the host never selects it.
+//    TRACE_EXT_GEMM_WGMMA=0 in the environment disables this path (the mma.sync tiled kernel runs instead).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+
+#include <cstdlib>
+
+#include "trace_ext/fp4_numerics.cuh"
+#include "trace_ext/gemm_w4_common.cuh"
+#include "trace_ext/host_checks.h"
+
+namespace trace_ext {
+namespace gemm_w4 {
+
+constexpr int kWgBM = 256;       // CTA rows (2 warpgroups x 2 x m64)
+constexpr int kWgBN = 128;       // CTA columns (wgmma n128)
+constexpr int kWgBK = 64;        // one 128-byte swizzle row of bf16
+constexpr int kWgStages = 3;     // raw-tile ring depth
+constexpr int kWgThreads = 256;  // 2 warpgroups
+constexpr int kSwRow = 128;      // bytes per bf16 row of a swizzled tile
+static_assert(kWgBK * 2 == kSwRow, "a k-tile row is exactly one 128B swizzle row");
+static_assert(kWgBM == 2 * 2 * 64 && kWgThreads == 256, "2 warpgroups x 2 m64 tiles");
+
+template <bool kAFp4>
+struct WgCfg {
+  static constexpr int kABf16 = kWgBM * kSwRow;                       // 32 KB, swizzled bf16 A tile
+  static constexpr int kBBf16 = kWgBN * kSwRow;                       // 16 KB, swizzled bf16 W tile
+  static constexpr int kARaw = kAFp4 ? kWgBM * (32 + 4) : kABf16;     // FP4 codes + scales, or bf16 A (swizzled)
+  static constexpr int kWRaw = kWgBN * (32 + 4);
+  static constexpr int kStage = (kARaw + kWRaw + 1023) / 1024 * 1024;  // the bf16 A tile inside must stay aligned
+  static constexpr int kDeqA = kAFp4 ? 2 * kABf16 : 0;                // double-buffered dequantized A
+  static constexpr int kDeqB = 2 * kBBf16;                            // double-buffered dequantized W
+  static constexpr int kSmem = 1024 + kDeqA + kDeqB + kWgStages * kStage;  // + 1 KB for 1024-byte alignment
+  static_assert(kABf16 % 1024 == 0 && kBBf16 % 1024 == 0, "swizzled tiles must stay 1024-byte aligned");
+};
+
+// K-major, 128B-swizzle wgmma descriptor: start >> 4, LBO 1 (unused), SBO 1024 B (8-row groups), layout B128.
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t smem_addr) {
+  return (uint64_t)((smem_addr >> 4) & 0x3FFFu) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
+         ((uint64_t)1 << 62);
+}
+
+__device__ __forceinline__ void fence_proxy_async() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_fence() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// Keeps the compiler from moving accumulator reads / writes across the asynchronous wgmma.
+__device__ __forceinline__ void fence_acc(float* d, int n) {
+#pragma unroll
+  for (int i = 0; i < n; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d[0..63] += A(desc_a: 64 x 16, K-major, 128B swizzle) * B(desc_b: 128 x 16, K-major, 128B swizzle)^T.
+__device__ __forceinline__ void wgmma_m64n128k16_bf16(float d[64], uint64_t desc_a, uint64_t desc_b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
+        "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]),
+        "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b));
+#endif
+}
+
+// 16 packed code bytes (32 elements, 2 NVFP4 blocks) -> 4 x 16 bytes of bf16 q * s * 2^-7 into a swizzled row.
+__device__ __forceinline__ void dequant32_to_swizzled(uint4 c, uint32_t s0, uint32_t s1, uint8_t* row_base, int row,
+                                                      int chunk0) {
+  const uint32_t w[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {  // word q: elements 8q .. 8q + 7 of the 32
+    const uint32_t lo = w[q] & 0x0F0F0F0Fu;
+    const uint32_t hi = (w[q] >> 4) & 0x0F0F0F0Fu;
+    const uint32_t sc = q < 2 ? s0 : s1;
+    uint32_t r[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t x = __byte_perm(lo, hi, (uint32_t)(j | (j << 4) | ((4 + j) << 8) | ((4 + j) << 12))) & 0x000F000Fu;
+      r[j] = bf16x2_mul((x * 4160u) & 0x81C081C0u, sc);  // 4160 = 2^12 + 2^6
+    }
+    const int chunk = chunk0 + q;
+    *reinterpret_cast<uint4*>(row_base + ((chunk ^ (row & 7)) << 4)) = make_uint4(r[0], r[1], r[2], r[3]);
+  }
+}
+
+template <bool kAFp4>
+__device__ __forceinline__ void wg_load_stage(const GemmParams& p, uint8_t* st, int m_begin, int m_end,
+                                              const uint8_t* wc, const uint8_t* ws, int n0, int k0) {
+  using C = WgCfg<kAFp4>;
+  const int tid = threadIdx.x;
+  const int K = p.K;
+  if constexpr (!kAFp4) {
+    const __nv_bfloat16* a = reinterpret_cast<const __nv_bfloat16*>(p.a);
+#pragma unroll
+    for (int it = 0; it < kWgBM * 8 / kWgThreads; ++it) {
+      const int idx = tid + it * kWgThreads;
+      const int row = idx >> 3, c = idx & 7;
+      const int m = m_begin + row;
+      const bool ok = m < m_end;
+      cp_async16(st + row * kSwRow + ((c ^ (row & 7)) << 4), ok ? (const void*)(a + (int64_t)m * K + k0 + c * 8) : p.a,
+                 ok);
+    }
+  } else {
+    const uint8_t* ac = reinterpret_cast<const uint8_t*>(p.a);
+#pragma unroll
+    for (int it = 0; it < kWgBM * 2 / kWgThreads; ++it) {
+      const int idx = tid + it * kWgThreads;
+      const int row = idx >> 1, c = idx & 1;
+      const int m = m_begin + row;
+      const bool ok = m < m_end;
+      cp_async16(st + row * 32 + c * 16, ok ? (const void*)(ac + (int64_t)m * (K / 2) + k0 / 2 + c * 16) : p.a, ok);
+    }
+    {
+      const int m = m_begin + tid;
+      const bool ok = m < m_end;
+      cp_async4(st + kWgBM * 32 + tid * 4, ok ? (const void*)(p.a_scales + (int64_t)m * (K / 16) + k0 / 16) : p.a_scales,
+                ok);
+    }
+  }
+  uint8_t* sw = st + C::kARaw;
+  {
+    const int row = tid >> 1, c = tid & 1;
+    const int n = n0 + row;
+    const bool ok = n < p.N;
+    cp_async16(sw + row * 32 + c * 16, ok ? (const void*)(wc + (int64_t)n * (K / 2) + k0 / 2 + c * 16) : wc, ok);
+    if (tid < kWgBN) {
+      const int n2 = n0 + tid;
+      const bool ok2 = n2 < p.N;
+      cp_async4(sw + kWgBN * 32 + tid * 4, ok2 ? (const void*)(ws + (int64_t)n2 * (K / 16) + k0 / 16) : ws, ok2);
+    }
+  }
+}
+
+template <bool kAFp4>
+__global__ void __launch_bounds__(kWgThreads, 1) gemm_w4_wgmma_kernel(const GemmParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using C = WgCfg<kAFp4>;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ int s_tile[3];
+  __shared__ int s_off[kMaxExperts + 1];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* deq_a = smem;                    // [2][kABf16] (W4A4 only)
+  uint8_t* deq_b = smem + C::kDeqA;         // [2][kBBf16]
+  uint8_t* ring = deq_b + C::kDeqB;         // [kWgStages][kStage]
+
+  if (p.offsets != nullptr) {
+    for (int i = threadIdx.x; i <= p.E; i += kWgThreads) s_off[i] = p.offsets[i];
+    __syncthreads();
+  }
+  if (threadIdx.x < 32) {
+    int e = 0, mb = blockIdx.y * kWgBM, me = p.M;
+    if (p.offsets != nullptr) find_group_tile(s_off, p.E, p.M, kWgBM, blockIdx.y, &e, &mb, &me);
+    if (threadIdx.x == 0) { s_tile[0] = e; s_tile[1] = mb; s_tile[2] = me; }
+  }
+  __syncthreads();
+  const int e = s_tile[0], m_begin = s_tile[1], m_end = s_tile[2];
+  if (e < 0 || m_begin >= m_end) return;
+
+  const int K = p.K;
+  const int n0 = blockIdx.x * kWgBN;
+  const uint8_t* wc = p.w_codes + (int64_t)e * p.N * (K / 2);
+  const uint8_t* ws = p.w_scales + (int64_t)e * p.N * (K / 16);
+  const int KT = K / kWgBK;
+  const int tid = threadIdx.x;
+  const int wg = tid >> 7;
+
+  float acc[2][64];
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[j][i] = 0.f;
+  fence_acc(acc[0], 64);
+  fence_acc(acc[1], 64);
+
+#pragma unroll
+  for (int s = 0; s < kWgStages - 1; ++s) {
+    if (s < KT) wg_load_stage<kAFp4>(p, ring + s * C::kStage, m_begin, m_end, wc, ws, n0, s * kWgBK);
+    cp_async_commit();
+  }
+
+  for (int kt = 0; kt < KT; ++kt) {
+    cp_async_wait<kWgStages - 2>();
+    fence_proxy_async();
+    __syncthreads();
+    const uint8_t* st = ring + (kt % kWgStages) * C::kStage;
+    // ---- dequantize this k step's FP4 tiles into the swizzled bf16 buffers
+    {
+      const uint8_t* sw = st + C::kARaw;
+      const int row = tid >> 1, half = tid & 1;
+      const uint4 c = *reinterpret_cast<const uint4*>(sw + row * 32 + half * 16);
+      const uint8_t* sc = sw + kWgBN * 32 + row * 4 + half * 2;
+      dequant32_to_swizzled(c, scale_bf16x2_folded(sc[0]), scale_bf16x2_folded(sc[1]),
+                            deq_b + (kt & 1) * C::kBBf16 + row * kSwRow, row, half * 4);
+    }
+    if constexpr (kAFp4) {
+      const int row = tid;  // one A row per thread: 64 elements
+      const uint8_t* base = st + row * 32;
+      const uint8_t* sc = st + kWgBM * 32 + row * 4;
+      uint8_t* dst = deq_a + (kt & 1) * C::kABf16 + row * kSwRow;
+      dequant32_to_swizzled(*reinterpret_cast<const uint4*>(base), scale_bf16x2_folded(sc[0]),
+                            scale_bf16x2_folded(sc[1]), dst, row, 0);
+      dequant32_to_swizzled(*reinterpret_cast<const uint4*>(base + 16), scale_bf16x2_folded(sc[2]),
+                            scale_bf16x2_folded(sc[3]), dst, row, 4);
+    }
+    fence_proxy_async();
+    __syncthreads();
+    // ---- this warpgroup's 2 x m64n128 over 4 k16 steps
+    {
+      const uint8_t* a_tile = kAFp4 ? deq_a + (kt & 1) * C::kABf16 : st;
+      const uint32_t a_addr = smem_u32(a_tile + wg * 128 * kSwRow);
+      const uint32_t b_addr = smem_u32(deq_b + (kt & 1) * C::kBBf16);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kWgBK / 16; ++ks) {
+        const uint64_t db = sw128_desc(b_addr + ks * 32);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) wgmma_m64n128k16_bf16(acc[j], sw128_desc(a_addr + j * 64 * kSwRow + ks * 32), db);
+      }
+      wgmma_commit();
+    }
+    // no operand fences inside the loop: one wgmma group is always in flight, and ptxas would serialize the
+    // pipeline on any instruction that (even nominally) defines the accumulators meanwhile
+    wgmma_wait<1>();
+    __syncthreads();  // every warpgroup finished step kt - 1: its ring stage and bf16 buffers are free
+    {
+      const int nk = kt + kWgStages - 1;
+      if (nk < KT)
+        wg_load_stage<kAFp4>(p, ring + (nk % kWgStages) * C::kStage, m_begin, m_end, wc, ws, n0, nk * kWgBK);
+      cp_async_commit();
+    }
+  }
+  wgmma_wait<0>();
+  fence_acc(acc[0], 64);
+  fence_acc(acc[1], 64);
+  cp_async_wait<0>();
+
+  // ---- epilogue: accumulator (j, 8-column chunk c): rows wg*128 + j*64 + 16*warp + g (+8), columns 8c + 2t (+1)
+  const int warp_in_wg = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const float fold = kAFp4 ? kUnfoldW4A4 : kUnfoldW4A16;
+  const float* gw = p.g_w + (int64_t)e * p.gw_stride_e;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = m_begin + wg * 128 + j * 64 + warp_in_wg * 16 + g + h * 8;
+      if (m >= m_end) continue;
+      const float ga = p.g_a != nullptr ? p.g_a[m] : 1.0f;
+#pragma unroll
+      for (int c = 0; c < 16; ++c) {
+        const int n = n0 + c * 8 + 2 * t;
+        float v[2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int nn = n + u < p.N ? n + u : p.N - 1;
+          v[u] = __fmul_rn(__fmul_rn(acc[j][c * 4 + h * 2 + u], fold), __fmul_rn(ga, gw[(int64_t)nn * p.gw_stride_n]));
+        }
+        store_bf16_pair(p.y + (int64_t)m * p.N + n, v, n + 1 < p.N, n < p.N, p.N);
+      }
+    }
+  }
+#endif
+}
+
+bool wgmma_supported(const GemmParams& p) {
+  static const bool enabled = [] {
+    const char* v = std::getenv("TRACE_EXT_GEMM_WGMMA");
+    return v == nullptr || v[0] != '0';
+  }();
+  return enabled && p.K % kWgBK == 0 && p.K > 0;
+}
+
+template <bool kAFp4>
+void launch_wgmma(const GemmParams& p, cudaStream_t stream) {
+  using C = WgCfg<kAFp4>;
+  auto kernel = gemm_w4_wgmma_kernel<kAFp4>;
+  require_kernel_image(kernel, "fp4_linear (wgmma)");
+  static bool attr_set = false;
+  if (!attr_set) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem));
+    attr_set = true;
+  }
+  const int m_tiles = (p.M + kWgBM - 1) / kWgBM + (p.offsets != nullptr ? p.E : 0);
+  TORCH_CHECK(m_tiles <= 65535, "trace_ext: fp4_linear: M = ", p.M, " needs more row tiles than one launch holds");
+  dim3 grid((p.N + kWgBN - 1) / kWgBN, m_tiles);
+  kernel<<<grid, kWgThreads, C::kSmem, stream>>>(p);
+  check_launch("fp4_linear (wgmma)");
+}
+
+void run_wgmma(const GemmParams& p, cudaStream_t stream) {
+  if (p.a_scales != nullptr) launch_wgmma<true>(p, stream);
+  else launch_wgmma<false>(p, stream);
+}
+
+}  // namespace gemm_w4
+}  // namespace trace_ext
