@@ -116,9 +116,8 @@ def fp4_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Te
     order = torch.sort(flat_e, stable=True).indices
     tok, slot = order // k, order % k
     row_expert = flat_e[order]
-    counts = torch.bincount(flat_e, minlength=E)
-    if counts.numel() != E:
-        raise ValueError(f"experts of layer {layer}: top_k_index holds ids >= num_experts ({E})")
+    # scatter_add, not bincount: a fixed-size result needs no device->host sync in the decode loop
+    counts = torch.zeros(E, dtype=torch.int64, device=flat_e.device).scatter_add_(0, flat_e, torch.ones_like(flat_e))
     offsets = torch.zeros(E + 1, dtype=torch.int64, device=hidden_states.device)
     offsets[1:] = torch.cumsum(counts, 0)
 
