@@ -53,9 +53,9 @@ __global__ void __launch_bounds__(kThreads) mxfp4_quant_kernel(const MxParams p)
       const float v = __fmul_rn(x[i], inv);
       uint32_t mag;
       if constexpr (MODE == kRTN) {
-        mag = e2m1_rn_magnitude(fabsf(v));
+        mag = e2m1_rn_magnitude_bits(fabsf(v));
       } else {
-        mag = e2m1_sr_magnitude_pow2(fminf(fabsf(v), kE2M1Max), rnd.w[i % 4]);
+        mag = e2m1_sr_magnitude_bits(fminf(fabsf(v), kE2M1Max), rnd.w[i % 4]);
       }
       w[i / 8] |= (mag | sign_nibble(v)) << (4 * (i % 8));
     }
@@ -76,7 +76,11 @@ __global__ void __launch_bounds__(kThreads) mxfp4_dequant_kernel(const uint8_t* 
   const uint32_t w[4] = {c.x, c.y, c.z, c.w};
   float out[kMxfp4Block];
 #pragma unroll
-  for (int i = 0; i < kMxfp4Block; ++i) out[i] = __fmul_rn(e2m1_value((w[i / 8] >> (4 * (i % 8))) & 0xFu), s);
+  for (int i = 0; i < kMxfp4Block; ++i) {
+    // (q * 2^-14) * 2^14 is exactly q; then one fl multiply by the scale, as in the reference
+    const float q = __fmul_rn(e2m1_value_x2m14((w[i / 8] >> (4 * (i % 8))) & 0xFu), 16384.0f);
+    out[i] = __fmul_rn(q, s);
+  }
   store_floats<T, kMxfp4Block>(y + fb * kMxfp4Block, out);
 }
 

@@ -64,9 +64,28 @@ struct QuantParams {
 
 // ---- per-block quantization --------------------------------------------------------------------------------
 
-// Codes of one finite block given its divisor t (SPEC 2, 4, 5). guide: compact bits (16) or full codes (64).
+// Magnitude code of one element from a = |v| (and v's sign nibble, for guided full).
 template <int MODE>
-__device__ __forceinline__ uint2 quantize_block(const float (&x)[kNvfp4Block], float t, uint64_t flat_block,
+__device__ __forceinline__ uint32_t element_magnitude(float va, uint32_t sign, uint32_t word, uint32_t guide_bits,
+                                                      uint2 guide_codes, int i) {
+  if constexpr (MODE == kRTN) {
+    return e2m1_rn_magnitude_bits(va);
+  } else {
+    const float a = fminf(va, kE2M1Max);
+    if constexpr (MODE == kSR) {
+      return e2m1_sr_magnitude_bits(a, word);
+    } else if constexpr (MODE == kGuidedCompact) {
+      return e2m1_guided_compact_magnitude_bits(a, (guide_bits >> i) & 1u);
+    } else {
+      const uint32_t w = i < 8 ? guide_codes.x : guide_codes.y;
+      return e2m1_guided_full_magnitude_bits(sign, a, (w >> (4 * (i % 8))) & 0xFu);
+    }
+  }
+}
+
+// Element loop of one block; FAST: v = fl(x / t) from the block reciprocal (div_rn_with_rcp), else __fdiv_rn.
+template <int MODE, bool FAST>
+__device__ __forceinline__ uint2 quantize_elems(const float (&x)[kNvfp4Block], float t, float r, uint64_t flat_block,
                                                 const QuantParams& p, uint32_t guide_bits, uint2 guide_codes) {
   uint32_t w[2] = {0u, 0u};
   Philox4 rnd;
@@ -75,33 +94,50 @@ __device__ __forceinline__ uint2 quantize_block(const float (&x)[kNvfp4Block], f
     if constexpr (MODE == kSR) {
       if (i % 4 == 0) rnd = sr_words(flat_block * 4 + i / 4, p.seed, p.offset);
     }
-    const float v = nvfp4_scaled(x[i], t);
-    uint32_t mag;
-    if constexpr (MODE == kRTN) {
-      mag = e2m1_rn_magnitude(fabsf(v));
-    } else {
-      const float a = fminf(fabsf(v), kE2M1Max);
-      if constexpr (MODE == kSR) {
-        mag = e2m1_sr_magnitude_pow2(a, rnd.w[i % 4]);
-      } else if constexpr (MODE == kGuidedCompact) {
-        mag = e2m1_guided_compact_magnitude(a, (guide_bits >> i) & 1u);
-      } else {
-        const uint32_t word = i < 8 ? guide_codes.x : guide_codes.y;
-        mag = e2m1_guided_full_magnitude(v, a, (word >> (4 * (i % 8))) & 0xFu);
+    float va;
+    uint32_t sign;
+    if constexpr (FAST) {
+      const float ax = fabsf(x[i]);
+      va = div_rn_with_rcp(ax, t, r);
+      sign = (__float_as_uint(x[i]) >> 28) & 8u;  // t > 0: v has x's sign (-0.0 included)
+      if constexpr (MODE != kRTN) {
+        // RTN needs no exact tiny quotients (anything below 0.25 is code 0); the others distinguish 0 from > 0
+        if (fminf(ax, va) < 0x1p-100f && ax != 0.0f) va = __fdiv_rn(ax, t);
       }
+    } else {
+      const float v = __fdiv_rn(x[i], t);
+      va = fabsf(v);
+      sign = sign_nibble(v);
     }
-    w[i / 8] |= (mag | sign_nibble(v)) << (4 * (i % 8));
+    const uint32_t word = MODE == kSR ? rnd.w[i % 4] : 0u;
+    const uint32_t mag = element_magnitude<MODE>(va, sign, word, guide_bits, guide_codes, i);
+    w[i / 8] |= (mag | sign) << (4 * (i % 8));
   }
   return make_uint2(w[0], w[1]);
 }
 
-// Dequantized values of a block (fake quant): fl(fl(q * s) * g), NaN for a non-finite block.
+// Codes of one finite block given its divisor t (SPEC 2, 4, 5). guide: compact bits (16) or full codes (64).
+// The reciprocal shortcut is taken when t, 1/t and every quotient of the block are far from under/overflow
+// (the common case); __fdiv_rn otherwise. t == 0 gives v = +0, code 0, in every mode.
+template <int MODE>
+__device__ __forceinline__ uint2 quantize_block(const float (&x)[kNvfp4Block], uint32_t max_bits, float t,
+                                                uint64_t flat_block, const QuantParams& p, uint32_t guide_bits,
+                                                uint2 guide_codes) {
+  if (t == 0.0f) return make_uint2(0u, 0u);
+  const float r = __frcp_rn(t);
+  const bool fast = t >= 0x1p-100f && t <= 0x1p100f && __fmul_rn(__uint_as_float(max_bits), r) <= 0x1p100f;
+  if (fast) return quantize_elems<MODE, true>(x, t, r, flat_block, p, guide_bits, guide_codes);
+  return quantize_elems<MODE, false>(x, t, r, flat_block, p, guide_bits, guide_codes);
+}
+
+// Dequantized values of a block (fake quant): fl(fl(q * s) * g), NaN for a non-finite block. q * s is formed as
+// (q * 2^-14) * (s * 2^14): both factors and the product are exact, so this is the reference's fl(q * s).
 __device__ __forceinline__ void dequant_block(uint2 codes, uint8_t scale, float g, float (&y)[kNvfp4Block]) {
-  const float s = e4m3_to_float(scale);
+  const float s14 = __fmul_rn(e4m3_to_float(scale), 16384.0f);
 #pragma unroll
   for (int i = 0; i < kNvfp4Block; ++i) {
     const uint32_t word = i < 8 ? codes.x : codes.y;
-    y[i] = nvfp4_dequant((word >> (4 * (i % 8))) & 0xFu, s, g);
+    y[i] = __fmul_rn(__fmul_rn(e2m1_value_x2m14((word >> (4 * (i % 8))) & 0xFu), s14), g);
   }
 }
 
@@ -123,7 +159,7 @@ __device__ __forceinline__ uint2 process_block(const QuantParams& p, const float
   }
   uint2 codes = make_uint2(0u, 0u);
   if (finite) {
-    codes = quantize_block<MODE>(x, t, fb, p, guide_bits, guide_codes);
+    codes = quantize_block<MODE>(x, max_bits, t, fb, p, guide_bits, guide_codes);
   } else {
     s = kE4M3NaN;
   }
@@ -160,14 +196,20 @@ __device__ __forceinline__ void store_unit(const QuantParams& p, uint64_t fb0, i
     if (pair) {
       st_vec(p.codes + 8 * fb0, make_uint4(codes[0].x, codes[0].y, codes[1].x, codes[1].y));
     } else {
-      for (int b = 0; b < nvalid; ++b) *reinterpret_cast<uint2*>(p.codes + 8 * (fb0 + b)) = codes[b];
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        if (b < nvalid) *reinterpret_cast<uint2*>(p.codes + 8 * (fb0 + b)) = codes[b];
+      }
     }
   }
   if (p.scales != nullptr && !p.swizzle) {
     if (pair) {
       *reinterpret_cast<uint16_t*>(p.scales + fb0) = (uint16_t)(s[0] | (s[1] << 8));
     } else {
-      for (int b = 0; b < nvalid; ++b) p.scales[fb0 + b] = s[b];
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        if (b < nvalid) p.scales[fb0 + b] = s[b];
+      }
     }
   }
 }
@@ -359,12 +401,21 @@ __global__ void __launch_bounds__(kFlatThreads) nvfp4_dequant_kernel(const uint8
     c[1] = make_uint2(0u, 0u);
   }
   const int64_t row0 = (int64_t)(fb0 / (uint64_t)kb);
-  for (int b = 0; b < nvalid; ++b) {
-    const uint64_t fb = fb0 + b;
-    const int64_t row = b == 0 ? row0 : (int64_t)(fb / (uint64_t)kb);
-    float y16[kNvfp4Block];
-    dequant_block(c[b], __ldg(scales + fb), __ldg(g + row * g_stride), y16);
-    store_floats<T, kNvfp4Block>(y + fb * kNvfp4Block, y16);
+  const int64_t row1 = (int64_t)(fb0 + 1) - row0 * kb == kb ? row0 + 1 : row0;
+  const float g0 = __ldg(g + row0 * g_stride);
+  const uint8_t s0 = __ldg(scales + fb0);
+  float g1 = g0;
+  uint8_t s1 = 0;
+  if (nvalid == 2) {
+    g1 = __ldg(g + row1 * g_stride);
+    s1 = __ldg(scales + fb0 + 1);
+  }
+  float y16[kNvfp4Block];
+  dequant_block(c[0], s0, g0, y16);
+  store_floats<T, kNvfp4Block>(y + fb0 * kNvfp4Block, y16);
+  if (nvalid == 2) {
+    dequant_block(c[1], s1, g1, y16);
+    store_floats<T, kNvfp4Block>(y + (fb0 + 1) * kNvfp4Block, y16);
   }
 }
 

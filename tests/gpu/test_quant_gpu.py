@@ -75,6 +75,8 @@ def adversarial_x(dtype, rows=8, K=512):
     big = {torch.bfloat16: 3.0e38, torch.float16: 60000.0, torch.float32: 3.0e38}[dtype]
     blocks.append([big * ((-1) ** i) / (i + 1) for i in range(16)])  # huge values: s saturates at 448
     blocks.append([(-1) ** i * 2.0 ** (-i) for i in range(16)])  # mixed signs, spread exponents
+    # quotients far below 2^-100 next to a large element (the kernels' exact-division fallback)
+    blocks.append([1e3, 1e-38, -1e-40, 1e-45, -3e-39, 2.0**-120, 0.0, -0.0] + [1e-30 * i for i in range(8)])
     n_blocks = rows * K // 16
     gen = torch.Generator().manual_seed(1)
     out = torch.randn(n_blocks, 16, generator=gen)
@@ -139,6 +141,11 @@ def test_nvfp4_adversarial_blocks(dtype):
     for g in (one, None):
         for kw in ({}, {"rounding": "sr", "seed": 11, "offset": 0}):
             assert_q_equal(cuda_q(x, g, **kw), ref_q(x, g, **kw), f"adversarial {dtype} g={g is not None} {kw}")
+    # decode scales that push t = s * g outside the range of the kernels' reciprocal shortcut
+    for gv in (1e-36, 3e-30, 1e30, 2.0**110):
+        gt = torch.tensor([gv], device=DEV)
+        for kw in ({}, {"rounding": "sr", "seed": 2, "offset": 3}):
+            assert_q_equal(cuda_q(x, gt, **kw), ref_q(x, gt, **kw), f"adversarial {dtype} g={gv} {kw}")
     # ties really hit: block 0 of row 0 holds the thresholds exactly
     q = cuda_q(x, one)
     assert q.scales[0, 0].item() == 0x38  # E4M3 1.0

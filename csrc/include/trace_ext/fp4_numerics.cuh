@@ -93,6 +93,75 @@ __device__ __forceinline__ uint32_t nibble_lsbs(uint32_t w) {
   return (w | (w >> 12)) & 0xFFu;
 }
 
+// ---- The same three roundings read off the float's bits (no compare chains; used by the quantize kernels) ----
+// Each returns exactly what its reference twin above returns; tools: for a >= 1 the E2M1 grid is "1 mantissa
+// bit", for a < 1 it is "multiples of 0.5". Exhaustively / randomly checked against reference.py.
+
+// e2m1_rn_magnitude for a >= 0 (finite or +inf): RNE to 1 mantissa bit for a >= 1 (saturating at code 7),
+// and round(2a) via the ulp of 2^22 (0.5) for a < 1.
+__device__ __forceinline__ uint32_t e2m1_rn_magnitude_bits(float a) {
+  const uint32_t b = __float_as_uint(a);
+  const uint32_t sub = __float_as_uint(__fadd_rn(a, 4194304.0f)) - 0x4A800000u;
+  const uint32_t nrm = min((b + 0x1FFFFFu + ((b >> 22) & 1u)) >> 22, 259u) - 252u;
+  return a < 1.0f ? sub : nrm;
+}
+
+// Floor bracket end (largest grid magnitude code <= a) and whether a lies on the grid, a in [0, 6].
+__device__ __forceinline__ uint32_t e2m1_floor_magnitude_bits(float a) {
+  const uint32_t b = __float_as_uint(a);
+  return a < 1.0f ? (uint32_t)(a >= 0.5f) : (b >> 22) - 252u;
+}
+__device__ __forceinline__ bool e2m1_on_grid(float a) {
+  return a < 1.0f ? (a == 0.0f || a == 0.5f) : (__float_as_uint(a) & 0x3FFFFFu) == 0u;
+}
+
+// e2m1_sr_magnitude for a in [0, 6]: u < (a - lo) / (hi - lo) as an integer comparison of the 24 random bits
+// with the position of a inside its bracket (exact); for a < 0.25 the position 2a * 2^24 is compared through
+// its ceiling (k < X <=> k < ceil(X) for integer k), taken with one round-up add at the ulp-1 binade.
+__device__ __forceinline__ uint32_t e2m1_sr_magnitude_bits(float a, uint32_t random_word) {
+  const uint32_t b = __float_as_uint(a);
+  const uint32_t k = random_word >> 8;
+  const int be = (int)(b >> 23);
+  const int sh = max(min(be - 125, 2), 0);  // 0: a in [0.25, 0.5), 1: [0.5, 1), 2: [1, 6]
+  const uint32_t lo = (uint32_t)max((int)(b >> 22) - 252, sh);
+  const uint32_t frac = (b | 0x800000u) & (0xFFFFFFu >> sh);
+  const uint32_t up = (k >> sh) < frac ? 1u : 0u;
+  const uint32_t ceil_x = __float_as_uint(__fadd_ru(__fmul_rn(a, 0x1p25f), 0x1p23f)) - 0x4B000000u;
+  const uint32_t up_small = k < ceil_x ? 1u : 0u;
+  return be >= 125 ? lo + up : up_small;
+}
+
+// SPEC 5 guided roundings from the bits: compact picks the bracket end with the rollout's mantissa bit; full
+// lands on hi iff the rollout's value, seen on v's side of zero, reaches hi (a -0 rollout only reaches hi == 0,
+// where lo == hi anyway).
+__device__ __forceinline__ uint32_t e2m1_guided_compact_magnitude_bits(float a, uint32_t mantissa_bit) {
+  const uint32_t lo = e2m1_floor_magnitude_bits(a);
+  const uint32_t hi = lo + (e2m1_on_grid(a) ? 0u : 1u);
+  return (lo & 1u) == mantissa_bit ? lo : hi;
+}
+__device__ __forceinline__ uint32_t e2m1_guided_full_magnitude_bits(uint32_t v_sign_nibble, float a,
+                                                                    uint32_t rollout_code) {
+  const uint32_t lo = e2m1_floor_magnitude_bits(a);
+  const uint32_t hi = lo + (e2m1_on_grid(a) ? 0u : 1u);
+  const bool same_side = (rollout_code & 8u) == v_sign_nibble;
+  return (same_side && (rollout_code & 7u) >= hi) ? hi : lo;
+}
+
+// e2m1_value(code) * 2^-14, exactly, without an int->float conversion: the 3 magnitude bits placed at bits 9..11
+// of an fp16 (and the sign at bit 15) are the E2M1 value scaled by 2^-14 (code 1 lands on the fp16 subnormal 2^-15).
+__device__ __forceinline__ float e2m1_value_x2m14(uint32_t code) {
+  return __half2float(__ushort_as_half((unsigned short)(((code & 7u) << 9) | ((code & 8u) << 12))));
+}
+
+// fl(a / t) for a >= 0 with r = fl(1 / t) precomputed (Markstein: q = fl(a r), the remainder a - q t is exact
+// in one FMA, q + rem * r rounds correctly). Valid when t and r are normal, a / t cannot overflow, and both a
+// and the quotient are >= 2^-100 (callers check; outside that use __fdiv_rn). Checked in exact arithmetic.
+__device__ __forceinline__ float div_rn_with_rcp(float a, float t, float r) {
+  const float q = __fmul_rn(a, r);
+  const float rem = __fmaf_rn(-q, t, a);
+  return __fmaf_rn(rem, r, q);
+}
+
 // SPEC 5, compact guidance: the bracket end whose mantissa bit (code LSB) equals the rollout's bit.
 __device__ __forceinline__ uint32_t e2m1_guided_compact_magnitude(float a, uint32_t mantissa_bit) {
   E2M1Bracket b = e2m1_bracket(a);
