@@ -28,10 +28,19 @@ DSV3_GATE_UP = ("deepseek_v3.gate_up", 4096, 7168)
 DSV3_DOWN = ("deepseek_v3.down", 7168, 2048)
 
 
-def _quant_w(N, K, E=None, gen=None):
-    shape = (E, N, K) if E else (N, K)
-    x = torch.randn(shape, device=DEV, generator=gen) * 0.02
-    return ref.nvfp4_quantize(x, scope="matrix" if E else "tensor")
+def _quant_w(N, K, E=None):
+    """Random NVFP4 weight: every code byte and every finite E4M3 scale byte (0x00..0x7E) uniformly, g_w per matrix
+    ([1] dense, [E] grouped). Covers all values, and needs no float copy of the weight (DeepSeek E=256)."""
+    lead = (E, N) if E else (N,)
+    codes = torch.randint(0, 256, (*lead, K // 2), device=DEV, dtype=torch.uint8)
+    scales = torch.randint(0, 0x7F, (*lead, K // 16), device=DEV, dtype=torch.uint8)
+    g = torch.rand(E if E else 1, device=DEV) * 1e-3 + 1e-4
+    return NVFP4Tensor(codes, scales, g, shape=(*lead, K))
+
+
+def _quantized_w(N, K):
+    """A weight from the real quantizer (RTN, per-tensor g), for the tests of the end-to-end numbers."""
+    return ref.nvfp4_quantize(torch.randn(N, K, device=DEV) * 0.02, scope="tensor")
 
 
 def _check(y, a64, w64, what):
@@ -53,8 +62,12 @@ def _check(y, a64, w64, what):
         )
 
 
-def _w64(w: NVFP4Tensor):
-    return R.dequantize_f64(w.codes, w.scales) * w.g.double().reshape(*w.g.shape, 1)
+def _w64(w: NVFP4Tensor, e: int | None = None):
+    """float64 dequantized weight (of expert e for a grouped weight)."""
+    if e is not None:
+        return R.dequantize_f64(w.codes[e], w.scales[e]) * float(w.g.reshape(-1)[e])
+    g = w.g.double().reshape(-1)
+    return R.dequantize_f64(w.codes, w.scales) * (g[:, None] if g.numel() > 1 else g)
 
 
 def _a64(a):
@@ -108,7 +121,7 @@ def test_dense_large_m_16384(mode):
 def test_w4a4_act_quant_prologue_equals_prequantized():
     """Protects act_quant='nvfp4': the same as quantizing A (RTN, per-row g) then the W4A4 GEMM."""
     name, N, K = QWEN_GATE_UP
-    w = _quant_w(N, K)
+    w = _quantized_w(N, K)
     a = torch.randn(37, K, device=DEV).bfloat16()
     y1 = O.fp4_linear(a, w, act_quant="nvfp4", backend="cuda")
     y2 = O.fp4_linear(ref.nvfp4_quantize(a), w, backend="cuda")
@@ -129,12 +142,11 @@ def _grouped_case(E, N, K, counts, mode, w=None, prepared=False, what=""):
     y = O.fp4_grouped_linear(a, wt, offsets, backend="cuda")
     assert y.shape == (M, N)
     a64 = _a64(a)
-    w64 = _w64(w)  # [E, N, K]
     off = offsets.tolist()
     for e in range(E):
         lo, hi = off[e], off[e + 1]
         if hi > lo:
-            _check(y[lo:hi], a64[lo:hi], w64[e], f"{what} expert {e}")
+            _check(y[lo:hi], a64[lo:hi], _w64(w, e), f"{what} expert {e}")
     return w
 
 
@@ -183,7 +195,7 @@ def test_grouped_all_tokens_on_one_expert_and_empty(mode):
 def test_nan_block_propagates():
     """Protects SPEC 2 through the kernels: a NaN weight block makes its output column NaN, others stay finite."""
     N, K = 256, 2048
-    w = _quant_w(N, K)
+    w = _quantized_w(N, K)
     w.scales[5, 3] = 0x7F
     for M in (1, 8, 200):
         a = torch.randn(M, K, device=DEV).bfloat16()
@@ -247,11 +259,10 @@ def test_moe_layer_end_to_end_on_gpu():
     y = O.fp4_grouped_linear(p.x_sorted, w, p.offsets, backend="cuda")
     y_ref = O.fp4_grouped_linear(p.x_sorted, w, p.offsets, backend="reference")
     a64 = p.x_sorted.double()
-    w64 = _w64(w)
     off = p.offsets.tolist()
     for e in range(E):
         if off[e + 1] > off[e]:
-            _check(y[off[e] : off[e + 1]], a64[off[e] : off[e + 1]], w64[e], f"e2e expert {e}")
+            _check(y[off[e] : off[e + 1]], a64[off[e] : off[e + 1]], _w64(w, e), f"e2e expert {e}")
     assert y_ref.shape == y.shape
     out = O.moe_unpermute(y, p, wts, backend="cuda")
     assert out.shape == (T, N) and torch.isfinite(out).all()
@@ -279,10 +290,10 @@ def test_gpu_errors():
         ops.fp4_linear(a, None, None, w.codes.cpu(), w.scales, g, None)
     wg = _quant_w(64, 128, 2)
     with pytest.raises(ValueError):
-        ops.fp4_grouped_linear(a, None, None, wg.codes, wg.scales, wg.g[:, 0].contiguous(),
+        ops.fp4_grouped_linear(a, None, None, wg.codes, wg.scales, wg.g.contiguous(),
                                torch.zeros(2, dtype=torch.int32, device=DEV), None)
     with pytest.raises(TypeError):
-        ops.fp4_grouped_linear(a, None, None, wg.codes, wg.scales, wg.g[:, 0].contiguous(),
+        ops.fp4_grouped_linear(a, None, None, wg.codes, wg.scales, wg.g.contiguous(),
                                torch.zeros(3, dtype=torch.int64, device=DEV), None)
     with pytest.raises(ValueError):
         O.fp4_grouped_linear(a, wg, torch.tensor([0, 5, 4], dtype=torch.int32, device=DEV), validate=True)
