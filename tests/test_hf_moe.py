@@ -424,6 +424,26 @@ def test_unsupported_model_type():
         hf_moe.convert(tf.LlamaForCausalLM(cfg), FP4Config(sites=EXPERTS))
 
 
+def test_unknown_router_is_refused_unless_routing_replay_is_off():
+    """Protects: a MoE whose router we cannot replay is an error, not a model silently trained without R3."""
+
+    class MyGate(torch.nn.Module):
+        def __init__(self, weight):
+            super().__init__()
+            self.weight = weight
+
+        def forward(self, h):
+            logits = torch.nn.functional.linear(h, self.weight)
+            w, idx = torch.topk(torch.softmax(logits.float(), -1), 2, -1)
+            return logits, w.to(h.dtype), idx
+
+    model = tiny()
+    model.model.layers[1].mlp.gate = MyGate(model.model.layers[1].mlp.gate.weight)
+    with pytest.raises(ValueError, match=r"no known top-k router next to model\.layers\.1\.mlp\.experts"):
+        hf_moe.convert(model, FP4Config(sites=EXPERTS))
+    hf_moe.convert(model, FP4Config(sites=EXPERTS, routing_replay=False))
+
+
 def test_k_not_a_multiple_of_the_block():
     with pytest.raises(ValueError, match=r"intermediate_size \(down K\) = 40 must be a multiple of the 16"):
         hf_moe.convert(tiny(moe_intermediate_size=40), FP4Config(sites=EXPERTS))

@@ -124,6 +124,13 @@ def convert(model, config: FP4Config | None = None, *, linear_filter=None):
             raise ValueError(f"{n}: cannot tell the decoder layer of this experts module (expected '...layers.<i>...')")
         plans.append((n, m, _fused_spec(n, m, layer, block)))
     routers = [(n, m) for n, m in named.items() if is_router(m) and _layer_of(n) is not None]
+    router_layers = {_layer_of(n) for n, _ in routers}
+    unrouted = [n for n, _, spec in plans if spec.layer not in router_layers]
+    if unrouted and config.routing_replay:
+        raise ValueError(
+            f"unsupported model type {model_type!r}: no known top-k router next to {unrouted[0]} (routing replay knows "
+            f"the routers of {SUPPORTED_MODEL_TYPES}); pass FP4Config(routing_replay=False) to convert without R3"
+        )
 
     fused_parents = {n.rsplit(".", 1)[0] for n, _ in fused} | {n.rsplit(".", 1)[0] for n in v4}
     linears = []
