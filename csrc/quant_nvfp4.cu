@@ -62,6 +62,11 @@ struct QuantParams {
   int64_t rows_pad, kb_pad;
 };
 
+// Row of flat block fb (32-bit division whenever the index fits, the common case).
+__device__ __forceinline__ int64_t row_of(uint64_t fb, int64_t kb) {
+  return fb < (uint64_t(1) << 32) ? (int64_t)((uint32_t)fb / (uint32_t)kb) : (int64_t)(fb / (uint64_t)kb);
+}
+
 // ---- per-block quantization --------------------------------------------------------------------------------
 
 // Magnitude code of one element from a = |v| (and v's sign nibble, for guided full).
@@ -256,7 +261,7 @@ __global__ void __launch_bounds__(kFlatThreads) nvfp4_quant_flat_kernel(const Qu
       for (int i = 0; i < kNvfp4Block; ++i) x[1][i] = 0.0f;
     }
     int64_t row[2], kbi[2];
-    row[0] = (int64_t)(fb0 / (uint64_t)p.kb);
+    row[0] = row_of(fb0, p.kb);
     kbi[0] = (int64_t)fb0 - row[0] * p.kb;
     kbi[1] = kbi[0] + 1;
     row[1] = row[0];
@@ -400,7 +405,7 @@ __global__ void __launch_bounds__(kFlatThreads) nvfp4_dequant_kernel(const uint8
     c[0] = __ldg(reinterpret_cast<const uint2*>(codes) + fb0);
     c[1] = make_uint2(0u, 0u);
   }
-  const int64_t row0 = (int64_t)(fb0 / (uint64_t)kb);
+  const int64_t row0 = row_of(fb0, kb);
   const int64_t row1 = (int64_t)(fb0 + 1) - row0 * kb == kb ? row0 + 1 : row0;
   const float g0 = __ldg(g + row0 * g_stride);
   const uint8_t s0 = __ldg(scales + fb0);
