@@ -12,6 +12,12 @@
 //   kFusedMaxK = 16384 elements fit (512 threads x 32 elements). Longer rows take a documented two-pass
 //   path: kernel 1 writes the per-row g (finite amax / 2688), kernel 2 is the flat kernel reading it.
 // - Every numeric step comes from fp4_numerics.cuh; all float ops are __f*_rn (no contraction, no FTZ).
+// - Instruction budget (the kernel must stay memory-bound at ~18 ops / element): v = fl(x / t) is one FMUL and
+//   two FMAs with the block's correctly rounded reciprocal (Markstein; exact where t, 1/t and the quotients are
+//   far from under/overflow, checked per block and per element, __fdiv_rn otherwise), and the RTN / SR / guided
+//   codes are read off the float's bits (e2m1_*_bits) instead of seven-compare chains. Both were checked
+//   against reference.py: RTN over every non-negative float, SR / guided on 8M random and edge values, the
+//   division in exact rational arithmetic near every rounding midpoint.
 // - SR: one philox4x32_10 call per 4 elements (counter = flat element index / 4, SPEC 4).
 // - Swizzled scales: written at their 128x4 offsets; the zero padding is written by the same launch
 //   (a grid-stride pass over the padded bytes of the last row tile and the last column chunk of each tile).
