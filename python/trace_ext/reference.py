@@ -61,9 +61,15 @@ def finite_amax(x: torch.Tensor, dims) -> torch.Tensor:
     return a.amax(dim=dims) if a.numel() else a.sum(dim=dims)
 
 
+def fdiv(a: torch.Tensor, b: float) -> torch.Tensor:
+    """fl(a / b) for a Python-float divisor. Spelled tensor / tensor on purpose: torch's CUDA backend turns a
+    division by a scalar into a multiplication by its reciprocal, which is not the IEEE quotient (off by 1 ulp)."""
+    return a / torch.full_like(a, b)
+
+
 def global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """g = fl(A / 2688); 1.0 where A == 0 (or nothing was finite)."""
-    return torch.where(amax > 0, amax / F.NVFP4_GLOBAL_DIV, torch.ones_like(amax))
+    return torch.where(amax > 0, fdiv(amax, F.NVFP4_GLOBAL_DIV), torch.ones_like(amax))
 
 
 def nvfp4_global_scale(x: torch.Tensor, scope: str = "row") -> torch.Tensor:
@@ -191,7 +197,7 @@ def nvfp4_quantize(
             g_rows = check_g(g.to(x.device) if isinstance(g, torch.Tensor) else g, R).clone()  # never alias g
         safe = torch.where(finite_block[..., None], xb, torch.zeros_like(xb))
         amax_b = safe.abs().amax(-1) if R * K else safe.abs().sum(-1)
-        d = amax_b / F.E2M1_MAX
+        d = fdiv(amax_b, F.E2M1_MAX)
         scales = F.e4m3_rn(d / g_rows[:, None])
         t = F.e4m3_to_float(scales) * g_rows[:, None]
 
