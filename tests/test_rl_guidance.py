@@ -232,6 +232,7 @@ def test_split_and_merge_by_sequence():
     with pytest.raises(GuidanceError):
         a.get_record("expert_in", 2, encode_keys(_keys([1], [0])), K, "cpu")
     _same(GuidanceCache.merge([b, a]), c)
+    _same(c.to("cpu"), c)
     assert [p.sequence_ids().tolist() for p in c.split(2)] == [[0, 1], [2, 3]]
     with pytest.raises(GuidanceError, match="occur in two caches"):
         GuidanceCache.merge([a, a])

@@ -184,6 +184,10 @@ class RowStore:
             )
         return {n: t[idx].to(device, non_blocking=True) for n, t in self.columns.items()}
 
+    def to(self, device) -> "RowStore":
+        k = self.keys
+        return RowStore(self.meta, {n: t.to(device) for n, t in self.columns.items()}, k.to(device))
+
     def select_seqs(self, seqs: torch.Tensor) -> "RowStore":
         k = self.keys
         mask = torch.isin(k >> 32, seqs.to(k.device).long())
@@ -380,6 +384,14 @@ class GuidanceCache:
         out = GuidanceCache(self.config, self.model_signature, self.layers)
         out.records = {k: s.select_seqs(seqs) for k, s in self.records.items()}
         out.routes = {k: s.select_seqs(seqs) for k, s in self.routes.items()}
+        return out
+
+    def to(self, device) -> "GuidanceCache":
+        """A copy with every store on ``device`` (e.g. a micro-batch's part on the trainer's GPU before its forward,
+        so lookups run there instead of copying keys to the host)."""
+        out = GuidanceCache(self.config, self.model_signature, self.layers)
+        out.records = {k: s.to(device) for k, s in self.records.items()}
+        out.routes = {k: s.to(device) for k, s in self.routes.items()}
         return out
 
     def split(self, groups) -> list["GuidanceCache"]:
