@@ -70,8 +70,8 @@ def test_kernel_rollout_matches_reference_rollout_and_guided_replays_it():
         gpu = model(x.to(DEV)).logits.float()
     rel = ((gpu.cpu() - cpu).norm() / cpu.norm()).item()
     assert rel < 2e-2, f"GPU rollout deviates from the reference rollout by {rel:.3g}"
-    with torch.no_grad(), train(model, mode="guided", guidance=rec.cache, capture_codes=True) as sess:
-        model(x.to(DEV))
+    with torch.no_grad(), train(model, mode="guided", guidance=rec.cache.to(DEV), capture_codes=True) as sess:
+        model(x.to(DEV))  # lookups on the GPU
     agree = site_agreement(rec.codes, sess.codes)
     assert agree["expert_in@0"]["code_agreement"] == 1.0 and agree["expert_in@0"]["scale_agreement"] == 1.0
     assert agree["expert_down_in"]["scale_agreement"] == 1.0
