@@ -561,6 +561,10 @@ def test_v4_modulelist_experts_linear_replacement():
     hf_moe.unconvert(model)
     assert type(model.layers[0].mlp.experts[1].up_proj) is torch.nn.Linear
     assert torch.equal(model(x), want)
+    fresh = _V4Model()
+    with pytest.raises(ValueError, match="no attention module"):  # default sites include the KV cache
+        hf_moe.convert(fresh, FP4Config())
+    assert not any(isinstance(m, FP4Linear) for m in fresh.modules()) and not hasattr(fresh, "_trace_fp4_converted")
     guided = hf_moe.convert(_V4Model().to(BF16), FP4Config(sites=EXPERTS, guidance_layers=None))
     with pytest.raises(GuidanceError, match="no token identity"):
         with rollout(guided):

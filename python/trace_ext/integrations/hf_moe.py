@@ -146,7 +146,12 @@ def convert(model, config: FP4Config | None = None, *, linear_filter=None):
             raise ValueError(f"{n}: in_features = {m.in_features} must be a multiple of the {block}-element FP4 block")
         linears.append((n, m, group))
 
-    # nothing has been changed yet: every check above raises before the model is touched
+    # nothing has been changed yet: every check above raises before the model is touched; the KV install comes
+    # first because it may still refuse the model (no attention modules, unsupported head_dim)
+    if config.quantizes("kv"):
+        from .hf_kvcache import install_fp4_kv
+
+        install_fp4_kv(model, config)
     if config.quantizes("experts"):
         for n, m, spec in plans:
             m._trace_fp4 = spec
@@ -167,9 +172,6 @@ def convert(model, config: FP4Config | None = None, *, linear_filter=None):
             if key not in layout:
                 layout.append(key)
     if config.quantizes("kv"):
-        from .hf_kvcache import install_fp4_kv
-
-        install_fp4_kv(model, config)
         kvh = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads")
         hd = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         for layer in range(config.num_layers):
