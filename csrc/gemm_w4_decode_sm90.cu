@@ -17,8 +17,9 @@
 //  - Parallelism: a CTA is 8 warps on the same K range, each warp NB 16-row blocks (the activation fragments are
 //    reused NB times in registers and 8 times through L1). Dense problems split K over gridDim.y CTAs to fill the
 //    132 SMs; partial sums go to an fp32 workspace and the last CTA of each N tile (atomic ticket) adds them in
-//    split order (deterministic) and runs the epilogue. Grouped problems run one CTA per (N tile, expert), no split;
-//    experts with no rows exit at once, experts with more than 8 * MT8 rows loop over row chunks.
+//    split order (deterministic) and runs the epilogue. Grouped problems run one CTA per (N tile, expert) whose
+//    warps split K 4 or 2 ways (sums combined through shared memory in warp order, deterministic); experts with no
+//    rows exit at once, experts with more than 8 * MT8 rows loop over row chunks.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -61,10 +62,15 @@ __device__ __forceinline__ uint2 ld_stream8(const void* p) {
   return v;
 }
 
-template <int MT8, int NB, bool kAFp4>
+// MT8: 8-row token tiles per chunk; NB: 16-row weight blocks per warp; KW: warps of a CTA that split K (the
+// CTA's kDecWarps / KW warp columns each own NB weight blocks).
+template <int MT8, int NB, bool kAFp4, int KW>
 __global__ void __launch_bounds__(kDecThreads) gemm_w4_decode_kernel(const GemmParams p, float* __restrict__ ws,
                                                                      int* __restrict__ tickets, int splits) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  constexpr int NW = kDecWarps / KW;
+  static_assert(kDecWarps % KW == 0, "KW must divide the warps of a CTA");
+  const int warp_id = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int nw = warp_id % NW, kw = warp_id / NW;
   const int g = lane >> 2, t = lane & 3;
   const int e = blockIdx.z;
   const int K = p.K, N = p.N;
@@ -76,8 +82,9 @@ __global__ void __launch_bounds__(kDecThreads) gemm_w4_decode_kernel(const GemmP
   }
   if (m_lo >= m_hi) return;
   const int s = blockIdx.y;
-  const int kt0 = (int)((int64_t)KT * s / splits), kt1 = (int)((int64_t)KT * (s + 1) / splits);
-  const int nb0 = (blockIdx.x * kDecWarps + warp) * NB;  // first 16-row block of this warp
+  const int slice = s * KW + kw, n_slices = splits * KW;
+  const int kt0 = (int)((int64_t)KT * slice / n_slices), kt1 = (int)((int64_t)KT * (slice + 1) / n_slices);
+  const int nb0 = (blockIdx.x * NW + nw) * NB;  // first 16-row block of this warp
   const int n_blocks = N / 16;
   const uint8_t* wpk = p.w_packed + (int64_t)e * ((int64_t)N * K / 2 + (int64_t)N * K / 16);
   const float* gw = p.g_w + (int64_t)e * p.gw_stride_e;
@@ -162,13 +169,39 @@ __global__ void __launch_bounds__(kDecThreads) gemm_w4_decode_kernel(const GemmP
       }
     }
 
-    // ---- reduction over splits and epilogue. acc[b][i]: c0 (n = 16nb + g, m = 8i + 2t), c1 (m + 1),
-    // c2 (n + 8, m), c3 (n + 8, m + 1).
-    bool last = true;
+    // ---- reduction over the CTA's K warps (fixed order), then over splits, then epilogue.
+    // acc[b][i]: c0 (n = 16nb + g, m = 8i + 2t), c1 (m + 1), c2 (n + 8, m), c3 (n + 8, m + 1).
+    if constexpr (KW > 1) {
+      constexpr int kFrag = NB * MT8 * 4;
+      __shared__ float red[KW - 1][NW][32][kFrag];
+      if (kw > 0) {
+#pragma unroll
+        for (int b = 0; b < NB; ++b)
+#pragma unroll
+          for (int i = 0; i < MT8; ++i)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) red[kw - 1][nw][lane][(b * MT8 + i) * 4 + c] = acc[b][i][c];
+      }
+      __syncthreads();
+      if (kw == 0) {
+#pragma unroll
+        for (int q = 0; q < KW - 1; ++q)
+#pragma unroll
+          for (int b = 0; b < NB; ++b)
+#pragma unroll
+            for (int i = 0; i < MT8; ++i)
+#pragma unroll
+              for (int c = 0; c < 4; ++c)
+                acc[b][i][c] = __fadd_rn(acc[b][i][c], red[q][nw][lane][(b * MT8 + i) * 4 + c]);
+      }
+      __syncthreads();
+    }
+    const bool owner = kw == 0;  // warps that hold the CTA's sums
     if (splits > 1) {
       __shared__ int s_last;
 #pragma unroll
       for (int b = 0; b < NB; ++b) {
+        if (!owner) break;
         const int nb = nb0 + b;
         if (nb >= n_blocks) continue;
 #pragma unroll
@@ -187,11 +220,11 @@ __global__ void __launch_bounds__(kDecThreads) gemm_w4_decode_kernel(const GemmP
         if (s_last) tickets[blockIdx.x] = 0;
       }
       __syncthreads();
-      last = s_last;
-      if (!last) return;  // dense only (one row chunk), so leaving is safe
+      if (!s_last) return;  // dense only (one row chunk), so leaving is safe
       __threadfence();
 #pragma unroll
       for (int b = 0; b < NB; ++b) {
+        if (!owner) break;
         const int nb = nb0 + b;
         if (nb >= n_blocks) continue;
 #pragma unroll
@@ -209,7 +242,7 @@ __global__ void __launch_bounds__(kDecThreads) gemm_w4_decode_kernel(const GemmP
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
       const int nb = nb0 + b;
-      if (nb >= n_blocks) continue;
+      if (!owner || nb >= n_blocks) continue;
 #pragma unroll
       for (int i = 0; i < MT8; ++i)
 #pragma unroll
@@ -228,11 +261,11 @@ bool decode_supported(const GemmParams& p) {
   return p.w_packed != nullptr && p.N % 16 == 0 && p.K % kSuperK == 0 && p.K > 0;
 }
 
-template <int MT8, int NB, bool kAFp4>
+template <int MT8, int NB, bool kAFp4, int KW = 1>
 void launch_decode(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
-  auto kernel = gemm_w4_decode_kernel<MT8, NB, kAFp4>;
+  auto kernel = gemm_w4_decode_kernel<MT8, NB, kAFp4, KW>;
   require_kernel_image(kernel, "fp4_linear (decode)");
-  const int rows_per_cta = kDecWarps * 16 * NB;
+  const int rows_per_cta = kDecWarps / KW * 16 * NB;
   const int n_tiles = (p.N + rows_per_cta - 1) / rows_per_cta;
   const int KT = p.K / kSuperK;
   int splits = 1;
@@ -254,11 +287,11 @@ void launch_decode(const GemmParams& p, const at::Tensor& like, cudaStream_t str
 void run_decode(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream) {
   const bool a4 = p.a_scales != nullptr;
   if (p.offsets != nullptr) {
-    // grouped: rows per expert vary; chunks of 8 or 16 rows, one 16-row block per warp
+    // grouped: rows per expert vary (chunks of 8 or 16 rows); no cross-CTA split, K split over 4 / 2 warps
     if (rows_hint <= 8) {
-      if (a4) launch_decode<1, 1, true>(p, like, stream); else launch_decode<1, 1, false>(p, like, stream);
+      if (a4) launch_decode<1, 1, true, 4>(p, like, stream); else launch_decode<1, 1, false, 4>(p, like, stream);
     } else {
-      if (a4) launch_decode<2, 1, true>(p, like, stream); else launch_decode<2, 1, false>(p, like, stream);
+      if (a4) launch_decode<2, 1, true, 2>(p, like, stream); else launch_decode<2, 1, false, 2>(p, like, stream);
     }
     return;
   }
