@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import sys
 import time
 import types
@@ -39,6 +38,7 @@ from .. import formats as F
 from .config import FP4Config
 from .demo_model import FULL_SPEC, QUICK_SPEC, DemoModelSpec, load_or_train, set_experts_implementation
 from .guidance import GuidanceCache, RowStore, guided_layers, to_compact
+from .metrics import mismatch_metrics, router_flip_rate, site_agreement
 
 ARMS = (
     ("bf16_floor", "bf16 rollout + bf16 trainer", "bf16", "bf16", None),
@@ -48,9 +48,14 @@ ARMS = (
     ("trace_all_compact", "TRACE all layers (compact)", "fp4", "guided", (None, "compact")),
     ("trace_all_full", "TRACE all layers (full codes)", "fp4", "guided", (None, "full")),
 )
-TABLE_METRICS = ("k3_kl", "kl", "logprob_abs_diff", "token_mult_prob_error", "prob_abs_diff_max", "ratio_outside_[0.5,2]",
-                 "router_flip_rate")
-
+SHORT_LABELS = {
+    "bf16_floor": "bf16 roll\nbf16 train",
+    "fp4_bf16": "fp4 roll\nbf16 train",
+    "fp4_rtn_qat": "fp4 roll\nRTN-QAT",
+    "trace_deep_compact": "TRACE\ndeep half",
+    "trace_all_compact": "TRACE all\ncompact",
+    "trace_all_full": "TRACE all\nfull codes",
+}
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -148,6 +153,21 @@ def to_compact_cols(cols: dict) -> dict:
     return {"payload": r.payload, "scales": r.scales, "g": r.g}
 
 
+def merge_signed_zero(codes: GuidanceCache) -> GuidanceCache:
+    """A copy of captured full codes with -0 (code 0x8) written as +0 (0x0): both decode to the value 0.
+
+    Guided rounding (SPEC 5) takes the sign of a zero from the trainer's own value, so a value that rounds to 0
+    and changes sign between rollout and trainer gives 0x8 vs 0x0; comparing these copies counts FP4 values."""
+    out = GuidanceCache(codes.config, codes.model_signature, codes.layers)
+    for key, st in codes.records.items():
+        nib = F.unpack_nibbles(st.columns["payload"])
+        cols = dict(st.columns)
+        cols["payload"] = F.pack_nibbles(torch.where(nib == 0x8, torch.zeros_like(nib), nib))
+        out.records[key] = RowStore(st.meta, cols, st.keys)
+    out.routes = codes.routes
+    return out
+
+
 def guidance_bytes_per_token(cache: GuidanceCache, num_tokens: int) -> float:
     """Guidance record bytes (payload + scales + g; routes excluded) per token processed by the rollout."""
     return cache.nbytes(include_routes=False) / max(1, num_tokens)
@@ -155,94 +175,6 @@ def guidance_bytes_per_token(cache: GuidanceCache, num_tokens: int) -> float:
 
 def route_bytes_per_token(cache: GuidanceCache, num_tokens: int) -> float:
     return sum(s.nbytes() for s in cache.routes.values()) / max(1, num_tokens)
-
-
-# ---- metrics (SPEC 9) ----------------------------------------------------------------------------------------------
-
-
-def mismatch_panel(logp_train: torch.Tensor, logp_rollout: torch.Tensor) -> dict:
-    """SPEC 9 panel over sampled response tokens (names as verl / slime / NeMo-RL)."""
-    try:
-        from .metrics import mismatch_metrics
-    except ImportError:
-        mismatch_metrics = None
-    if mismatch_metrics is not None:
-        return {k: float(v) for k, v in mismatch_metrics(logp_train, logp_rollout).items()}
-    r = (logp_train.double() - logp_rollout.double()).reshape(-1)
-    pt, pr = logp_train.double().exp().reshape(-1), logp_rollout.double().exp().reshape(-1)
-    w = r.exp()
-    wn = w / w.mean()
-    pc = torch.corrcoef(torch.stack([pt, pr]))[0, 1] if pt.numel() > 1 and pt.std() > 0 and pr.std() > 0 else torch.tensor(1.0)
-    return {
-        "kl": float((-r).mean()),
-        "k3_kl": float((w - r - 1).mean()),
-        "logprob_abs_diff": float(r.abs().mean()),
-        "token_mult_prob_error": float(r.abs().exp().mean()),
-        "prob_abs_diff_mean": float((pt - pr).abs().mean()),
-        "prob_abs_diff_max": float((pt - pr).abs().max()),
-        "prob_pearson": float(pc),
-        "ratio_outside_[0.5,2]": float(((w < 0.5) | (w > 2.0)).double().mean()),
-        "ess": float(1.0 / (wn * wn).mean()),
-    }
-
-
-def _nibbles(payload: torch.Tensor) -> torch.Tensor:
-    return F.unpack_nibbles(payload)
-
-
-def site_agreement(rollout_codes: GuidanceCache, trainer_codes: GuidanceCache) -> dict:
-    """{(site, layer): (code_agreement, scale_agreement, rows)} over the rows both sides quantized."""
-    out = {}
-    for key, st in trainer_codes.records.items():
-        ro = rollout_codes.records.get(key)
-        if ro is None or len(st) == 0:
-            continue
-        idx, found = ro.find(st.keys)
-        if not bool(found.any()):
-            continue
-        a = _nibbles(st.columns["payload"][found.to(st.keys.device)])
-        b = _nibbles(ro.columns["payload"][idx[found]])
-        sa = st.columns["scales"][found.to(st.keys.device)]
-        sb = ro.columns["scales"][idx[found]]
-        out[key] = (float((a == b).double().mean()), float((sa == sb).double().mean()), int(found.sum()))
-    return out
-
-
-class RouterFlips:
-    """Counts (token, layer) pairs whose trainer top-k set differs from the rollout's (before replay)."""
-
-    def __init__(self, model, cache: GuidanceCache):
-        from .routing import topk_sets_differ
-        from .session import current_session
-
-        self.flips = 0
-        self.total = 0
-        self.handles = []
-
-        def hook(module, args, output):
-            sess = current_session()
-            layer = getattr(module, "_trace_fp4_layer", None)
-            if sess is None or layer is None or layer not in cache.routes:
-                return None
-            from .guidance import encode_keys
-
-            idx = output[2]
-            rec = cache.routes[layer].lookup(encode_keys(sess.row_keys()), idx.device, f"routes[{layer}]")["topk"].long()
-            d = topk_sets_differ(idx.long(), rec)
-            self.flips += int(d.sum())
-            self.total += int(d.numel())
-            return None
-
-        for m in model.modules():
-            if getattr(m, "_trace_fp4_layer", None) is not None:
-                self.handles.append(m.register_forward_hook(hook, prepend=True))
-
-    def rate(self) -> float:
-        return self.flips / self.total if self.total else 0.0
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
 
 
 # ---- the demo -----------------------------------------------------------------------------------------------------
@@ -292,6 +224,7 @@ def run(run_spec: RunSpec, device="cpu", out_dir=None, cache_dir=None, retrain=F
     t_rollout = time.time() - t0
     rec_fp4.cache.synchronize()
     rollout_tokens = run_spec.num_samples * (task.seq_len - 1)
+    rollout_values = merge_signed_zero(rec_fp4.codes)
     # 2. trainer arms
     arms = []
     for key, label, roll, mode, guide in ARMS:
@@ -301,19 +234,16 @@ def run(run_spec: RunSpec, device="cpu", out_dir=None, cache_dir=None, retrain=F
         if guide is not None:
             cfg = record_cfg.with_(guidance_layers=guide[0], guidance_kind=guide[1])
             guidance = derive_guidance(rec.cache, cfg, layout)
-        elif mode == "qat" or mode == "bf16":
-            cfg = record_cfg.with_(guidance_kind="full")
-        flips = RouterFlips(model, rec.cache)
-        try:
-            with train(model, cfg, mode=mode, guidance=guidance, sequence_ids=seq_ids, capture_codes=mode != "bf16") as sess:
-                lp_train = response_logprobs(model, seqs, task.prompt_len, run_spec.temperature)
-        finally:
-            flips.remove()
-        panel = mismatch_panel(lp_train.cpu(), lp_roll.cpu())
-        panel["router_flip_rate"] = flips.rate()
+        with train(model, cfg, mode=mode, guidance=guidance, sequence_ids=seq_ids, capture_codes=True) as sess:
+            lp_train = response_logprobs(model, seqs, task.prompt_len, run_spec.temperature)
+        panel = mismatch_metrics(lp_train.cpu(), lp_roll.cpu())
+        panel["router_flip_rate"] = router_flip_rate(rec.cache, sess.codes)
         agreement = {}
-        if mode != "bf16" and roll == "fp4":
-            agreement = site_agreement(rec_fp4.codes, sess.codes)
+        if mode != "bf16":
+            raw = site_agreement(rec_fp4.codes, sess.codes)
+            agreement = {k: v for k, v in site_agreement(rollout_values, merge_signed_zero(sess.codes)).items() if "@" in k}
+            for k, v in agreement.items():
+                v["code_agreement_raw"] = raw[k]["code_agreement"]
         guided_layers_set = sorted(guided_layers(cfg, layout)) if mode == "guided" else []
         gb = guidance_bytes_per_token(guidance, rollout_tokens) if mode == "guided" else 0.0
         arms.append({
@@ -326,10 +256,9 @@ def run(run_spec: RunSpec, device="cpu", out_dir=None, cache_dir=None, retrain=F
             "guidance_bytes_per_token": gb,
             "route_bytes_per_token": route_bytes_per_token(rec.cache, rollout_tokens),
             "metrics": panel,
-            "agreement": {f"{s}@{l}": {"code_agreement": a, "scale_agreement": b, "rows": n}
-                          for (s, l), (a, b, n) in sorted(agreement.items(), key=lambda kv: (kv[0][1], kv[0][0]))},
+            "agreement": dict(sorted(agreement.items(), key=lambda kv: (_layer_of(kv[0]), kv[0]))),
             "guided_code_agreement_min": min(
-                [a for (s, l), (a, b, n) in agreement.items() if l in guided_layers_set] or [float("nan")]
+                [v["code_agreement"] for k, v in agreement.items() if _layer_of(k) in guided_layers_set] or [float("nan")]
             ),
         })
         bar.update(1)
@@ -343,6 +272,8 @@ def run(run_spec: RunSpec, device="cpu", out_dir=None, cache_dir=None, retrain=F
         "response_tokens_per_arm": int(lp_roll_fp4.numel()),
         "temperature": run_spec.temperature,
         "fp4_config": record_cfg.to_dict(),
+        "agreement_note": "code_agreement counts +0 and -0 (E2M1 codes 0x0 / 0x8) as one value; code_agreement_raw "
+                          "compares the 4-bit codes as they are (SPEC 5 takes the sign of a zero from the trainer's value)",
         "rollout_seconds": t_rollout,
         "total_seconds": time.time() - t_start,
         "arms": arms,
@@ -353,6 +284,10 @@ def run(run_spec: RunSpec, device="cpu", out_dir=None, cache_dir=None, retrain=F
         (out / "report.json").write_text(json.dumps(report, indent=1, default=float))
         plot(report, out / "mismatch.png")
     return report
+
+
+def _layer_of(site_key: str) -> int:
+    return int(site_key.rsplit("@", 1)[1])
 
 
 # ---- output -----------------------------------------------------------------------------------------------------------
@@ -399,7 +334,8 @@ def format_agreement(report: dict) -> str:
         rows.append(r)
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     lines = ["  ".join(s.rjust(w) for s, w in zip(head, widths))] + ["  ".join(s.rjust(w) for s, w in zip(r, widths)) for r in rows]
-    return "code agreement with the rollout's FP4 codes (all quantized sites; * = guided layer)\n" + "\n".join(lines)
+    return ("agreement with the rollout's FP4 codes, +0 and -0 as one value (all quantized sites of the layer; "
+            "* = guided layer)\n" + "\n".join(lines))
 
 
 def plot(report: dict, path) -> None:
@@ -409,14 +345,14 @@ def plot(report: dict, path) -> None:
     import matplotlib.pyplot as plt
 
     arms = report["arms"]
-    labels = [a["label"].replace(" + ", "\n+ ").replace(" (", "\n(") for a in arms]
+    labels = [SHORT_LABELS.get(a["key"], a["key"]) for a in arms]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     for ax, (m, title) in zip(axes[:2], (("k3_kl", "k3 KL (train vs rollout)"), ("logprob_abs_diff", "mean |dlogp|"))):
         vals = [max(a["metrics"][m], 1e-12) for a in arms]
         ax.bar(range(len(arms)), vals, color=["#888"] + ["#c44"] * 2 + ["#48c"] * 3)
         ax.set_yscale("log")
         ax.set_xticks(range(len(arms)))
-        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_xticklabels(labels, fontsize=8)
         ax.set_title(title)
     ax = axes[2]
     for a in arms:
@@ -453,7 +389,6 @@ def main(argv=None) -> int:
     rs = QUICK_RUN if args.quick else FULL_RUN
     if args.samples is not None:
         rs = RunSpec(rs.model, args.samples, rs.temperature, rs.seed)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     report = run(rs, device=device, out_dir=args.out, cache_dir=args.cache_dir, retrain=args.retrain, progress=not args.no_progress)
     print()
     print(format_table(report))

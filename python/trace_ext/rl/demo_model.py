@@ -88,8 +88,8 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class TrainSpec:
-    steps: int = 300
-    batch_size: int = 64
+    steps: int = 200
+    batch_size: int = 48
     lr: float = 3e-3
     warmup: int = 20
     weight_decay: float = 0.01
@@ -126,7 +126,7 @@ QUICK_SPEC = DemoModelSpec(
         num_experts_per_tok=2,
     ),
     task=TaskSpec(num_symbols=16, length=6),
-    train=TrainSpec(steps=250, batch_size=64, lr=3e-3),
+    train=TrainSpec(steps=200, batch_size=48, lr=3e-3),
 )
 
 
@@ -204,6 +204,8 @@ def train(model, spec: DemoModelSpec, device="cpu", progress: bool = True) -> di
     from tqdm.auto import tqdm
 
     tr = spec.train
+    if torch.device(device).type != "cpu":
+        set_experts_implementation(model, "eager")  # grouped_mm kernels on GPUs take bf16 only; training is fp32
     model.to(device).train()
     gen = torch.Generator().manual_seed(tr.seed + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=tr.lr, weight_decay=tr.weight_decay, betas=(0.9, 0.98))
@@ -226,7 +228,7 @@ def train(model, spec: DemoModelSpec, device="cpu", progress: bool = True) -> di
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(out.loss))
+        losses.append(float(out.loss.detach()))
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     model.eval()
     return {"final_loss": sum(losses[-10:]) / min(10, len(losses)), "train_seconds": time.time() - t0}
