@@ -116,7 +116,8 @@ std::tuple<at::Tensor, at::Tensor> mxfp4_quantize_cuda(const at::Tensor& x, int6
   at::Tensor codes = at::empty({R, K / 2}, u8);
   at::Tensor scales = at::empty({R, K / kMxfp4Block}, u8);
   if (R == 0 || K == 0) return {codes, scales};
-  MxParams p{x.data_ptr(), R * (K / kMxfp4Block), (uint64_t)seed, (uint64_t)offset, scale_ceil,
+  const at::Tensor xv = aligned_for_vectors(x, 16);
+  MxParams p{xv.data_ptr(), R * (K / kMxfp4Block), (uint64_t)seed, (uint64_t)offset, scale_ceil,
              codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>()};
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   dispatch_dtype(x.scalar_type(), [&](auto tag) {
@@ -147,12 +148,13 @@ at::Tensor mxfp4_dequantize_cuda(const at::Tensor& codes, const at::Tensor& scal
   at::Tensor y = at::empty({R, K}, codes.options().dtype(dtype));
   if (R == 0 || K == 0) return y;
   const int64_t total = R * (K / kMxfp4Block);
+  const at::Tensor codes_v = aligned_for_vectors(codes, 16);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     auto kernel = mxfp4_dequant_kernel<T>;
     require_kernel_image(kernel, op);
-    kernel<<<(unsigned)div_up(total, kThreads), kThreads, 0, stream>>>(codes.data_ptr<uint8_t>(),
+    kernel<<<(unsigned)div_up(total, kThreads), kThreads, 0, stream>>>(codes_v.data_ptr<uint8_t>(),
                                                                       scales.data_ptr<uint8_t>(), total,
                                                                       reinterpret_cast<T*>(y.data_ptr()));
     check_launch(op);

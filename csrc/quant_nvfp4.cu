@@ -515,10 +515,11 @@ struct Prepared {
 };
 
 // Argument checks shared by nvfp4_quantize and nvfp4_fake_quantize (SPEC 10), and the params they share.
-Prepared prepare(const at::Tensor& x, const std::optional<at::Tensor>& g, int64_t rounding, int64_t seed, int64_t offset,
+Prepared prepare(at::Tensor& x, const std::optional<at::Tensor>& g, int64_t rounding, int64_t seed, int64_t offset,
                  const std::optional<at::Tensor>& gs, const std::optional<at::Tensor>& gg,
-                 const std::optional<at::Tensor>& gp, const char* op) {
+                 const std::optional<at::Tensor>& gp, at::Tensor& payload, const char* op) {
   check_float_x(x, kNvfp4Block, op);
+  x = aligned_for_vectors(x, 16);
   TORCH_CHECK_VALUE(rounding >= kRTN && rounding <= kGuidedFull, "trace_ext.", op,
                     ": rounding must be 0 (rtn), 1 (sr), 2 (guided compact) or 3 (guided full), got ", rounding);
   TORCH_CHECK_VALUE(seed >= 0 && offset >= 0, "trace_ext.", op, ": seed and offset must be >= 0, got ", seed, ", ",
@@ -549,7 +550,8 @@ Prepared prepare(const at::Tensor& x, const std::optional<at::Tensor>& g, int64_
     check_contiguous(pl, "guide_payload");
     p.guide_scales = s.data_ptr<uint8_t>();
     p.guide_g = gr.data_ptr<float>();
-    p.guide_payload = pl.data_ptr<uint8_t>();
+    payload = aligned_for_vectors(pl, 8);
+    p.guide_payload = payload.data_ptr<uint8_t>();
     out.rowg = false;
   } else {
     TORCH_CHECK_VALUE(!gs.has_value() && !gg.has_value() && !gp.has_value(), "trace_ext.", op,
@@ -581,11 +583,12 @@ at::Tensor g_for_empty(const at::Tensor& x, const std::optional<at::Tensor>& g, 
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nvfp4_quantize_cuda(
-    const at::Tensor& x, const std::optional<at::Tensor>& g, int64_t rounding, int64_t seed, int64_t offset,
+    const at::Tensor& x_in, const std::optional<at::Tensor>& g, int64_t rounding, int64_t seed, int64_t offset,
     const std::optional<at::Tensor>& guide_scales, const std::optional<at::Tensor>& guide_g,
     const std::optional<at::Tensor>& guide_payload, bool swizzle, bool emit_mbits) {
   const char* op = "nvfp4_quantize";
-  Prepared pr = prepare(x, g, rounding, seed, offset, guide_scales, guide_g, guide_payload, op);
+  at::Tensor x = x_in, payload;
+  Prepared pr = prepare(x, g, rounding, seed, offset, guide_scales, guide_g, guide_payload, payload, op);
   const int64_t R = x.size(0), K = x.size(1), kb = K / kNvfp4Block;
   const c10::cuda::CUDAGuard guard(x.device());
   auto u8 = x.options().dtype(at::kByte);
@@ -616,11 +619,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nvfp4_quantize_cuda(
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nvfp4_fake_quantize_cuda(
-    const at::Tensor& x, const std::optional<at::Tensor>& g, int64_t rounding, int64_t seed, int64_t offset,
+    const at::Tensor& x_in, const std::optional<at::Tensor>& g, int64_t rounding, int64_t seed, int64_t offset,
     const std::optional<at::Tensor>& guide_scales, const std::optional<at::Tensor>& guide_g,
     const std::optional<at::Tensor>& guide_payload, bool emit_guidance) {
   const char* op = "nvfp4_fake_quantize";
-  Prepared pr = prepare(x, g, rounding, seed, offset, guide_scales, guide_g, guide_payload, op);
+  at::Tensor x = x_in, payload;
+  Prepared pr = prepare(x, g, rounding, seed, offset, guide_scales, guide_g, guide_payload, payload, op);
   const int64_t R = x.size(0), K = x.size(1), kb = K / kNvfp4Block;
   const c10::cuda::CUDAGuard guard(x.device());
   auto u8 = x.options().dtype(at::kByte);
@@ -650,8 +654,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nvfp4_fake_quantize_c
   return {y, mbits, scales, g_out};
 }
 
-at::Tensor nvfp4_dequantize_cuda(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& g,
+at::Tensor nvfp4_dequantize_cuda(const at::Tensor& codes_in, const at::Tensor& scales, const at::Tensor& g,
                                  at::ScalarType dtype) {
+  const at::Tensor& codes = codes_in;
   const char* op = "nvfp4_dequantize";
   check_cuda(codes, "codes");
   check_same_device(scales, codes, "scales", "codes");
@@ -673,6 +678,7 @@ at::Tensor nvfp4_dequantize_cuda(const at::Tensor& codes, const at::Tensor& scal
   const c10::cuda::CUDAGuard guard(codes.device());
   at::Tensor y = at::empty({R, K}, codes.options().dtype(dtype));
   if (R == 0 || K == 0) return y;
+  const at::Tensor codes_v = aligned_for_vectors(codes, 16);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t units = div_up(R * kb, kBlocksPerUnit);
   dispatch_dtype(dtype, [&](auto tag) {
@@ -680,7 +686,7 @@ at::Tensor nvfp4_dequantize_cuda(const at::Tensor& codes, const at::Tensor& scal
     auto kernel = nvfp4_dequant_kernel<T>;
     require_kernel_image(kernel, op);
     kernel<<<(unsigned)div_up(units, kFlatThreads), kFlatThreads, 0, stream>>>(
-        codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), g.data_ptr<float>(), g.numel() == 1 ? 0 : 1, R, kb,
+        codes_v.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), g.data_ptr<float>(), g.numel() == 1 ? 0 : 1, R, kb,
         reinterpret_cast<T*>(y.data_ptr()));
     check_launch(op);
   });

@@ -243,6 +243,27 @@ def test_nvfp4_large_tensors():
     assert_q_equal(cuda_q(x, rounding="guided", guidance=rec), ref_q(x, rounding="guided", guidance=rec), "big guided")
 
 
+def test_views_at_unaligned_offsets():
+    """Contiguous views starting mid-vector (x, codes, guidance payload) give the same bits (no faulting loads)."""
+    R, K = 8, 2048
+    x = random_x((1, R * K + 8), torch.bfloat16).reshape(-1)[3 : 3 + R * K].view(R, K)
+    assert x.data_ptr() % 16 != 0
+    assert_q_equal(cuda_q(x), ref_q(x), "unaligned x")
+    mc, mr = ops.mxfp4_quantize(x, backend="cuda"), ops.mxfp4_quantize(x, backend="reference")
+    assert_same(mc.codes, mr.codes, "unaligned mx codes")
+    q = ref.nvfp4_quantize(x)
+    cbuf = torch.zeros(R * K // 2 + 16, dtype=torch.uint8, device=DEV)
+    codes = cbuf[5 : 5 + R * K // 2].view(R, K // 2)
+    codes.copy_(q.codes)
+    y = torch.ops.trace_ext.nvfp4_dequantize(codes, q.scales, q.g, torch.bfloat16)
+    assert_same(y, ref.nvfp4_dequantize(q, torch.bfloat16), "unaligned codes")
+    rec = ref.guidance_from_quantized(q, "full")
+    pbuf = torch.zeros(R * K // 2 + 16, dtype=torch.uint8, device=DEV)
+    rec.payload = pbuf[3 : 3 + R * K // 2].view(R, K // 2)
+    rec.payload.copy_(q.codes)
+    assert_q_equal(cuda_q(x, rounding="guided", guidance=rec), ref_q(x, rounding="guided", guidance=rec), "unaligned payload")
+
+
 # ---- fake quantize / dequantize -------------------------------------------------------------------------------------
 
 

@@ -131,4 +131,13 @@ __device__ __forceinline__ uint32_t max_abs_bits_finite(const float (&x)[N]) {
   return m;
 }
 
+// Host: the kernels read inputs with vector loads; a contiguous view starting at an odd offset inside its storage
+// is copied once to a fresh (aligned) buffer instead of faulting. Values are never changed.
+#ifndef __CUDACC_RTC__
+template <typename TensorT>
+inline TensorT aligned_for_vectors(const TensorT& t, int64_t bytes) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0 ? t : t.clone();
+}
+#endif
+
 }  // namespace trace_ext
