@@ -12,7 +12,17 @@
 //   e2m1_rn_magnitude): bit-identical to reference.nvfp4_quantize with g = the static g of the layer.
 // - Token -> sequence by binary search in cu_seqlens (B + 1 int32, L1-resident), position = start_pos[b] +
 //   (token - cu[b]), page = block_table[b, pos / P]. The host has checked the table; the kernel trusts it.
-// - Grid-stride loop over 2 * T * H * D/16 blocks (K first, then V) so one launch covers any T.
+// - Grid-stride loop over 2 * T * H * D/16 blocks (K first, then V) so one launch covers any T. Index
+//   arithmetic is 32-bit with host-precomputed multiply-shift division (64-bit division by runtime values
+//   costs hundreds of instructions and would make this bandwidth kernel compute-bound).
+// - The block amax and the finiteness test run on the bf16 bit patterns (|x| orders like an unsigned int;
+//   NaN/Inf are the patterns >= 0x7F80), two elements per integer max.
+// - Element codes: the SPEC needs v = fl(x / t) only through e2m1_rn(|v|) and signbit(v) = signbit(x)
+//   (t > 0). The kernel computes q = fl(|x| * fl(1 / t)) (within 1.5 ulp of fl(|x| / t)) and rounds it to
+//   the E2M1 grid with a magic-number add (RNE on a 0.5 / 1 / 2 step grid); whenever q lies within
+//   2^-18 steps of a rounding tie, where the two could round apart, it falls back to the exact
+//   fl(x / t) and e2m1_rn_magnitude. Bit-exact by construction, and ~2x fewer instructions than an IEEE
+//   division plus seven threshold compares per element.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -44,19 +54,63 @@ struct AppendParams {
   const int32_t* cu_seqlens;   // [B + 1]
   const int32_t* start_pos;    // [B]
   int batch, max_pages, page_size, heads, head_dim;
-  int64_t tokens;
+  int tokens;
+  // multiply-shift dividers (see FastDiv)
+  uint32_t nb_mul, nb_shr, heads_mul, heads_shr, page_mul, page_shr;
   // static decode scales
   float g_k, g_v;
 };
 
 __device__ __forceinline__ float bf16_bits_to_float(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
 
+// n / d for 0 <= n < 2^31 as umulhi(n, mul) >> shr (Granlund-Montgomery round-up multiplier; d == 1 has mul 0).
+struct FastDiv {
+  uint32_t mul, shr;
+  static FastDiv make(uint32_t d) {
+    if (d == 1) return {0u, 0u};
+    uint32_t l = 0;
+    while ((1ull << l) < d) ++l;  // ceil(log2 d)
+    const uint64_t p = 31 + l;
+    return {(uint32_t)(((1ull << p) + d - 1) / d), (uint32_t)(p - 32)};
+  }
+};
+__device__ __forceinline__ int fast_div(int n, uint32_t mul, uint32_t shr) {
+  return mul == 0 ? n : (int)(__umulhi((uint32_t)n, mul) >> shr);
+}
+
+// The exact path, out of line so the unrolled hot loop stays small: e2m1_rn(|fl(x / t)|).
+__device__ __noinline__ uint32_t e2m1_magnitude_of_quotient_exact(float x, float t) {
+  return e2m1_rn_magnitude(fabsf(nvfp4_scaled(x, t)));
+}
+
+// E2M1 code of fl(x / t) (t > 0 finite), SPEC 2: magnitude e2m1_rn(|fl(x / t)|), sign signbit(x).
+// Fast path q = fl(|x| * r) with r = fl(1 / t), rounded on the grid by a magic add; exact path near ties
+// and whenever `exact` (1 / t overflowed).
+__device__ __forceinline__ uint32_t e2m1_code_of_quotient(float x, float t, float r, bool exact) {
+  const float q = __fmul_rn(fabsf(x), r);
+  uint32_t mag = 7u;  // q >= 8: saturated whatever the last ulp
+  bool near = exact;
+  if (q < 8.0f) {
+    const bool step_half = q < 2.0f, step_one = q < 4.0f;
+    // adding 2^22 / 2^23 / 2^24 rounds q (RNE) to a multiple of 0.5 / 1 / 2: the E2M1 grid of [0,2) / [2,4) / [4,8)
+    const float magic = step_half ? 4194304.0f : (step_one ? 8388608.0f : 16777216.0f);
+    const float half_step = step_half ? 0.25f : (step_one ? 0.5f : 1.0f);
+    const float rounded = __fadd_rn(q, magic);
+    const uint32_t k = __float_as_uint(rounded) - __float_as_uint(magic);  // grid steps
+    mag = step_half ? k : (step_one ? k + 2u : min(k + 4u, 7u));
+    const float dist = fabsf(__fsub_rn(q, __fsub_rn(rounded, magic)));  // distance to the chosen grid point
+    near = dist >= __fmul_rn(half_step, 0.99999237060546875f);        // within half_step * 2^-17 of a tie
+  }
+  if (near) mag = e2m1_magnitude_of_quotient_exact(x, t);
+  return mag | (signbit(x) ? 8u : 0u);
+}
+
 // Largest b with cu[b] <= token (token < cu[B]); sequences with no new rows are skipped naturally.
-__device__ __forceinline__ int sequence_of_token(const int32_t* __restrict__ cu, int batch, int64_t token) {
+__device__ __forceinline__ int sequence_of_token(const int32_t* __restrict__ cu, int batch, int token) {
   int lo = 0, hi = batch - 1;
   while (lo < hi) {
     int mid = (lo + hi + 1) >> 1;
-    if ((int64_t)__ldg(cu + mid) <= token) {
+    if (__ldg(cu + mid) <= token) {
       lo = mid;
     } else {
       hi = mid - 1;
@@ -67,34 +121,30 @@ __device__ __forceinline__ int sequence_of_token(const int32_t* __restrict__ cu,
 
 __global__ void __launch_bounds__(kAppendThreads) fp4kv_append_kernel(const AppendParams p) {
   const int nb = p.head_dim / kBlockElems;  // blocks per row
-  const int64_t per_tensor = p.tokens * p.heads * nb;
-  const int64_t total = 2 * per_tensor;
-  for (int64_t item = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; item < total;
-       item += (int64_t)gridDim.x * blockDim.x) {
+  const int per_tensor = p.tokens * p.heads * nb;
+  const int total = 2 * per_tensor;  // < 2^31, checked on the host
+  for (int64_t item64 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; item64 < total;
+       item64 += (int64_t)gridDim.x * blockDim.x) {
+    const int item = (int)item64;
     const bool is_v = item >= per_tensor;
-    const int64_t i = is_v ? item - per_tensor : item;
-    const int blk = (int)(i % nb);
-    const int64_t row = i / nb;  // token * H + head
-    const int head = (int)(row % p.heads);
-    const int64_t token = row / p.heads;
+    const int i = is_v ? item - per_tensor : item;
+    const int row = fast_div(i, p.nb_mul, p.nb_shr);  // token * H + head
+    const int blk = i - row * nb;
+    const int token = fast_div(row, p.heads_mul, p.heads_shr);
+    const int head = row - token * p.heads;
 
-    const uint16_t* src = (is_v ? p.v_new : p.k_new) + row * p.head_dim + blk * kBlockElems;
+    const uint16_t* src = (is_v ? p.v_new : p.k_new) + (int64_t)row * p.head_dim + blk * kBlockElems;
     const uint4 lo = __ldg(reinterpret_cast<const uint4*>(src));
     const uint4 hi = __ldg(reinterpret_cast<const uint4*>(src) + 1);
     const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    float x[kBlockElems];
+    // |x| as bf16 bits orders like an unsigned int; NaN / Inf are exactly the patterns >= 0x7F80
+    uint32_t amax2 = 0u;
 #pragma unroll
-    for (int w = 0; w < 8; ++w) {
-      x[2 * w] = bf16_bits_to_float(words[w] & 0xFFFFu);
-      x[2 * w + 1] = bf16_bits_to_float(words[w] >> 16);
-    }
-    bool finite = true;
-    float amax = 0.0f;
-#pragma unroll
-    for (int e = 0; e < kBlockElems; ++e) {
-      finite = finite && isfinite(x[e]);
-      amax = fmaxf(amax, fabsf(x[e]));
-    }
+    for (int w = 0; w < 8; ++w) amax2 = __vmaxu2(amax2, words[w] & 0x7FFF7FFFu);
+    const uint32_t amax_bits = max(amax2 & 0xFFFFu, amax2 >> 16);
+    const bool finite = amax_bits < 0x7F80u;
+    const float amax = bf16_bits_to_float(amax_bits);
+
     const float g = is_v ? p.g_v : p.g_k;
     uint8_t scale = kE4M3NaN;
     uint2 packed = make_uint2(0u, 0u);
@@ -102,19 +152,24 @@ __global__ void __launch_bounds__(kAppendThreads) fp4kv_append_kernel(const Appe
       scale = nvfp4_scale_byte(amax, g);
       const float t = nvfp4_block_divisor(scale, g);
       uint32_t w2[2] = {0u, 0u};
+      if (t != 0.0f) {  // t == 0: v = +0 for every element, all codes 0
+        const float r = __frcp_rn(t);
+        const bool exact = !(r <= 3.0e38f);  // t so small that 1/t overflowed
 #pragma unroll
-      for (int e = 0; e < kBlockElems; ++e) {
-        const float v = nvfp4_scaled(x[e], t);
-        const uint32_t code = e2m1_rn_magnitude(fabsf(v)) | sign_nibble(v);
-        w2[e >> 3] |= code << (4 * (e & 7));
+        for (int e = 0; e < kBlockElems; ++e) {
+          const float x = bf16_bits_to_float(e & 1 ? words[e >> 1] >> 16 : words[e >> 1] & 0xFFFFu);
+          const uint32_t code = e2m1_code_of_quotient(x, t, r, exact);
+          w2[e >> 3] |= code << (4 * (e & 7));
+        }
       }
       packed = make_uint2(w2[0], w2[1]);
     }
 
     const int b = sequence_of_token(p.cu_seqlens, p.batch, token);
-    const int64_t pos = (int64_t)__ldg(p.start_pos + b) + (token - __ldg(p.cu_seqlens + b));
-    const int64_t page = __ldg(p.block_table + (int64_t)b * p.max_pages + pos / p.page_size);
-    const int64_t cache_row = (page * p.page_size + pos % p.page_size) * p.heads + head;
+    const int pos = __ldg(p.start_pos + b) + (token - __ldg(p.cu_seqlens + b));
+    const int col = fast_div(pos, p.page_mul, p.page_shr);
+    const int64_t page = __ldg(p.block_table + (int64_t)b * p.max_pages + col);
+    const int64_t cache_row = (page * p.page_size + (pos - col * p.page_size)) * p.heads + head;
     uint8_t* codes = is_v ? p.v_codes : p.k_codes;
     uint8_t* scales = is_v ? p.v_scales : p.k_scales;
     *reinterpret_cast<uint2*>(codes + cache_row * (p.head_dim / 2) + blk * (kBlockElems / 2)) = packed;
@@ -168,7 +223,9 @@ void fp4kv_append_cuda(at::Tensor& k_codes, at::Tensor& k_scales, at::Tensor& v_
   }
   const int64_t T = k_new.size(0);
   if (T == 0 || B == 0) return;
-  TORCH_CHECK_VALUE(T * H * D < (int64_t(1) << 40), "trace_ext: fp4kv_append: too many rows");
+  TORCH_CHECK_VALUE(2 * T * H * (D / kNvfp4Block) < (int64_t(1) << 31), "trace_ext: fp4kv_append: at most 2^31 blocks "
+                    "per call (T_new * H_kv * D / 8), got T_new=", T);
+  TORCH_CHECK_VALUE(block_table.size(1) * P < (int64_t(1) << 31), "trace_ext: fp4kv_append: positions must fit int32");
 
   c10::cuda::CUDAGuard guard(k_codes.device());
   require_kernel_image(fp4kv_append_kernel, op);
@@ -190,7 +247,12 @@ void fp4kv_append_cuda(at::Tensor& k_codes, at::Tensor& k_scales, at::Tensor& v_
   p.page_size = (int)P;
   p.heads = (int)H;
   p.head_dim = (int)D;
-  p.tokens = T;
+  p.tokens = (int)T;
+  const FastDiv fd_nb = FastDiv::make((uint32_t)(D / kNvfp4Block)), fd_h = FastDiv::make((uint32_t)H),
+                fd_p = FastDiv::make((uint32_t)P);
+  p.nb_mul = fd_nb.mul, p.nb_shr = fd_nb.shr;
+  p.heads_mul = fd_h.mul, p.heads_shr = fd_h.shr;
+  p.page_mul = fd_p.mul, p.page_shr = fd_p.shr;
   p.g_k = (float)g_k;
   p.g_v = (float)g_v;
   TORCH_CHECK_VALUE(std::isfinite(p.g_k) && p.g_k > 0.0f && std::isfinite(p.g_v) && p.g_v > 0.0f,
