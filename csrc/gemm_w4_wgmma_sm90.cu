@@ -1,8 +1,9 @@
 // Large-M NVFP4-weight GEMM for sm_90a on bf16 wgmma (dense and grouped, W4A16 and W4A4).
 //
 // Design note:
-//  - FA3-FP8 pattern without a dedicated producer: CTA tile 256 (M) x 128 (N) x 64 (K), 2 warpgroups, each owning
-//    128 rows as two m64n128k16 wgmma accumulators (128 fp32 registers per thread). Raw tiles (bf16 A, FP4 codes +
+//  - FA3-FP8 pattern without a dedicated producer: CTA tile 128 (M) x 256 (N) x 64 (K), 2 warpgroups, each owning
+//    64 rows as one m64n256k16 wgmma accumulator (128 fp32 registers per thread). The wide N side halves the
+//    L2 -> SM traffic of the bf16 A tiles (the dominant operand) compared with 256 x 128. Raw tiles (bf16 A, FP4 codes +
 //    scale bytes) arrive by 16-byte cp.async in a 3-stage ring; every thread then dequantizes its share of the FP4
 //    tile(s) of the NEXT k step into a 128B-swizzled bf16 buffer (double-buffered) while the tensor cores run the
 //    wgmma of the current one (wgmma is asynchronous: issue, then wait_group 1). 128B swizzle keeps both the
@@ -12,8 +13,8 @@
 //    halves (2 ops), then per element pair one byte-permute, one integer multiply (x * (2^12 + 2^6) places the sign
 //    at bit 15 and the magnitude at bits 6-8 of each bf16 half, no carries because the fields are disjoint) and
 //    one AND give q * 2^-126 in bf16x2; one bf16x2 multiply by s * 2^119 gives q * s * 2^-7.
-//  - The 256-row tile makes the dequantization of W (128 x 64 per k step) cost 1/256 of the MMA work per element;
-//    W4A4 also dequantizes A (256 x 64).
+//  - Per k step the CTA dequantizes W 256 x 64 (one row per thread) against 128 x 256 x 64 MMAs: 1/128 of the
+//    MMA work per element, issued while the previous wgmma runs; W4A4 also dequantizes A (128 x 64).
 //  - Generic-proxy shared-memory writes (cp.async and the dequant stores) are published to the async proxy with
 //    fence.proxy.async before the barrier that precedes the wgmma.
 //  - Compiled only for sm_90a (wgmma); on other targets the kernel body is empty and the host never selects it.
@@ -31,19 +32,19 @@
 namespace trace_ext {
 namespace gemm_w4 {
 
-constexpr int kWgBM = 256;       // CTA rows (2 warpgroups x 2 x m64)
-constexpr int kWgBN = 128;       // CTA columns (wgmma n128)
+constexpr int kWgBM = 128;       // CTA rows (2 warpgroups x m64)
+constexpr int kWgBN = 256;       // CTA columns (wgmma n256)
 constexpr int kWgBK = 64;        // one 128-byte swizzle row of bf16
 constexpr int kWgStages = 3;     // raw-tile ring depth
 constexpr int kWgThreads = 256;  // 2 warpgroups
 constexpr int kSwRow = 128;      // bytes per bf16 row of a swizzled tile
 static_assert(kWgBK * 2 == kSwRow, "a k-tile row is exactly one 128B swizzle row");
-static_assert(kWgBM == 2 * 2 * 64 && kWgThreads == 256, "2 warpgroups x 2 m64 tiles");
+static_assert(kWgBM == 2 * 64 && kWgBN == kWgThreads, "2 warpgroups x m64; one W row per thread");
 
 template <bool kAFp4>
 struct WgCfg {
-  static constexpr int kABf16 = kWgBM * kSwRow;                       // 32 KB, swizzled bf16 A tile
-  static constexpr int kBBf16 = kWgBN * kSwRow;                       // 16 KB, swizzled bf16 W tile
+  static constexpr int kABf16 = kWgBM * kSwRow;                       // 16 KB, swizzled bf16 A tile
+  static constexpr int kBBf16 = kWgBN * kSwRow;                       // 32 KB, swizzled bf16 W tile
   static constexpr int kARaw = kAFp4 ? kWgBM * (32 + 4) : kABf16;     // FP4 codes + scales, or bf16 A (swizzled)
   static constexpr int kWRaw = kWgBN * (32 + 4);
   static constexpr int kStage = (kARaw + kWRaw + 1023) / 1024 * 1024;  // the bf16 A tile inside must stay aligned
@@ -86,15 +87,15 @@ __device__ __forceinline__ void fence_acc(float* d, int n) {
   for (int i = 0; i < n; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// d[0..63] += A(desc_a: 64 x 16, K-major, 128B swizzle) * B(desc_b: 128 x 16, K-major, 128B swizzle)^T.
-__device__ __forceinline__ void wgmma_m64n128k16_bf16(float d[64], uint64_t desc_a, uint64_t desc_b) {
+// d[0..127] += A(desc_a: 64 x 16, K-major, 128B swizzle) * B(desc_b: 256 x 16, K-major, 128B swizzle)^T.
+__device__ __forceinline__ void wgmma_m64n256k16_bf16(float d[128], uint64_t desc_a, uint64_t desc_b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
       "setp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n"
       "}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
         "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
@@ -111,7 +112,23 @@ __device__ __forceinline__ void wgmma_m64n128k16_bf16(float d[64], uint64_t desc
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]),
         "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
-        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]),
+        "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]),
+        "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]),
+        "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]),
+        "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]),
+        "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
+        "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]),
+        "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "l"(desc_a), "l"(desc_b));
 #endif
 }
@@ -155,15 +172,13 @@ __device__ __forceinline__ void wg_load_stage(const GemmParams& p, uint8_t* st, 
     }
   } else {
     const uint8_t* ac = reinterpret_cast<const uint8_t*>(p.a);
-#pragma unroll
-    for (int it = 0; it < kWgBM * 2 / kWgThreads; ++it) {
-      const int idx = tid + it * kWgThreads;
-      const int row = idx >> 1, c = idx & 1;
+    {
+      const int row = tid >> 1, c = tid & 1;  // kWgBM * 2 == kWgThreads chunks
       const int m = m_begin + row;
       const bool ok = m < m_end;
       cp_async16(st + row * 32 + c * 16, ok ? (const void*)(ac + (int64_t)m * (K / 2) + k0 / 2 + c * 16) : p.a, ok);
     }
-    {
+    if (tid < kWgBM) {
       const int m = m_begin + tid;
       const bool ok = m < m_end;
       cp_async4(st + kWgBM * 32 + tid * 4, ok ? (const void*)(p.a_scales + (int64_t)m * (K / 16) + k0 / 16) : p.a_scales,
@@ -172,15 +187,12 @@ __device__ __forceinline__ void wg_load_stage(const GemmParams& p, uint8_t* st, 
   }
   uint8_t* sw = st + C::kARaw;
   {
-    const int row = tid >> 1, c = tid & 1;
-    const int n = n0 + row;
+    const int n = n0 + tid;  // one W row per thread: 32 code bytes + one 4-byte scale word
     const bool ok = n < p.N;
-    cp_async16(sw + row * 32 + c * 16, ok ? (const void*)(wc + (int64_t)n * (K / 2) + k0 / 2 + c * 16) : wc, ok);
-    if (tid < kWgBN) {
-      const int n2 = n0 + tid;
-      const bool ok2 = n2 < p.N;
-      cp_async4(sw + kWgBN * 32 + tid * 4, ok2 ? (const void*)(ws + (int64_t)n2 * (K / 16) + k0 / 16) : ws, ok2);
-    }
+#pragma unroll
+    for (int c = 0; c < 2; ++c)
+      cp_async16(sw + tid * 32 + c * 16, ok ? (const void*)(wc + (int64_t)n * (K / 2) + k0 / 2 + c * 16) : wc, ok);
+    cp_async4(sw + kWgBN * 32 + tid * 4, ok ? (const void*)(ws + (int64_t)n * (K / 16) + k0 / 16) : ws, ok);
   }
 }
 
@@ -217,13 +229,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) gemm_w4_wgmma_kernel(const Gemm
   const int tid = threadIdx.x;
   const int wg = tid >> 7;
 
-  float acc[2][64];
+  float acc[128];
 #pragma unroll
-  for (int j = 0; j < 2; ++j)
-#pragma unroll
-    for (int i = 0; i < 64; ++i) acc[j][i] = 0.f;
-  fence_acc(acc[0], 64);
-  fence_acc(acc[1], 64);
+  for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+  fence_acc(acc, 128);
 
 #pragma unroll
   for (int s = 0; s < kWgStages - 1; ++s) {
@@ -239,36 +248,31 @@ __global__ void __launch_bounds__(kWgThreads, 1) gemm_w4_wgmma_kernel(const Gemm
     // ---- dequantize this k step's FP4 tiles into the swizzled bf16 buffers
     {
       const uint8_t* sw = st + C::kARaw;
-      const int row = tid >> 1, half = tid & 1;
-      const uint4 c = *reinterpret_cast<const uint4*>(sw + row * 32 + half * 16);
-      const uint8_t* sc = sw + kWgBN * 32 + row * 4 + half * 2;
-      dequant32_to_swizzled(c, scale_bf16x2_folded(sc[0]), scale_bf16x2_folded(sc[1]),
-                            deq_b + (kt & 1) * C::kBBf16 + row * kSwRow, row, half * 4);
+      const int row = tid;  // one W row per thread: 64 elements
+      const uint8_t* sc = sw + kWgBN * 32 + row * 4;
+      uint8_t* dst = deq_b + (kt & 1) * C::kBBf16 + row * kSwRow;
+      dequant32_to_swizzled(*reinterpret_cast<const uint4*>(sw + row * 32), scale_bf16x2_folded(sc[0]),
+                            scale_bf16x2_folded(sc[1]), dst, row, 0);
+      dequant32_to_swizzled(*reinterpret_cast<const uint4*>(sw + row * 32 + 16), scale_bf16x2_folded(sc[2]),
+                            scale_bf16x2_folded(sc[3]), dst, row, 4);
     }
     if constexpr (kAFp4) {
-      const int row = tid;  // one A row per thread: 64 elements
-      const uint8_t* base = st + row * 32;
-      const uint8_t* sc = st + kWgBM * 32 + row * 4;
-      uint8_t* dst = deq_a + (kt & 1) * C::kABf16 + row * kSwRow;
-      dequant32_to_swizzled(*reinterpret_cast<const uint4*>(base), scale_bf16x2_folded(sc[0]),
-                            scale_bf16x2_folded(sc[1]), dst, row, 0);
-      dequant32_to_swizzled(*reinterpret_cast<const uint4*>(base + 16), scale_bf16x2_folded(sc[2]),
-                            scale_bf16x2_folded(sc[3]), dst, row, 4);
+      const int row = tid >> 1, half = tid & 1;  // half an A row per thread: 32 elements
+      const uint8_t* sc = st + kWgBM * 32 + row * 4 + half * 2;
+      dequant32_to_swizzled(*reinterpret_cast<const uint4*>(st + row * 32 + half * 16), scale_bf16x2_folded(sc[0]),
+                            scale_bf16x2_folded(sc[1]), deq_a + (kt & 1) * C::kABf16 + row * kSwRow, row, half * 4);
     }
     fence_proxy_async();
     __syncthreads();
-    // ---- this warpgroup's 2 x m64n128 over 4 k16 steps
+    // ---- this warpgroup's m64n256 over 4 k16 steps
     {
       const uint8_t* a_tile = kAFp4 ? deq_a + (kt & 1) * C::kABf16 : st;
-      const uint32_t a_addr = smem_u32(a_tile + wg * 128 * kSwRow);
+      const uint32_t a_addr = smem_u32(a_tile + wg * 64 * kSwRow);
       const uint32_t b_addr = smem_u32(deq_b + (kt & 1) * C::kBBf16);
       wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < kWgBK / 16; ++ks) {
-        const uint64_t db = sw128_desc(b_addr + ks * 32);
-#pragma unroll
-        for (int j = 0; j < 2; ++j) wgmma_m64n128k16_bf16(acc[j], sw128_desc(a_addr + j * 64 * kSwRow + ks * 32), db);
-      }
+      for (int ks = 0; ks < kWgBK / 16; ++ks)
+        wgmma_m64n256k16_bf16(acc, sw128_desc(a_addr + ks * 32), sw128_desc(b_addr + ks * 32));
       wgmma_commit();
     }
     // no operand fences inside the loop: one wgmma group is always in flight, and ptxas would serialize the
@@ -283,32 +287,28 @@ __global__ void __launch_bounds__(kWgThreads, 1) gemm_w4_wgmma_kernel(const Gemm
     }
   }
   wgmma_wait<0>();
-  fence_acc(acc[0], 64);
-  fence_acc(acc[1], 64);
+  fence_acc(acc, 128);
   cp_async_wait<0>();
 
-  // ---- epilogue: accumulator (j, 8-column chunk c): rows wg*128 + j*64 + 16*warp + g (+8), columns 8c + 2t (+1)
+  // ---- epilogue: accumulator 8-column chunk c: rows wg*64 + 16*warp + g (+8), columns 8c + 2t (+1)
   const int warp_in_wg = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const float fold = kAFp4 ? kUnfoldW4A4 : kUnfoldW4A16;
   const float* gw = p.g_w + (int64_t)e * p.gw_stride_e;
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
+  for (int h = 0; h < 2; ++h) {
+    const int m = m_begin + wg * 64 + warp_in_wg * 16 + g + h * 8;
+    if (m >= m_end) continue;
+    const float ga = p.g_a != nullptr ? p.g_a[m] : 1.0f;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int m = m_begin + wg * 128 + j * 64 + warp_in_wg * 16 + g + h * 8;
-      if (m >= m_end) continue;
-      const float ga = p.g_a != nullptr ? p.g_a[m] : 1.0f;
+    for (int c = 0; c < kWgBN / 8; ++c) {
+      const int n = n0 + c * 8 + 2 * t;
+      float v[2];
 #pragma unroll
-      for (int c = 0; c < 16; ++c) {
-        const int n = n0 + c * 8 + 2 * t;
-        float v[2];
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          const int nn = n + u < p.N ? n + u : p.N - 1;
-          v[u] = __fmul_rn(__fmul_rn(acc[j][c * 4 + h * 2 + u], fold), __fmul_rn(ga, gw[(int64_t)nn * p.gw_stride_n]));
-        }
-        store_bf16_pair(p.y + (int64_t)m * p.N + n, v, n + 1 < p.N, n < p.N, p.N);
+      for (int u = 0; u < 2; ++u) {
+        const int nn = n + u < p.N ? n + u : p.N - 1;
+        v[u] = __fmul_rn(__fmul_rn(acc[c * 4 + h * 2 + u], fold), __fmul_rn(ga, gw[(int64_t)nn * p.gw_stride_n]));
       }
+      store_bf16_pair(p.y + (int64_t)m * p.N + n, v, n + 1 < p.N, n < p.N, p.N);
     }
   }
 #endif
