@@ -37,7 +37,9 @@ GPU_TMP := /tmp/trace_ext_out
 gpu-build:
 	mkdir -p $(GPU_TMP)
 	python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/nvidia_cutlass-*.whl
-	PYTHONPATH=/tmp/site TRACE_EXT_CUDA_ARCHS=9.0a MAX_JOBS=16 python3 -m pip install -v --no-build-isolation --no-deps . > $(GPU_TMP)/build.log 2>&1 || (tail -60 $(GPU_TMP)/build.log; exit 1)
+	# the image's default CXX (/opt/gcc) links parts of libstdc++ into the extension; formatting an integer in a
+	# TORCH_CHECK message then segfaulted. The system gcc matches the libstdc++ that torch loads.
+	PYTHONPATH=/tmp/site CC=$${TRACE_EXT_CC:-/usr/bin/gcc} CXX=$${TRACE_EXT_CXX:-/usr/bin/g++} TRACE_EXT_CUDA_ARCHS=9.0a MAX_JOBS=16 python3 -m pip install -v --no-build-isolation --no-deps . > $(GPU_TMP)/build.log 2>&1 || (tail -60 $(GPU_TMP)/build.log; exit 1)
 	grep "trace_ext build" $(GPU_TMP)/build.log
 	cd /tmp && python3 -c "import trace_ext, json; print(json.dumps(trace_ext.backends(), default=str))"
 
