@@ -293,26 +293,30 @@ def _layer_of(site_key: str) -> int:
 # ---- output -----------------------------------------------------------------------------------------------------------
 
 
+TABLE_COLUMNS = (  # (header, metric, format): the SPEC 9 panel
+    ("k3_kl", "k3_kl", "{:.2e}"),
+    ("kl", "kl", "{:+.2e}"),
+    ("|dlogp|", "logprob_abs_diff", "{:.2e}"),
+    ("mult_err", "token_mult_prob_error", "{:.4f}"),
+    ("mean|dp|", "prob_abs_diff_mean", "{:.2e}"),
+    ("max|dp|", "prob_abs_diff_max", "{:.3f}"),
+    ("pearson", "prob_pearson", "{:.5f}"),
+    ("out[.5,2]", "ratio_outside_[0.5,2]", "{:.4f}"),
+    ("ess", "ess", "{:.4f}"),
+    ("rflip", "router_flip_rate", "{:.4f}"),
+)
+
+
 def format_table(report: dict) -> str:
-    cols = ("arm", "k3_kl", "kl", "|dlogp|", "mult_err", "max|dp|", "out[.5,2]", "rflip", "guide B/tok")
+    """One row per arm: the SPEC 9 panel on sampled tokens, router flips (before replay), guidance bytes/token."""
+    cols = ("arm",) + tuple(h for h, _, _ in TABLE_COLUMNS) + ("guide B/tok",)
     rows = []
     for a in report["arms"]:
         m = a["metrics"]
-        rows.append((
-            a["label"],
-            f"{m['k3_kl']:.2e}",
-            f"{m['kl']:+.2e}",
-            f"{m['logprob_abs_diff']:.2e}",
-            f"{m['token_mult_prob_error']:.4f}",
-            f"{m['prob_abs_diff_max']:.3f}",
-            f"{m['ratio_outside_[0.5,2]']:.4f}",
-            f"{m['router_flip_rate']:.4f}",
-            f"{a['guidance_bytes_per_token']:.0f}",
-        ))
+        rows.append((a["label"],) + tuple(f.format(m[k]) for _, k, f in TABLE_COLUMNS) + (f"{a['guidance_bytes_per_token']:.0f}",))
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     line = lambda r: "  ".join(s.ljust(w) if i == 0 else s.rjust(w) for i, (s, w) in enumerate(zip(r, widths)))  # noqa: E731
-    out = [line(cols), "  ".join("-" * w for w in widths)] + [line(r) for r in rows]
-    return "\n".join(out)
+    return "\n".join([line(cols), "  ".join("-" * w for w in widths)] + [line(r) for r in rows])
 
 
 def format_agreement(report: dict) -> str:
