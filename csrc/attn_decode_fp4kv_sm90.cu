@@ -323,6 +323,23 @@ __global__ void __launch_bounds__(kThreads, 3) fp4kv_decode_kernel(const DecodeP
   }
   int2 next_ps = (kStages - 1 < my_tiles) ? ld.fetch(tile_start(kStages - 1), end) : make_int2(0, 0);
 
+  // Per-thread shared-memory offsets inside a stage (loop invariant): K rows 8 nt + r (quarter row c), their
+  // scale bytes; V rows 2c, 2c+1, 2c+8, 2c+9 (the block of head_dim column r) and their scale bytes.
+  int k_off[2], ks_off[2], v_off[4], vs_off[4];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const int t = 8 * nt + r;
+    k_off[nt] = D == 128 ? code_offset<D>(t, c) : code_offset<D>(t, c / 2) + (c % 2) * 8;
+    ks_off[nt] = 2 * G::kCodeTile + t * G::kScaleBytes + (D == 128 ? 2 * c : c);
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int t = 2 * c + (k & 1) + 8 * (k >> 1);
+    const int voff = r * G::kVBytes;  // byte offset of this thread's block inside a row
+    v_off[k] = G::kCodeTile + code_offset<D>(t, voff / 16) + voff % 16;
+    vs_off[k] = 2 * G::kCodeTile + G::kScaleTile + t * G::kScaleBytes + r * (D / 8) / kNvfp4Block;
+  }
+
   for (int i = 0; i < my_tiles; ++i) {
     {
       const int nxt = i + kStages - 1;
@@ -334,10 +351,6 @@ __global__ void __launch_bounds__(kThreads, 3) fp4kv_decode_kernel(const DecodeP
     __syncwarp();
 
     const uint8_t* st = wsmem + (i % kStages) * G::kStageBytes;
-    const uint8_t* kc = st;
-    const uint8_t* vc = st + G::kCodeTile;
-    const uint8_t* ksc = st + 2 * G::kCodeTile;
-    const uint8_t* vsc = ksc + G::kScaleTile;
     const int t0 = tile_start(i);
 
     // ---- S = Q.K^T for tokens 8 nt + r (B operand rows), two n8 tiles ----
@@ -345,19 +358,18 @@ __global__ void __launch_bounds__(kThreads, 3) fp4kv_decode_kernel(const DecodeP
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-      const int t = 8 * nt + r;
       uint32_t w[G::kKWords];
       uint32_t sc[G::kKWords];  // half2 (s, s) per word
       if constexpr (D == 128) {
-        const uint4 u = *reinterpret_cast<const uint4*>(kc + code_offset<D>(t, c));
+        const uint4 u = *reinterpret_cast<const uint4*>(st + k_off[nt]);
         w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w;
-        const uint32_t s2 = e4m3x2_to_half2(*reinterpret_cast<const uint16_t*>(ksc + t * G::kScaleBytes + 2 * c));
+        const uint32_t s2 = e4m3x2_to_half2(*reinterpret_cast<const uint16_t*>(st + ks_off[nt]));
         sc[0] = sc[1] = __byte_perm(s2, 0u, 0x1010);
         sc[2] = sc[3] = __byte_perm(s2, 0u, 0x3232);
       } else {
-        const uint2 u = *reinterpret_cast<const uint2*>(kc + code_offset<D>(t, c / 2) + (c % 2) * 8);
+        const uint2 u = *reinterpret_cast<const uint2*>(st + k_off[nt]);
         w[0] = u.x, w[1] = u.y;
-        const uint32_t s2 = e4m3x2_to_half2(ksc[t * G::kScaleBytes + c]);
+        const uint32_t s2 = e4m3x2_to_half2(st[ks_off[nt]]);
         sc[0] = sc[1] = __byte_perm(s2, 0u, 0x1010);
       }
 #pragma unroll
@@ -432,14 +444,11 @@ __global__ void __launch_bounds__(kThreads, 3) fp4kv_decode_kernel(const DecodeP
 
     // ---- O += P.V: tokens (2c, 2c+1) and (2c+8, 2c+9); head_dim column r owns d = r * D/8 + j ----
     {
-      const int vblk = r * (D / 8) / kNvfp4Block;
-      const int voff = r * G::kVBytes;  // byte offset of this thread's block inside a row
       uint32_t vw[4][G::kVWords];
       uint32_t vs2[2];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const int t = 2 * c + (k & 1) + 8 * (k >> 1);
-        const uint8_t* src = vc + code_offset<D>(t, voff / 16) + voff % 16;
+        const uint8_t* src = st + v_off[k];
         if constexpr (G::kVWords == 2) {
           const uint2 u = *reinterpret_cast<const uint2*>(src);
           vw[k][0] = u.x, vw[k][1] = u.y;
@@ -449,9 +458,7 @@ __global__ void __launch_bounds__(kThreads, 3) fp4kv_decode_kernel(const DecodeP
       }
 #pragma unroll
       for (int pr = 0; pr < 2; ++pr) {
-        const int t = 2 * c + 8 * pr;
-        const uint32_t two = (uint32_t)vsc[t * G::kScaleBytes + vblk] | ((uint32_t)vsc[(t + 1) * G::kScaleBytes + vblk] << 8);
-        vs2[pr] = e4m3x2_to_half2(two);
+        vs2[pr] = e4m3x2_to_half2((uint32_t)st[vs_off[2 * pr]] | ((uint32_t)st[vs_off[2 * pr + 1]] << 8));
       }
 #pragma unroll
       for (int wi = 0; wi < G::kVWords; ++wi) {
