@@ -10,8 +10,9 @@
 //    64-wide K step, so its 16 weight elements per row are ONE NVFP4 block (one scale per row per step) and its
 //    16 activation elements are contiguous (two 16-byte loads of bf16, one 8-byte load of FP4 codes).
 //  - Packed layout: per (16-row block, 256-K super-tile) 2304 bytes; a lane streams one 16-byte code load per 64 K
-//    and one 8-byte scale load per 256 K, all loads issued for the whole super-tile before any math (4 x 16 B in
-//    flight per lane and n-block). Codes are re-encoded offline so FP4 -> bf16 costs 1 AND (pair 0), a shift + AND
+//    and one 8-byte scale load per 256 K, all issued before the math of a super-tile; with one n-block per warp
+//    (M <= 8, grouped) the next super-tile's loads are issued before the current one's math (register double
+//    buffer, 2 x 4 x 16 B in flight per lane). Codes are re-encoded offline so FP4 -> bf16 costs 1 AND (pair 0), a shift + AND
 //    (pairs 1, 2) and 3 shifts + 3 ANDs/ORs (pair 3) per 8 elements; values come out as q * 2^-126 and one bf16x2
 //    multiply by (s * 2^119) gives the exact q * s * 2^-7 (see gemm_w4_sm90.cu).
 //  - Parallelism: a CTA is 8 warps on the same K range, each warp NB 16-row blocks (the activation fragments are
@@ -99,17 +100,27 @@ __global__ void __launch_bounds__(kDecThreads) gemm_w4_decode_kernel(const GemmP
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[b][i][c] = 0.f;
 
-    for (int kt = kt0; kt < kt1; ++kt) {
-      // ---- issue every weight load of this super-tile first
-      uint4 wv[NB][4];
-      uint2 sv[NB];
+    // Weight loads run one super-tile ahead: the next tile's 4 x 16 B (+ 8 B scales) per lane and n-block are in
+    // flight while this one is converted and multiplied. Out-of-range blocks are clamped (computed, never stored).
+    uint4 wv[NB][4], wn[NB][4];
+    uint2 sv[NB], sn[NB];
+    auto load_tile = [&](int kt, uint4 (&w)[NB][4], uint2 (&sc)[NB]) {
 #pragma unroll
       for (int b = 0; b < NB; ++b) {
-        const int nb = min(nb0 + b, n_blocks - 1);  // clamped: out-of-range blocks compute garbage, never stored
+        const int nb = min(nb0 + b, n_blocks - 1);
         const uint8_t* tile = wpk + ((int64_t)nb * KT + kt) * kTileBytes;
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wv[b][kk] = ld_stream16(tile + kk * 512 + lane * 16);
-        sv[b] = ld_stream8(tile + kCodeBytes + lane * 8);
+        for (int kk = 0; kk < 4; ++kk) w[b][kk] = ld_stream16(tile + kk * 512 + lane * 16);
+        sc[b] = ld_stream8(tile + kCodeBytes + lane * 8);
+      }
+    };
+    constexpr bool kPrefetch = NB == 1;  // NB = 2 (M > 8) has no registers left for a second buffer
+    if (kPrefetch && kt0 < kt1) load_tile(kt0, wv, sv);
+    for (int kt = kt0; kt < kt1; ++kt) {
+      if constexpr (kPrefetch) {
+        if (kt + 1 < kt1) load_tile(kt + 1, wn, sn);
+      } else {
+        load_tile(kt, wv, sv);
       }
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
@@ -165,6 +176,14 @@ __global__ void __launch_bounds__(kDecThreads) gemm_w4_decode_kernel(const GemmP
               mma_bf16_16816(acc[b][i], af, bf);
             }
           }
+        }
+      }
+      if constexpr (kPrefetch) {
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) wv[b][kk] = wn[b][kk];
+          sv[b] = sn[b];
         }
       }
     }
