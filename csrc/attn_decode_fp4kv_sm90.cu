@@ -249,7 +249,27 @@ __global__ void __launch_bounds__(kThreads, 3) fp4kv_decode_kernel(const DecodeP
   const int n_tiles = end > start ? (end - start + kTile - 1) / kTile : 0;
   const int my_tiles = n_tiles > warp ? (n_tiles - warp + kWarps - 1) / kWarps : 0;
 
-  // ---- Q fragments (fp16, row-scaled by a power of two, head_dim permuted like the K fragments) ----
+  float o[G::kONTiles][4];
+#pragma unroll
+  for (int j = 0; j < G::kONTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.0f, 0.0f};
+
+  uint8_t* wsmem = smem + warp * kStages * G::kStageBytes;
+  WarpLoader<D> ld{p.k_codes, p.v_codes, p.k_scales, p.v_scales, p.block_table + (int64_t)b * p.max_pages,
+                   p.page_size, p.heads_kv, kv_head, lane};
+  auto tile_start = [&](int i) { return start + (warp + kWarps * i) * kTile; };
+  ld.init(tile_start(0));
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < my_tiles) ld.issue(wsmem + s * G::kStageBytes, tile_start(s), end, ld.fetch(tile_start(s), end));
+    cp_async_commit();
+  }
+  int2 next_ps = (kStages - 1 < my_tiles) ? ld.fetch(tile_start(kStages - 1), end) : make_int2(0, 0);
+
+  // ---- Q fragments (fp16, row-scaled by a power of two, head_dim permuted like the K fragments); loaded
+  // after the pipeline prologue so its latency overlaps the first K/V tiles ----
   uint32_t qa[G::kKSteps][4];
   float row_scale[2];
   {
@@ -303,25 +323,6 @@ __global__ void __launch_bounds__(kThreads, 3) fp4kv_decode_kernel(const DecodeP
       }
     }
   }
-
-  float o[G::kONTiles][4];
-#pragma unroll
-  for (int j = 0; j < G::kONTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
-  float m_run[2] = {-INFINITY, -INFINITY};
-  float l_run[2] = {0.0f, 0.0f};
-
-  uint8_t* wsmem = smem + warp * kStages * G::kStageBytes;
-  WarpLoader<D> ld{p.k_codes, p.v_codes, p.k_scales, p.v_scales, p.block_table + (int64_t)b * p.max_pages,
-                   p.page_size, p.heads_kv, kv_head, lane};
-  auto tile_start = [&](int i) { return start + (warp + kWarps * i) * kTile; };
-  ld.init(tile_start(0));
-
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < my_tiles) ld.issue(wsmem + s * G::kStageBytes, tile_start(s), end, ld.fetch(tile_start(s), end));
-    cp_async_commit();
-  }
-  int2 next_ps = (kStages - 1 < my_tiles) ? ld.fetch(tile_start(kStages - 1), end) : make_int2(0, 0);
 
   // Per-thread shared-memory offsets inside a stage (loop invariant): K rows 8 nt + r (quarter row c), their
   // scale bytes; V rows 2c, 2c+1, 2c+8, 2c+9 (the block of head_dim column r) and their scale bytes.
