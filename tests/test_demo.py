@@ -19,7 +19,12 @@ from trace_ext.rl.guidance import record_bytes_per_row
 def quick_run(tmp_path_factory):
     cache_dir = tmp_path_factory.mktemp("demo_weights")
     out = tmp_path_factory.mktemp("demo_out")
-    rc = demo.main(["--quick", "--device", "cpu", "--out", str(out), "--cache-dir", str(cache_dir), "--no-progress"])
+    threads = torch.get_num_threads()
+    try:  # one thread: the demo's matrices are small, and 2 threads on a busy 2-core runner spin for minutes
+        rc = demo.main(["--quick", "--device", "cpu", "--out", str(out), "--cache-dir", str(cache_dir), "--no-progress",
+                        "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
     assert rc == 0
     report = json.loads((out / "report.json").read_text())
     return report, out, cache_dir

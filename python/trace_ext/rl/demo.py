@@ -388,8 +388,12 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="smaller model and fewer samples (tests)")
     p.add_argument("--retrain", action="store_true", help="retrain the demo model even when cached")
     p.add_argument("--samples", type=int, default=None, help="sampled completions per rollout")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: torch's; 1 is far faster on a machine busy with other jobs)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(max(1, args.threads))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     rs = QUICK_RUN if args.quick else FULL_RUN
     if args.samples is not None:
