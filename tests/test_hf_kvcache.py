@@ -16,6 +16,15 @@ from trace_ext.rl import FP4Config, rollout, train
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matrices: one thread is as fast, and immune to a busy 2-core runner (restored afterwards)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _model(head_dim=32, layers=2, seed=0):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
