@@ -60,6 +60,11 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kTwo14 = 16384.0f;        // K and V are held as q * s_b * 2^-14
 constexpr float kRescaleSlack = 8.0f;     // log2 growth of a row max tolerated before O is rescaled
+// Shared-memory O of the cross-warp combine: column group n (the 8 fragment columns) is kOGroup floats wide
+// and a row kOStride floats, so that the 32 lanes' stores of one accumulator register hit 32 distinct banks
+// (row stride = 1 mod 32, group stride = 8 mod 32); the natural [16][D] layout was a 32-way conflict.
+constexpr int kOGroup = 20;
+constexpr int kOStride = 8 * kOGroup + 1;
 static_assert(kTile == 16, "a warp tile is one k16 step of the P.V MMA and two n8 tiles of Q.K^T");
 static_assert(kMaxGroup == 16, "the query heads of one KV head are the 16 rows of an m16n8k16 MMA");
 
@@ -80,11 +85,13 @@ struct Geo {
   static constexpr int kKSteps = D / 16;                // k16 steps of Q.K^T
   static constexpr int kONTiles = D / 8;                // n8 tiles of the output
   static constexpr int kSmemBytes = kWarps * kStages * kStageBytes;
-  static constexpr int kCombineBytes = kWarps * kMaxGroup * (D + 2) * 4;
+  static constexpr int kCombineBytes = (kWarps * kMaxGroup * kOStride + 2 * kWarps * kMaxGroup) * 4;
   static constexpr int kSmem = kSmemBytes > kCombineBytes ? kSmemBytes : kCombineBytes;
   static_assert(kKWords * 8 == D / 4 && kKSteps == 2 * kKWords * 4 / 4, "a thread's K quarter row feeds every k-step");
   static_assert(kStageBytes % 16 == 0, "stages must stay 16-byte aligned for cp.async");
   static_assert(kCodeTile % 128 == 0, "the swizzle works on whole 128-byte lines");
+  static_assert(D / 8 <= kOGroup && (kOGroup * 2) % 32 == 8 && kOStride % 32 == 1,
+                "combine layout: a column group holds D/8 floats; row / group strides keep the stores conflict free");
 };
 
 struct DecodeParams {
@@ -498,16 +505,16 @@ __global__ void __launch_bounds__(kThreads, 3) fp4kv_decode_kernel(const DecodeP
     l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
   }
   __syncthreads();
-  float* sm_o = reinterpret_cast<float*>(smem);                  // [warps][16][D]
-  float* sm_m = sm_o + kWarps * kMaxGroup * D;                     // [warps][16]
+  float* sm_o = reinterpret_cast<float*>(smem);                  // [warps][16][kOStride]
+  float* sm_m = sm_o + kWarps * kMaxGroup * kOStride;              // [warps][16]
   float* sm_l = sm_m + kWarps * kMaxGroup;                         // [warps][16]
 #pragma unroll
   for (int j = 0; j < G::kONTiles; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int row = r + 8 * (e >> 1);
-      const int d = (2 * c + (e & 1)) * (D / 8) + j;
-      sm_o[(warp * kMaxGroup + row) * D + d] = o[j][e];
+      const int n = 2 * c + (e & 1);  // head_dim d = n * D/8 + j
+      sm_o[(warp * kMaxGroup + row) * kOStride + n * kOGroup + j] = o[j][e];
     }
   }
   if (c == 0) {
@@ -532,7 +539,7 @@ __global__ void __launch_bounds__(kThreads, 3) fp4kv_decode_kernel(const DecodeP
         if (mw == -INFINITY) continue;
         const float f = exp2f(mw - m_all);
         l_all += f * sm_l[w * kMaxGroup + row];
-        o_all += f * sm_o[(w * kMaxGroup + row) * D + d];
+        o_all += f * sm_o[(w * kMaxGroup + row) * kOStride + (d / (D / 8)) * kOGroup + d % (D / 8)];
       }
     }
     const int64_t bh = (int64_t)b * p.heads_q + (int64_t)kv_head * p.group + row;
