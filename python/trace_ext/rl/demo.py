@@ -182,13 +182,18 @@ def route_bytes_per_token(cache: GuidanceCache, num_tokens: int) -> float:
 
 def run(run_spec: RunSpec, device="cpu", out_dir=None, cache_dir=None, retrain=False, progress=True, log=print) -> dict:
     """Runs the whole demo; returns the report dict (also written to ``out_dir`` with a PNG when given)."""
+    with warnings.catch_warnings():  # transformers 5.24 deprecates past_key_values= (5.17 needs it)
+        warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
+        return _run(run_spec, device, out_dir, cache_dir, retrain, progress, log)
+
+
+def _run(run_spec: RunSpec, device, out_dir, cache_dir, retrain, progress, log) -> dict:
     from tqdm.auto import tqdm
 
     from ..integrations.hf_kvcache import FP4KVCache
     from ..integrations.hf_moe import convert
     from .session import rollout, train
 
-    warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
     t_start = time.time()
     device = torch.device(device)
     spec = run_spec.model
