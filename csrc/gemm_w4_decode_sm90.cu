@@ -38,7 +38,6 @@ constexpr int kDecThreads = kDecWarps * 32;
 constexpr int kSuperK = 256;                       // K per packed super-tile
 constexpr int kTileBytes = 16 * kSuperK / 2 + 16 * kSuperK / 16;  // 2304
 constexpr int kCodeBytes = 16 * kSuperK / 2;       // 2048
-constexpr int kTargetWarps = 132 * 16;             // warps to keep in flight (132 SMs x 16)
 static_assert(kTileBytes == 2304 && kCodeBytes == 2048, "packed super-tile layout (reference_gemm.to_decode_layout)");
 
 // One decode-layout word -> bf16x2 of pairs 0..3 (values q * 2^-126), reference_gemm.decode_word_pairs.
@@ -290,7 +289,16 @@ void launch_decode(const GemmParams& p, const at::Tensor& like, cudaStream_t str
   int splits = 1;
   at::Tensor ws, tickets;
   if (p.offsets == nullptr) {
-    splits = std::max(1, std::min(KT, (kTargetWarps / kDecWarps + n_tiles - 1) / n_tiles));
+    // one full wave: as many K splits as the resident CTA slots allow (no half-empty second wave)
+    static int blocks_per_sm = 0;  // per template instance
+    if (blocks_per_sm == 0) {
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kDecThreads, 0));
+      blocks_per_sm = std::max(blocks_per_sm, 1);
+    }
+    int dev = 0, sms = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    splits = std::max(1, std::min(KT, sms * blocks_per_sm / n_tiles));
     if (splits > 1) {
       ws = at::empty({(int64_t)splits * p.M * p.N}, like.options().dtype(at::kFloat));
       tickets = at::zeros({n_tiles}, like.options().dtype(at::kInt));

@@ -1,4 +1,4 @@
-// Shared pieces of the NVFP4-weight GEMM kernels (gemm_w4_sm90.cu, gemm_w4_decode_sm90.cu): the flat params
+// Shared pieces of the NVFP4-weight GEMM kernels (gemm_w4_{,decode_,wgmma_}sm90.cu): the flat params
 // struct, the exact FP4 -> bf16 register conversion, cp.async / ldmatrix / mma wrappers and the grouped tile
 // lookup. See the design note of gemm_w4_sm90.cu for the numerics of the conversion.
 #pragma once
@@ -50,19 +50,6 @@ void run_wgmma(const GemmParams& p, cudaStream_t stream);
 __device__ __forceinline__ uint32_t fp4x2_to_bf16x2_biased(uint32_t byte) {
   const uint32_t x = byte | (byte << 12);
   return ((x & 0x00080008u) << 12) | ((x & 0x00070007u) << 6);
-}
-
-// Four packed bytes of a 32-bit word: the bf16x2 of byte j is out[j]. Same numbers as above, fewer ops.
-__device__ __forceinline__ void fp4x8_to_bf16x2x4_biased(uint32_t w, uint32_t out[4]) {
-  // byte j: low nibble at bits 8j..8j+3, high nibble at 8j+4..8j+7.
-  // Spread: lo halves take nibble 2j, hi halves take nibble 2j+1.
-  const uint32_t lo = w & 0x0F0F0F0Fu;         // nibbles 0,2,4,6 (elements 0,2,4,6 of the 8)
-  const uint32_t hi = (w >> 4) & 0x0F0F0F0Fu;  // nibbles 1,3,5,7
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const uint32_t x = ((lo >> (8 * j)) & 0xFu) | (((hi >> (8 * j)) & 0xFu) << 16);
-    out[j] = ((x & 0x00080008u) << 12) | ((x & 0x00070007u) << 6);
-  }
 }
 
 // E4M3 scale byte -> bf16x2 of s * 2^119 (exact; NaN byte -> NaN, which then poisons the block as SPEC 2 asks).
