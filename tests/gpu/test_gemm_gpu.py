@@ -108,8 +108,9 @@ def test_dense_matches_f64_reference(shape, Ms, mode):
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 def test_dense_large_m_16384(mode):
-    """Protects the large-M path at M = 16384 (Mixtral w1 shape split to keep the f64 oracle fast: N=4096)."""
-    N, K, M = 4096, 4096, 16384
+    """Protects the large-M (wgmma) path at M = 16384 on the Mixtral w1 shape."""
+    _, N, K = MIXTRAL_UP
+    M = 16384
     w = _quant_w(N, K)
     a = torch.randn(M, K, device=DEV).bfloat16()
     if mode == "w4a4":
@@ -157,15 +158,17 @@ def _routed_counts(T, E, k, gen):
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 def test_grouped_qwen3_experts_token_batches(mode):
-    """Protects fp4_grouped_linear at Qwen3-30B-A3B (E=128, top-8) decode and prefill batches, both projections,
-    raw and prepared weights (empty experts occur at every T < 16)."""
+    """Protects fp4_grouped_linear at Qwen3-30B-A3B (E=128, top-8) decode and prefill batches (decode kernel,
+    tiled kernel, wgmma kernel at T=4096), raw and prepared weights (empty experts occur at every T < 16)."""
     gen = torch.Generator().manual_seed(1)
     E, k = 128, 8
     w_gu = _quant_w(1536, 2048, E)
     w_dn = _quant_w(2048, 768, E)
-    for T in (1, 3, 16, 64, 256, 1000):
+    for T in (1, 3, 16, 64, 256, 1000, 4096):
         counts = _routed_counts(T, E, k, gen)
         for name, (N, K), w in (("gate_up", (1536, 2048), w_gu), ("down", (2048, 768), w_dn)):
+            if T == 4096 and name == "down":
+                continue  # one prefill projection is enough for the grouped wgmma path (256 rows per expert)
             for prepared in (False, True):
                 _grouped_case(E, N, K, counts, mode, w=w, prepared=prepared, what=f"qwen3 {name} {mode} T={T} prep={prepared}")
 
