@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 
+from trace_ext import formats as F
 from trace_ext.integrations import hf_kvcache as kv
 from trace_ext.integrations.hf_moe import convert
 from trace_ext.rl import FP4Config, rollout
@@ -48,7 +49,8 @@ def test_paged_kernel_store_matches_dense_reference(D):
 @torch.no_grad()
 def test_model_decode_with_kernel_cache_matches_reference_cache():
     """Protects FP4KVCache(model) on CUDA: the kernel (paged) store and the dense reference store record the same
-    KV codes in a rollout and give logits within bf16 noise of each other."""
+    KV codes for layer 0 (whose K/V depend on the tokens only), nearly the same deeper (decode attention from the
+    codes and SDPA over the dequantized cache round differently), and give logits within bf16 noise."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
@@ -67,8 +69,11 @@ def test_model_decode_with_kernel_cache_matches_reference_cache():
                 out.append(model(ids[:, s : s + 1], past_key_values=cache, use_cache=True).logits)
         assert cache.layers[0].paged is paged
         logits[paged] = torch.cat(out, 1).float()
-        records[paged] = rec.cache.records[("kv_k", 1)].columns["payload"].cpu()
-    assert torch.equal(records[True], records[False])
+        records[paged] = {k: st.columns["payload"].cpu() for k, st in rec.cache.records.items()}
+    for site in ("kv_k", "kv_v"):
+        assert torch.equal(records[True][(site, 0)], records[False][(site, 0)])
+        same = F.unpack_nibbles(records[True][(site, 1)]) == F.unpack_nibbles(records[False][(site, 1)])
+        assert same.float().mean() > 0.9
     assert (logits[True] - logits[False]).abs().max() < 0.25
 
 
