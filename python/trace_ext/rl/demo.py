@@ -386,7 +386,11 @@ def plot(report: dict, path) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trace_ext.rl.demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m trace_ext.rl.demo",
+        description="TRACE alignment demo: FP4 rollout vs trainer log-prob mismatch on a small Qwen3-MoE, six arms "
+        "(bf16 floor, naive FP4, RTN-QAT, TRACE deeper half / all layers compact / all layers full codes).",
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--out", default="demo_out", help="directory for report.json and mismatch.png")
     p.add_argument("--cache-dir", default=None, help="trained-weights cache (default ~/.cache/trace_ext/demo)")
