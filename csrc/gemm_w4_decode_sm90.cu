@@ -15,16 +15,19 @@
 //    buffer, 2 x 4 x 16 B in flight per lane). Codes are re-encoded offline so FP4 -> bf16 costs 1 AND (pair 0), a shift + AND
 //    (pairs 1, 2) and 3 shifts + 3 ANDs/ORs (pair 3) per 8 elements; values come out as q * 2^-126 and one bf16x2
 //    multiply by (s * 2^119) gives the exact q * s * 2^-7 (see gemm_w4_sm90.cu).
-//  - Parallelism: a CTA is 8 warps on the same K range, each warp NB 16-row blocks (the activation fragments are
-//    reused NB times in registers and 8 times through L1). Dense problems split K over gridDim.y CTAs to fill the
-//    132 SMs; partial sums go to an fp32 workspace and the last CTA of each N tile (atomic ticket) adds them in
-//    split order (deterministic) and runs the epilogue. Grouped problems run one CTA per (N tile, expert) whose
-//    warps split K 4 or 2 ways (sums combined through shared memory in warp order, deterministic); experts with no
-//    rows exit at once, experts with more than 8 * MT8 rows loop over row chunks.
+//  - Parallelism: a CTA is 8 warps = (8 / KW) warp columns of NB 16-row blocks x KW warps splitting K (sums
+//    combined through shared memory in warp order, deterministic); activation fragments are reused NB times in
+//    registers and 8 / KW times through L1. Dense problems also split K over gridDim.y CTAs (about 512 K per
+//    warp); partial sums go to an fp32 workspace and the last CTA of each N tile (atomic ticket, self-resetting)
+//    adds them in split order (deterministic) and runs the epilogue. Grouped problems run one CTA per (N tile,
+//    expert); experts with no rows exit at once, experts with more than 8 * MT8 rows loop over row chunks.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
+
+#include <map>
+#include <mutex>
 
 #include "trace_ext/fp4_numerics.cuh"
 #include "trace_ext/gemm_w4_common.cuh"
@@ -279,35 +282,47 @@ bool decode_supported(const GemmParams& p) {
   return p.w_packed != nullptr && p.N % 16 == 0 && p.K % kSuperK == 0 && p.K > 0;
 }
 
+// Split-K tickets: one int per N tile, reset to zero by the last CTA of each tile, so a buffer is reused by every
+// later launch on the same stream without a memset. One buffer per (device, stream): launches on different
+// streams never share tickets.
+int* ticket_buffer(const at::Tensor& like, cudaStream_t stream, int n) {
+  static std::mutex mu;
+  // never destroyed: freeing device memory from a static destructor can run after the CUDA runtime is gone
+  static auto* buffers = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();
+  std::lock_guard<std::mutex> lock(mu);
+  at::Tensor& buf = (*buffers)[{like.device().index(), stream}];
+  if (!buf.defined() || buf.numel() < n) {
+    buf = at::zeros({std::max<int64_t>(n, 4096)}, like.options().dtype(at::kInt));  // on the current stream
+  }
+  return buf.data_ptr<int>();
+}
+
 template <int MT8, int NB, bool kAFp4, int KW = 1>
 void launch_decode(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
   auto kernel = gemm_w4_decode_kernel<MT8, NB, kAFp4, KW>;
-  require_kernel_image(kernel, "fp4_linear (decode)");
+  static bool checked = false;  // per template instance: the image check costs a driver call
+  if (!checked) {
+    require_kernel_image(kernel, "fp4_linear (decode)");
+    checked = true;
+  }
   const int rows_per_cta = kDecWarps / KW * 16 * NB;
   const int n_tiles = (p.N + rows_per_cta - 1) / rows_per_cta;
   const int KT = p.K / kSuperK;
   int splits = 1;
-  at::Tensor ws, tickets;
+  at::Tensor ws;
+  int* tickets = nullptr;
   if (p.offsets == nullptr) {
-    // one full wave: as many K splits as the resident CTA slots allow (no half-empty second wave)
-    static int blocks_per_sm = 0;  // per template instance
-    if (blocks_per_sm == 0) {
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kDecThreads, 0));
-      blocks_per_sm = std::max(blocks_per_sm, 1);
-    }
-    int dev = 0, sms = 0;
-    C10_CUDA_CHECK(cudaGetDevice(&dev));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    splits = std::max(1, std::min(KT, sms * blocks_per_sm / n_tiles));
+    // about 2 super-tiles (512 K) per warp: many short CTAs in several waves hide the load latency better than
+    // one wave of long ones (measured on the grouped path, same kernel)
+    splits = std::max(1, std::min(KT, KT / (2 * KW)));
     if (splits > 1) {
       ws = at::empty({(int64_t)splits * p.M * p.N}, like.options().dtype(at::kFloat));
-      tickets = at::zeros({n_tiles}, like.options().dtype(at::kInt));
+      tickets = ticket_buffer(like, stream, n_tiles);
     }
   }
   dim3 grid(n_tiles, splits, p.offsets != nullptr ? p.E : 1);
-  TORCH_CHECK(grid.z <= 65535, "trace_ext: too many experts for one launch");
-  kernel<<<grid, kDecThreads, 0, stream>>>(p, splits > 1 ? ws.data_ptr<float>() : nullptr,
-                                           splits > 1 ? tickets.data_ptr<int>() : nullptr, splits);
+  TORCH_CHECK(grid.z <= 65535 && grid.y <= 65535, "trace_ext: too many experts or K splits for one launch");
+  kernel<<<grid, kDecThreads, 0, stream>>>(p, splits > 1 ? ws.data_ptr<float>() : nullptr, tickets, splits);
   check_launch("fp4_linear (decode)");
 }
 
@@ -322,10 +337,12 @@ void run_decode(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, 
     }
     return;
   }
+  // dense: the grouped configurations (K split over the CTA's warps, then over CTAs); M > 16 keeps 2 n-blocks per
+  // warp and 8 warps per K slice for activation reuse through registers and L1
   if (rows_hint <= 8) {
-    if (a4) launch_decode<1, 1, true>(p, like, stream); else launch_decode<1, 1, false>(p, like, stream);
+    if (a4) launch_decode<1, 1, true, 4>(p, like, stream); else launch_decode<1, 1, false, 4>(p, like, stream);
   } else if (rows_hint <= 16) {
-    if (a4) launch_decode<2, 2, true>(p, like, stream); else launch_decode<2, 2, false>(p, like, stream);
+    if (a4) launch_decode<2, 1, true, 2>(p, like, stream); else launch_decode<2, 1, false, 2>(p, like, stream);
   } else {
     if (a4) launch_decode<4, 2, true>(p, like, stream); else launch_decode<4, 2, false>(p, like, stream);
   }

@@ -326,9 +326,9 @@ template <bool kAFp4>
 void launch_wgmma(const GemmParams& p, cudaStream_t stream) {
   using C = WgCfg<kAFp4>;
   auto kernel = gemm_w4_wgmma_kernel<kAFp4>;
-  require_kernel_image(kernel, "fp4_linear (wgmma)");
   static bool attr_set = false;
   if (!attr_set) {
+    require_kernel_image(kernel, "fp4_linear (wgmma)");
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem));
     attr_set = true;
   }
