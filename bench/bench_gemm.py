@@ -7,7 +7,8 @@ sets rotated between calls. Three groups (targets from the issue):
      active experts' bytes, >= 3.0x torch._grouped_mm bf16 at T = 16, 64, >= 2.0x at T = 1;
   3. large M in {1024, 4096, 16384}: W4A16 >= 0.7x and W4A4 (activation quantization included) >= 0.6x cuBLAS
      TFLOP/s.
-Also times prepare_fp4_weight. Run: python bench/bench_gemm.py  (writes gemm_h200.{json,md}).
+Also times prepare_fp4_weight. Decode rows add graph_ms: the same call replayed from a CUDA graph (GPU time only,
+as serving engines run decode); PASS/MISS uses the eager ms. Run: python bench/bench_gemm.py (gemm_h200.{json,md}).
 """
 from __future__ import annotations
 
@@ -45,7 +46,23 @@ def _bench_or_nan(fn, **kw):
         return float("nan")
 
 
-def _row(group, shape, ms, nbytes, flops, copy_bw, base_ms, target_speedup, target_bw_frac, extra=""):
+def _graph_ms(fn):
+    """The same call captured in a CUDA graph and replayed (no host time in the number: how decode loops run in
+    serving engines); NaN when capture fails. The graph freezes one weight set (the L2 is still flushed)."""
+    try:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return do_bench_cold(graph.replay)
+    except Exception as e:  # noqa: BLE001 - report and go on
+        print(f"  graph capture failed: {type(e).__name__}: {e}")
+        return float("nan")
+
+
+def _row(group, shape, ms, nbytes, flops, copy_bw, base_ms, target_speedup, target_bw_frac, extra="", graph_ms=None):
     gbs = nbytes / (ms * 1e-3) / 1e9
     tfs = flops / (ms * 1e-3) / 1e12
     speed = base_ms / ms
@@ -64,6 +81,7 @@ def _row(group, shape, ms, nbytes, flops, copy_bw, base_ms, target_speedup, targ
         "GB/s": gbs,
         "TFLOP/s": tfs,
         "%copyBW": 100 * bw_frac,
+        "graph_ms": graph_ms if graph_ms is not None else float("nan"),
         "base_ms": base_ms,
         "speedup": speed,
         "target": " ".join(tgt),
@@ -84,11 +102,13 @@ def bench_dense_decode(copy_bw, rows):
             nw = _rot([s[0] for s in sets])
             nb = _rot([s[1] for s in sets])
             ms = _bench_or_nan(lambda: O.fp4_linear(a, nw(), backend="cuda"))
+            w0 = sets[0][0]
+            gms = _graph_ms(lambda: O.fp4_linear(a, w0, backend="cuda"))
             base = _bench_or_nan(lambda: torch.matmul(a, nb().T))
             nbytes = N * K // 2 + N * K // 16 + M * K * 2 + M * N * 2
             rows.append(
                 _row("dense-decode W4A16", f"M={M} N={N} K={K}", ms, nbytes, 2 * M * N * K, copy_bw, base,
-                     3.0 if M <= 16 else 2.5, 0.75)
+                     3.0 if M <= 16 else 2.5, 0.75, graph_ms=gms)
             )
         del sets
         torch.cuda.empty_cache()
@@ -117,12 +137,14 @@ def bench_grouped_decode(copy_bw, rows):
             nb = _rot([s[1] for s in sets])
             offs_end = offsets[1:].contiguous()
             ms = _bench_or_nan(lambda: O.fp4_grouped_linear(a, nw(), offsets, backend="cuda"))
+            w0 = sets[0][0]
+            gms = _graph_ms(lambda: O.fp4_grouped_linear(a, w0, offsets, backend="cuda"))
             base = _bench_or_nan(lambda: torch._grouped_mm(a, nb(), offs=offs_end))
             nbytes = active * (N * K // 2 + N * K // 16) + M * K * 2 + M * N * 2
             tgt = 2.0 if T == 1 else (3.0 if T in (16, 64) else None)
             rows.append(
                 _row("grouped-decode W4A16", f"qwen3 {name} T={T} top{k}", ms, nbytes, 2 * M * N * K, copy_bw, base,
-                     tgt, 0.60, extra=f"active={active}")
+                     tgt, 0.60, extra=f"active={active}", graph_ms=gms)
             )
         del sets
         torch.cuda.empty_cache()
