@@ -19,10 +19,10 @@
 //   NaN/Inf are the patterns >= 0x7F80), two elements per integer max.
 // - Element codes: the SPEC needs v = fl(x / t) only through e2m1_rn(|v|) and signbit(v) = signbit(x)
 //   (t > 0). The kernel computes q = fl(|x| * fl(1 / t)) (within 1.5 ulp of fl(|x| / t)) and rounds it to
-//   the E2M1 grid with a magic-number add (RNE on a 0.5 / 1 / 2 step grid); whenever q lies within
-//   2^-18 steps of a rounding tie, where the two could round apart, it falls back to the exact
-//   fl(x / t) and e2m1_rn_magnitude. Bit-exact by construction, and ~2x fewer instructions than an IEEE
-//   division plus seven threshold compares per element.
+//   the E2M1 grid with a magic-number add (RNE on a 0.5 / 1 / 2 step grid), branch free; an element whose q
+//   lies within 2^-18 steps of a rounding tie (where fl(x / t) could round the other way) is redone exactly
+//   (fl(x / t), e2m1_rn_magnitude) out of line. Bit-exact by construction. Exact ties are common when g is
+//   a power of two (x = 2.5 * s_b happens), so the fallback is per element, not per block.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -78,31 +78,27 @@ __device__ __forceinline__ int fast_div(int n, uint32_t mul, uint32_t shr) {
   return mul == 0 ? n : (int)(__umulhi((uint32_t)n, mul) >> shr);
 }
 
-// The exact path, out of line so the unrolled hot loop stays small: e2m1_rn(|fl(x / t)|).
-__device__ __noinline__ uint32_t e2m1_magnitude_of_quotient_exact(float x, float t) {
+// The exact path (SPEC 2 literally: e2m1_rn(|fl(x / t)|)); out of line, taken only for elements whose fast
+// result could differ from it.
+__device__ __noinline__ uint32_t e2m1_magnitude_exact(float x, float t) {
   return e2m1_rn_magnitude(fabsf(nvfp4_scaled(x, t)));
 }
 
-// E2M1 code of fl(x / t) (t > 0 finite), SPEC 2: magnitude e2m1_rn(|fl(x / t)|), sign signbit(x).
-// Fast path q = fl(|x| * r) with r = fl(1 / t), rounded on the grid by a magic add; exact path near ties
-// and whenever `exact` (1 / t overflowed).
-__device__ __forceinline__ uint32_t e2m1_code_of_quotient(float x, float t, float r, bool exact) {
+// Fast E2M1 code of fl(x / t) (t > 0, r = fl(1 / t) finite), branch free: q = fl(|x| * r) is within 1.5 ulp of
+// fl(|x| / t); adding 2^22 / 2^23 / 2^24 rounds q (RNE) to the E2M1 grid of [0,2) / [2,4) / [4,8) (steps 0.5,
+// 1, 2), which equals e2m1_rn away from ties; within half_step * 2^-17 of a tie (where the exact quotient
+// could round the other way), or when `exact` (1 / t overflowed), the exact path decides. q >= 8 (or inf)
+// lands on k >= 4 -> saturated code 7. Sign = signbit(x) (= signbit(fl(x / t)) for t > 0).
+__device__ __forceinline__ uint32_t e2m1_code(float x, float t, float r, bool exact) {
   const float q = __fmul_rn(fabsf(x), r);
-  uint32_t mag = 7u;  // q >= 8: saturated whatever the last ulp
-  bool near = exact;
-  if (q < 8.0f) {
-    const bool step_half = q < 2.0f, step_one = q < 4.0f;
-    // adding 2^22 / 2^23 / 2^24 rounds q (RNE) to a multiple of 0.5 / 1 / 2: the E2M1 grid of [0,2) / [2,4) / [4,8)
-    const float magic = step_half ? 4194304.0f : (step_one ? 8388608.0f : 16777216.0f);
-    const float half_step = step_half ? 0.25f : (step_one ? 0.5f : 1.0f);
-    const float rounded = __fadd_rn(q, magic);
-    const uint32_t k = __float_as_uint(rounded) - __float_as_uint(magic);  // grid steps
-    mag = step_half ? k : (step_one ? k + 2u : min(k + 4u, 7u));
-    const float dist = fabsf(__fsub_rn(q, __fsub_rn(rounded, magic)));  // distance to the chosen grid point
-    near = dist >= __fmul_rn(half_step, 0.99999237060546875f);        // within half_step * 2^-17 of a tie
-  }
-  if (near) mag = e2m1_magnitude_of_quotient_exact(x, t);
-  return mag | (signbit(x) ? 8u : 0u);
+  const bool step_half = q < 2.0f, step_one = q < 4.0f;
+  const float magic = step_half ? 4194304.0f : (step_one ? 8388608.0f : 16777216.0f);
+  const float tie_dist = step_half ? 0.24999809265136719f : (step_one ? 0.49999618530273438f : 0.99999237060546875f);
+  const float rounded = __fadd_rn(q, magic);
+  const uint32_t k = __float_as_uint(rounded) - __float_as_uint(magic);  // grid steps above the regime start
+  uint32_t mag = min(k + (step_half ? 0u : (step_one ? 2u : 4u)), 7u);
+  if (exact || fabsf(__fsub_rn(q, __fsub_rn(rounded, magic))) >= tie_dist) mag = e2m1_magnitude_exact(x, t);
+  return mag | ((__float_as_uint(x) >> 28) & 8u);
 }
 
 // Largest b with cu[b] <= token (token < cu[B]); sequences with no new rows are skipped naturally.
@@ -158,8 +154,7 @@ __global__ void __launch_bounds__(kAppendThreads) fp4kv_append_kernel(const Appe
 #pragma unroll
         for (int e = 0; e < kBlockElems; ++e) {
           const float x = bf16_bits_to_float(e & 1 ? words[e >> 1] >> 16 : words[e >> 1] & 0xFFFFu);
-          const uint32_t code = e2m1_code_of_quotient(x, t, r, exact);
-          w2[e >> 3] |= code << (4 * (e & 7));
+          w2[e >> 3] |= e2m1_code(x, t, r, exact) << (4 * (e & 7));
         }
       }
       packed = make_uint2(w2[0], w2[1]);
