@@ -124,11 +124,9 @@ __global__ void __launch_bounds__(kDecThreads) gemm_w4_decode_kernel(const GemmP
       } else {
         load_tile(kt, wv, sv);
       }
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        // ---- activation fragments: row mc + 8i + g, elements k + 16t .. +16
+      // ---- activation fragments of row mc + 8i + g, elements k + 16t .. +16; loaded one 64-K step ahead
+      auto load_a = [&](int kk, uint32_t (&bq)[MT8][8]) {
         const int k = kt * kSuperK + kk * 64 + 16 * t;
-        uint32_t bq[MT8][8];
 #pragma unroll
         for (int i = 0; i < MT8; ++i) {
           const int m = mc + 8 * i + g;
@@ -153,6 +151,12 @@ __global__ void __launch_bounds__(kDecThreads) gemm_w4_decode_kernel(const GemmP
             for (int j = 0; j < 8; ++j) bq[i][j] = 0u;
           }
         }
+      };
+      uint32_t bq[MT8][8], bq_next[MT8][8];
+      load_a(0, bq);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        if (kk < 3) load_a(kk + 1, bq_next);
         // ---- weights: convert, scale, MMA
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
@@ -178,6 +182,12 @@ __global__ void __launch_bounds__(kDecThreads) gemm_w4_decode_kernel(const GemmP
               mma_bf16_16816(acc[b][i], af, bf);
             }
           }
+        }
+        if (kk < 3) {
+#pragma unroll
+          for (int i = 0; i < MT8; ++i)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) bq[i][j] = bq_next[i][j];
         }
       }
       if constexpr (kPrefetch) {
