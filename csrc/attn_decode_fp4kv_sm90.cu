@@ -213,28 +213,42 @@ struct WarpLoader {
     return ps;
   }
 
-  __device__ __forceinline__ void issue(uint8_t* stage, int t0, int end, int2 ps) const {
+  // Lane-invariant parts of the copies (set by prepare): destination offsets inside a stage, the tile row and
+  // byte offset of each 16-byte code chunk, and the scale pool this lane copies from.
+  static constexpr int kCodeIters = kTile * G::kChunks / 32;
+  uint32_t dst_scale, dst_code[kCodeIters];
+  int code_row[kCodeIters], code_byte[kCodeIters];
+  const uint8_t* scale_pool;
+
+  __device__ __forceinline__ void prepare() {
+    const int tl = lane & (kTile - 1);
+    const bool is_v = lane >= kTile;  // scale rows: lanes 0..15 K, 16..31 V
+    scale_pool = is_v ? v_scales : k_scales;
+    dst_scale = 2 * G::kCodeTile + (is_v ? G::kScaleTile : 0) + tl * G::kScaleBytes;
+#pragma unroll
+    for (int i = 0; i < kCodeIters; ++i) {
+      const int q = lane + 32 * i;
+      code_row[i] = q / G::kChunks;
+      code_byte[i] = (q % G::kChunks) * 16;
+      dst_code[i] = code_offset<D>(code_row[i], q % G::kChunks);
+    }
+  }
+
+  // Copies the tile starting at token t0 into the stage at shared address `stage`. Row indices fit 32 bits
+  // (checked on the host); byte offsets are 64-bit.
+  __device__ __forceinline__ void issue(uint32_t stage, int t0, int end, int2 ps) const {
     const int tl = lane & (kTile - 1);
     const bool valid = t0 + tl < end;
-    const int64_t row = valid ? ((int64_t)ps.x * page_size + ps.y) * heads_kv + kv_head : 0;
-    // scale rows: lanes 0..15 K, 16..31 V
-    {
-      const bool is_v = lane >= kTile;
-      const uint8_t* src = (is_v ? v_scales : k_scales) + row * G::kScaleBytes;
-      uint8_t* dst = stage + 2 * G::kCodeTile + (is_v ? G::kScaleTile : 0) + tl * G::kScaleBytes;
-      cp_async_small<G::kScaleBytes>(smem_addr(dst), src, valid ? G::kScaleBytes : 0);
-    }
-    // code rows: 16 rows x kChunks chunks for K and for V
+    const uint32_t row = valid ? ((uint32_t)ps.x * (uint32_t)page_size + (uint32_t)ps.y) * (uint32_t)heads_kv + kv_head : 0u;
+    cp_async_small<G::kScaleBytes>(stage + dst_scale, scale_pool + (size_t)row * G::kScaleBytes,
+                                   valid ? G::kScaleBytes : 0);
 #pragma unroll
-    for (int i = 0; i < kTile * G::kChunks / 32; ++i) {
-      const int q = lane + 32 * i;
-      const int r = q / G::kChunks;
-      const int chunk = q % G::kChunks;
-      const int64_t rrow = __shfl_sync(0xffffffffu, row, r);
-      const bool rvalid = t0 + r < end;
-      const int off = code_offset<D>(r, chunk);
-      cp_async_16(smem_addr(stage + off), k_codes + rrow * G::kRowBytes + chunk * 16, rvalid ? 16 : 0);
-      cp_async_16(smem_addr(stage + G::kCodeTile + off), v_codes + rrow * G::kRowBytes + chunk * 16, rvalid ? 16 : 0);
+    for (int i = 0; i < kCodeIters; ++i) {
+      const uint32_t rrow = __shfl_sync(0xffffffffu, row, code_row[i]);
+      const int bytes = t0 + code_row[i] < end ? 16 : 0;
+      const size_t off = (size_t)rrow * G::kRowBytes + code_byte[i];
+      cp_async_16(stage + dst_code[i], k_codes + off, bytes);
+      cp_async_16(stage + G::kCodeTile + dst_code[i], v_codes + off, bytes);
     }
   }
 };
@@ -267,10 +281,12 @@ __global__ void __launch_bounds__(kThreads, 3) fp4kv_decode_kernel(const DecodeP
                    p.page_size, p.heads_kv, kv_head, lane};
   auto tile_start = [&](int i) { return start + (warp + kWarps * i) * kTile; };
   ld.init(tile_start(0));
+  ld.prepare();
+  const uint32_t wsmem_addr = smem_addr(wsmem);
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < my_tiles) ld.issue(wsmem + s * G::kStageBytes, tile_start(s), end, ld.fetch(tile_start(s), end));
+    if (s < my_tiles) ld.issue(wsmem_addr + s * G::kStageBytes, tile_start(s), end, ld.fetch(tile_start(s), end));
     cp_async_commit();
   }
   int2 next_ps = (kStages - 1 < my_tiles) ? ld.fetch(tile_start(kStages - 1), end) : make_int2(0, 0);
@@ -351,7 +367,7 @@ __global__ void __launch_bounds__(kThreads, 3) fp4kv_decode_kernel(const DecodeP
   for (int i = 0; i < my_tiles; ++i) {
     {
       const int nxt = i + kStages - 1;
-      if (nxt < my_tiles) ld.issue(wsmem + (nxt % kStages) * G::kStageBytes, tile_start(nxt), end, next_ps);
+      if (nxt < my_tiles) ld.issue(wsmem_addr + (nxt % kStages) * G::kStageBytes, tile_start(nxt), end, next_ps);
       cp_async_commit();
       if (nxt + 1 < my_tiles) next_ps = ld.fetch(tile_start(nxt + 1), end);
     }
@@ -397,12 +413,21 @@ __global__ void __launch_bounds__(kThreads, 3) fp4kv_decode_kernel(const DecodeP
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tok = t0 + 8 * nt + 2 * c + (e & 1);
-        const float x = tok < end ? s[nt][e] * row_scale[e >> 1] : -INFINITY;
-        s[nt][e] = x;
-        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+      for (int e = 0; e < 4; ++e) s[nt][e] *= row_scale[e >> 1];
+    }
+    if (t0 + kTile > end) {  // the last tile of the split: mask tokens past its end (warp-uniform branch)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (t0 + 8 * nt + 2 * c + (e & 1) >= end) s[nt][e] = -INFINITY;
+        }
       }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
     }
     // Lazy rescaling: the running max only moves (and O, l are rescaled) when a row's max grew by more than
     // kRescaleSlack (log2 units); otherwise P = 2^(x - m_run) <= 2^kRescaleSlack, still exact enough in fp16
@@ -685,7 +710,8 @@ std::tuple<at::Tensor, at::Tensor> fp4kv_decode_attention_cuda(const at::Tensor&
   TORCH_CHECK_VALUE(std::isfinite(softmax_scale), "trace_ext: softmax_scale must be finite");
   TORCH_CHECK_VALUE(std::isfinite(g_k) && g_k > 0 && std::isfinite(g_v) && g_v > 0,
                     "trace_ext: g_k and g_v must be finite and > 0");
-  TORCH_CHECK_VALUE(pages * P * Hkv * D < (int64_t(1) << 40), "trace_ext: cache too large");
+  TORCH_CHECK_VALUE(pages * P * Hkv < (int64_t(1) << 31), "trace_ext: fp4kv_decode_attention: at most 2^31 cache rows "
+                    "(pages * page_size * H_kv)");
 
   c10::cuda::CUDAGuard guard(q.device());
   int major = 0, minor = 0;
