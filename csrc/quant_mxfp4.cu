@@ -1,8 +1,10 @@
 // MXFP4 quantize / dequantize (SPEC 3, 4), bit-exact against reference.py.
 //
-// Design: memory-bound, one thread per 32-element block: 16-byte vector loads (4 for bf16 / fp16, 8 for fp32),
-// block amax and the E8M0 exponent in registers, the block's 16 code bytes leave as one 16-byte store and the
-// scale byte as one byte (coalesced across the warp). v = x * 2^-e is one fl multiply (exact unless it
+// Design: memory-bound; a thread owns chunks of 8 elements (a quarter block) and the four quarters of a block sit
+// in adjacent lanes: lane l of a warp takes chunks l + 32 j (j < 4) of the warp's tile, so every warp-wide load /
+// store is contiguous (512 B of bf16 x, 128 B of codes) with 4 chunk loads in flight per thread; the block amax
+// is combined with two shuffles, the E8M0 exponent derived in registers by all four lanes, the first lane
+// stores the scale byte. v = x * 2^-e is one fl multiply (exact unless it
 // underflows, exactly as in the reference). SR: one philox4x32_10 call per 4 elements (SPEC 4 counters).
 // Every numeric step comes from fp4_numerics.cuh.
 #include <ATen/ATen.h>
@@ -19,8 +21,12 @@
 namespace trace_ext {
 namespace {
 
-constexpr int kThreads = 256;  // CTA size; one thread per MX block
-static_assert(kMxfp4Block * 4 / 8 == 16, "an MX block's codes are exactly one 16-byte store");
+constexpr int kThreads = 256;          // CTA size
+constexpr int kChunkElems = 8;         // elements per thread chunk: a quarter of an MX block
+constexpr int kChunksPerThread = 4;    // independent chunk loads in flight per thread
+constexpr int kWarpChunks = 32 * kChunksPerThread;
+static_assert(kMxfp4Block == 4 * kChunkElems, "four adjacent lanes share one 32-element block");
+static_assert(kChunkElems * 4 / 8 == 4, "a chunk's codes are exactly one 32-bit store");
 
 struct MxParams {
   const void* x;        // [R, K]
@@ -31,57 +37,97 @@ struct MxParams {
   uint8_t* scales;  // [R, K/32]
 };
 
+// Warp tiling: lane l of warp w takes chunks w * kWarpChunks + l + 32 j (j < 4), so every warp-wide access is
+// contiguous (512 B of bf16 x, 128 B of codes) and the four quarters of an MX block sit in lanes l ^ {0, 1, 2, 3}
+// (their amax is combined with two shuffles; all four lanes then derive the same exponent).
 template <typename T, int MODE>
 __global__ void __launch_bounds__(kThreads) mxfp4_quant_kernel(const MxParams p) {
-  const int64_t fb = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (fb >= p.total_blocks) return;
-  float x[kMxfp4Block];
-  load_floats<T, kMxfp4Block>(reinterpret_cast<const T*>(p.x) + fb * kMxfp4Block, x);
-  const uint32_t mb = max_abs_bits(x);
-  uint32_t w[4] = {0u, 0u, 0u, 0u};
-  uint8_t scale = kE8M0NaN;
-  if (mb < 0x7F800000u) {
-    const int e = mxfp4_scale_exponent(__uint_as_float(mb), p.scale_ceil);
-    scale = (uint8_t)(e + 127);
-    const float inv = exp2_exact(-e);
-    Philox4 rnd;
+  constexpr int kV = ElemTraits<T>::kPerVec;
+  const uint64_t total_chunks = (uint64_t)p.total_blocks * 4;
+  const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const uint64_t c0 = (tid / 32) * kWarpChunks + tid % 32;
+  const T* xp = reinterpret_cast<const T*>(p.x);
+  uint4 raw[kChunksPerThread][kChunkElems / kV];
 #pragma unroll
-    for (int i = 0; i < kMxfp4Block; ++i) {
-      if constexpr (MODE == kSR) {
-        if (i % 4 == 0) rnd = sr_words((uint64_t)fb * (kMxfp4Block / 4) + i / 4, p.seed, p.offset);
-      }
-      const float v = __fmul_rn(x[i], inv);
-      uint32_t mag;
-      if constexpr (MODE == kRTN) {
-        mag = e2m1_rn_magnitude_bits(fabsf(v));
-      } else {
-        mag = e2m1_sr_magnitude_bits(fminf(fabsf(v), kE2M1Max), rnd.w[i % 4]);
-      }
-      w[i / 8] |= (mag | sign_nibble(v)) << (4 * (i % 8));
+  for (int j = 0; j < kChunksPerThread; ++j) {
+    const uint64_t c = c0 + 32 * j;
+#pragma unroll
+    for (int v = 0; v < kChunkElems / kV; ++v) {
+      raw[j][v] = c < total_chunks ? ld_vec(xp + c * kChunkElems + v * kV) : make_uint4(0u, 0u, 0u, 0u);
     }
   }
-  st_vec(p.codes + 16 * fb, make_uint4(w[0], w[1], w[2], w[3]));
-  p.scales[fb] = scale;
+#pragma unroll
+  for (int j = 0; j < kChunksPerThread; ++j) {
+    const uint64_t c = c0 + 32 * j;
+    float x[kChunkElems];
+#pragma unroll
+    for (int v = 0; v < kChunkElems / kV; ++v) vec_to_float<T>(raw[j][v], x + v * kV);
+    uint32_t mb = max_abs_bits(x);
+    // whole warp: the chunk count is a multiple of 4, so the four lanes of a block agree on being in range
+    mb = max(mb, __shfl_xor_sync(0xFFFFFFFFu, mb, 1));
+    mb = max(mb, __shfl_xor_sync(0xFFFFFFFFu, mb, 2));
+    if (c < total_chunks) {
+      uint32_t w = 0u;
+      uint8_t scale = kE8M0NaN;
+      if (mb < 0x7F800000u) {
+        const int e = mxfp4_scale_exponent(__uint_as_float(mb), p.scale_ceil);
+        scale = (uint8_t)(e + 127);
+        const float inv = exp2_exact(-e);
+        Philox4 rnd;
+#pragma unroll
+        for (int i = 0; i < kChunkElems; ++i) {
+          if constexpr (MODE == kSR) {
+            // SPEC 4 counter: flat element index / 4 = 8 * block + 2 * quarter + i / 4 = 2 c + i / 4
+            if (i % 4 == 0) rnd = sr_words(2 * c + i / 4, p.seed, p.offset);
+          }
+          const float v = __fmul_rn(x[i], inv);
+          uint32_t mag;
+          if constexpr (MODE == kRTN) {
+            mag = e2m1_rn_magnitude_bits(fabsf(v));
+          } else {
+            mag = e2m1_sr_magnitude_bits(fminf(fabsf(v), kE2M1Max), rnd.w[i % 4]);
+          }
+          w |= (mag | sign_nibble(v)) << (4 * i);
+        }
+      }
+      reinterpret_cast<uint32_t*>(p.codes)[c] = w;
+      if ((c & 3u) == 0u) p.scales[c >> 2] = scale;
+    }
+  }
 }
 
+// Same warp tiling: 4 code bytes in, 8 values out per chunk (one 16-byte store of bf16 / fp16).
 template <typename T>
 __global__ void __launch_bounds__(kThreads) mxfp4_dequant_kernel(const uint8_t* codes, const uint8_t* scales,
                                                                  int64_t total_blocks, T* y) {
-  const int64_t fb = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (fb >= total_blocks) return;
-  const uint4 c = ld_vec(codes + 16 * fb);
-  const uint8_t b = __ldg(scales + fb);
-  // 2^(b - 127) exactly; 0xFF is NaN (the whole block decodes to NaN)
-  const float s = b == kE8M0NaN ? __uint_as_float(0x7FC00000u) : exp2_exact((int)b - 127);
-  const uint32_t w[4] = {c.x, c.y, c.z, c.w};
-  float out[kMxfp4Block];
+  const uint64_t total_chunks = (uint64_t)total_blocks * 4;
+  const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const uint64_t c0 = (tid / 32) * kWarpChunks + tid % 32;
+  uint32_t w[kChunksPerThread];
+  uint8_t b[kChunksPerThread];
 #pragma unroll
-  for (int i = 0; i < kMxfp4Block; ++i) {
-    // (q * 2^-14) * 2^14 is exactly q; then one fl multiply by the scale, as in the reference
-    const float q = __fmul_rn(e2m1_value_x2m14((w[i / 8] >> (4 * (i % 8))) & 0xFu), 16384.0f);
-    out[i] = __fmul_rn(q, s);
+  for (int j = 0; j < kChunksPerThread; ++j) {
+    const uint64_t c = c0 + 32 * j;
+    const bool ok = c < total_chunks;
+    w[j] = ok ? __ldg(reinterpret_cast<const uint32_t*>(codes) + c) : 0u;
+    b[j] = ok ? __ldg(scales + (c >> 2)) : (uint8_t)0;
   }
-  store_floats<T, kMxfp4Block>(y + fb * kMxfp4Block, out);
+#pragma unroll
+  for (int j = 0; j < kChunksPerThread; ++j) {
+    const uint64_t c = c0 + 32 * j;
+    if (c < total_chunks) {
+      // 2^(b - 127) exactly; 0xFF is NaN (the whole block decodes to NaN)
+      const float s = b[j] == kE8M0NaN ? __uint_as_float(0x7FC00000u) : exp2_exact((int)b[j] - 127);
+      float out[kChunkElems];
+#pragma unroll
+      for (int i = 0; i < kChunkElems; ++i) {
+        // (q * 2^-14) * 2^14 is exactly q; then one fl multiply by the scale, as in the reference
+        const float q = __fmul_rn(e2m1_value_x2m14((w[j] >> (4 * i)) & 0xFu), 16384.0f);
+        out[i] = __fmul_rn(q, s);
+      }
+      store_floats<T, kChunkElems>(y + c * kChunkElems, out);
+    }
+  }
 }
 
 int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -124,7 +170,7 @@ std::tuple<at::Tensor, at::Tensor> mxfp4_quantize_cuda(const at::Tensor& x, int6
     using T = decltype(tag);
     auto kernel = rounding == kRTN ? mxfp4_quant_kernel<T, kRTN> : mxfp4_quant_kernel<T, kSR>;
     require_kernel_image(kernel, op);
-    kernel<<<(unsigned)div_up(p.total_blocks, kThreads), kThreads, 0, stream>>>(p);
+    kernel<<<(unsigned)div_up(div_up(p.total_blocks * 4, kWarpChunks) * 32, kThreads), kThreads, 0, stream>>>(p);
     check_launch(op);
   });
   return {codes, scales};
@@ -154,7 +200,8 @@ at::Tensor mxfp4_dequantize_cuda(const at::Tensor& codes, const at::Tensor& scal
     using T = decltype(tag);
     auto kernel = mxfp4_dequant_kernel<T>;
     require_kernel_image(kernel, op);
-    kernel<<<(unsigned)div_up(total, kThreads), kThreads, 0, stream>>>(codes_v.data_ptr<uint8_t>(),
+    const int64_t threads = div_up(total * 4, kWarpChunks) * 32;
+    kernel<<<(unsigned)div_up(threads, kThreads), kThreads, 0, stream>>>(codes_v.data_ptr<uint8_t>(),
                                                                       scales.data_ptr<uint8_t>(), total,
                                                                       reinterpret_cast<T*>(y.data_ptr()));
     check_launch(op);

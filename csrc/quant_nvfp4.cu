@@ -1,16 +1,21 @@
 // NVFP4 quantize / fake-quantize / dequantize (SPEC 2, 4, 5, 6), bit-exact against reference.py.
 //
 // Design (memory-bound: 2 B read + 0.5625 B written per bf16 element):
-// - Each thread owns a "unit" of two whole 16-element blocks (32 elements): 16-byte vector loads of x, the
-//   block amax stays in registers (no shuffles, no shared memory), codes leave as one 16-byte store.
+// - Loads in chunks of 8 elements (half a 16-element block): lane l of a warp loads chunks l, l + 32, l + 64,
+//   l + 96 of the warp's tile, so every warp-wide load is contiguous (512 B of bf16 x) and 4 independent 16-byte
+//   loads are in flight per thread before the first use. One pair exchange (__shfl_xor 1, pair_to_block) then
+//   hands each lane two whole blocks (the even lane keeps block A of chunk slots 2q, 2q+1, the odd lane block B),
+//   so the per-block work (scale, reciprocal, stores) is amortized over 16 elements as in a one-thread-per-block
+//   loop, with identical per-element numerics; the warp's code stores are contiguous 256 B spans.
 // - g given (per row or one value), guided rounding, and the second pass of long rows: a flat grid over all
-//   units of the [R, K/16] block matrix (a unit may straddle two rows when K/16 is odd; each block reads
-//   the g of its own row).
+//   chunks of the [R, K] input (each block reads the g of its own row).
 // - g None (per-row scale, activations): a team of threads per row (power of two, 8..512 threads) loads its
-//   row into registers once, reduces the row's finite amax (shuffles, plus shared memory across warps of a
-//   team), derives g and quantizes from the registers: one HBM read of x, one launch. Rows up to
-//   kFusedMaxK = 16384 elements fit (512 threads x 32 elements). Longer rows take a documented two-pass
-//   path: kernel 1 writes the per-row g (finite amax / 2688), kernel 2 is the flat kernel reading it.
+//   row into registers once (lane l: chunks l + team * j, j < 4, contiguous warp-wide; then the pair exchange),
+//   reduces the row's finite amax (shuffles, plus shared memory across warps of a team), derives g and quantizes
+//   from the registers: one HBM read of x, one launch. Rows up to kFusedMaxK = 16384 elements fit (512 threads x 32
+//   elements). Longer rows take a documented two-pass path: kernel 1 writes the per-row g (finite amax / 2688),
+//   kernel 2 is the flat kernel reading it.
+// - Dequantize: same warp tiling, one 16-byte store of bf16 / fp16 per 8 elements, contiguous across the warp.
 // - Every numeric step comes from fp4_numerics.cuh; all float ops are __f*_rn (no contraction, no FTZ).
 // - Instruction budget (the kernel must stay memory-bound at ~18 ops / element): v = fl(x / t) is one FMUL and
 //   two FMAs with the block's correctly rounded reciprocal (Markstein; exact where t, 1/t and the quotients are
@@ -36,14 +41,17 @@
 namespace trace_ext {
 namespace {
 
-constexpr int kBlocksPerUnit = 2;                           // 16-element blocks owned by one thread
-constexpr int kUnitElems = kBlocksPerUnit * kNvfp4Block;    // 32
-constexpr int kFlatThreads = 256;                           // CTA size of the flat kernels
-constexpr int kMaxTeam = 512;                               // largest row team of the fused per-row-g kernel
-constexpr int64_t kFusedMaxK = int64_t(kMaxTeam) * kUnitElems;  // 16384: longest row kept on chip
+constexpr int kChunkElems = 8;                               // elements per thread chunk: half an NVFP4 block
+constexpr int kChunksPerThread = 4;                          // independent chunk loads in flight per thread
+constexpr int kWarpChunks = 32 * kChunksPerThread;           // chunks of one warp tile (1024 elements)
+constexpr int kFlatThreads = 256;                            // CTA size of the flat kernels
+constexpr int kMaxTeam = 512;                                // largest row team of the fused per-row-g kernel
+constexpr int64_t kFusedMaxK = int64_t(kMaxTeam) * kChunksPerThread * kChunkElems;  // 16384: longest row on chip
 constexpr int kMinTeam = 8;
-static_assert(kUnitElems % 8 == 0, "a unit must be whole 16-byte vectors of bf16 / fp16");
-static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 32 elements");
+static_assert(kNvfp4Block == 2 * kChunkElems, "two threads (adjacent lanes) share one 16-element block");
+static_assert(kChunkElems % 8 == 0, "a chunk must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
+static_assert(kMinTeam % 2 == 0, "a row team must pair the two halves of every block in adjacent lanes");
+static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 4 chunks x 8 elements");
 
 struct QuantParams {
   // input
@@ -94,16 +102,20 @@ __device__ __forceinline__ uint32_t element_magnitude(float va, uint32_t sign, u
   }
 }
 
-// Element loop of one block; FAST: v = fl(x / t) from the block reciprocal (div_rn_with_rcp), else __fdiv_rn.
-template <int MODE, bool FAST>
-__device__ __forceinline__ uint2 quantize_elems(const float (&x)[kNvfp4Block], float t, float r, uint64_t flat_block,
-                                                const QuantParams& p, uint32_t guide_bits, uint2 guide_codes) {
-  uint32_t w[2] = {0u, 0u};
+// Element loop over N elements of one block; FAST: v = fl(x / t) from the block reciprocal (div_rn_with_rcp),
+// else __fdiv_rn.
+template <int MODE, bool FAST, int N>
+__device__ __forceinline__ void quantize_elems(const float (&x)[N], float t, float r, uint64_t ctr0,
+                                               const QuantParams& p, uint32_t guide_bits, uint2 guide_codes,
+                                               uint32_t (&w)[N / 8]) {
+  // ctr0: Philox counter of element 0 (flat element index / 4, SPEC 4)
+#pragma unroll
+  for (int k = 0; k < N / 8; ++k) w[k] = 0u;
   Philox4 rnd;
 #pragma unroll
-  for (int i = 0; i < kNvfp4Block; ++i) {
+  for (int i = 0; i < N; ++i) {
     if constexpr (MODE == kSR) {
-      if (i % 4 == 0) rnd = sr_words(flat_block * 4 + i / 4, p.seed, p.offset);
+      if (i % 4 == 0) rnd = sr_words(ctr0 + i / 4, p.seed, p.offset);
     }
     float va;
     uint32_t sign;
@@ -124,103 +136,80 @@ __device__ __forceinline__ uint2 quantize_elems(const float (&x)[kNvfp4Block], f
     const uint32_t mag = element_magnitude<MODE>(va, sign, word, guide_bits, guide_codes, i);
     w[i / 8] |= (mag | sign) << (4 * (i % 8));
   }
-  return make_uint2(w[0], w[1]);
 }
 
-// Codes of one finite block given its divisor t (SPEC 2, 4, 5). guide: compact bits (16) or full codes (64).
-// The reciprocal shortcut is taken when t, 1/t and every quotient of the block are far from under/overflow
-// (the common case); __fdiv_rn otherwise. t == 0 gives v = +0, code 0, in every mode.
-template <int MODE>
-__device__ __forceinline__ uint2 quantize_block(const float (&x)[kNvfp4Block], uint32_t max_bits, float t,
-                                                uint64_t flat_block, const QuantParams& p, uint32_t guide_bits,
-                                                uint2 guide_codes) {
-  if (t == 0.0f) return make_uint2(0u, 0u);
+// Codes of N elements of one finite block given the block's divisor t and its amax bits (SPEC 2, 4, 5). guide:
+// compact bits (bit i for element i) or full codes (nibble i of .x for i < 8, of .y above). The reciprocal shortcut
+// is taken when t, 1/t and every quotient of the block are far from under/overflow (the common case, judged from
+// the block's amax); __fdiv_rn otherwise. t == 0 gives v = +0, code 0, in every mode.
+template <int MODE, int N>
+__device__ __forceinline__ void quantize_block(const float (&x)[N], uint32_t max_bits, float t, uint64_t ctr0,
+                                               const QuantParams& p, uint32_t guide_bits, uint2 guide_codes,
+                                               uint32_t (&w)[N / 8]) {
+  if (t == 0.0f) {
+#pragma unroll
+    for (int k = 0; k < N / 8; ++k) w[k] = 0u;
+    return;
+  }
   const float r = __frcp_rn(t);
   const bool fast = t >= 0x1p-100f && t <= 0x1p100f && __fmul_rn(__uint_as_float(max_bits), r) <= 0x1p100f;
-  if (fast) return quantize_elems<MODE, true>(x, t, r, flat_block, p, guide_bits, guide_codes);
-  return quantize_elems<MODE, false>(x, t, r, flat_block, p, guide_bits, guide_codes);
-}
-
-// Dequantized values of a block (fake quant): fl(fl(q * s) * g), NaN for a non-finite block. q * s is formed as
-// (q * 2^-14) * (s * 2^14): both factors and the product are exact, so this is the reference's fl(q * s).
-__device__ __forceinline__ void dequant_block(uint2 codes, uint8_t scale, float g, float (&y)[kNvfp4Block]) {
-  const float s14 = __fmul_rn(e4m3_to_float(scale), 16384.0f);
-#pragma unroll
-  for (int i = 0; i < kNvfp4Block; ++i) {
-    const uint32_t word = i < 8 ? codes.x : codes.y;
-    y[i] = __fmul_rn(__fmul_rn(e2m1_value_x2m14((word >> (4 * (i % 8))) & 0xFu), s14), g);
+  if (fast) {
+    quantize_elems<MODE, true, N>(x, t, r, ctr0, p, guide_bits, guide_codes, w);
+  } else {
+    quantize_elems<MODE, false, N>(x, t, r, ctr0, p, guide_bits, guide_codes, w);
   }
 }
 
-// Everything a block produces once its x is in registers and its g is known; writes all outputs of the block.
+// Dequantized values of N codes of one block (fake quant, dequantize): fl(fl(q * s) * g), NaN for a non-finite
+// block. q * s is formed as (q * 2^-14) * (s * 2^14): both factors and the product are exact, so this is the
+// reference's fl(q * s).
+template <int N>
+__device__ __forceinline__ void dequant_codes(const uint32_t (&w)[N / 8], uint8_t scale, float g, float (&y)[N]) {
+  const float s14 = __fmul_rn(e4m3_to_float(scale), 16384.0f);
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    y[i] = __fmul_rn(__fmul_rn(e2m1_value_x2m14((w[i / 8] >> (4 * (i % 8))) & 0xFu), s14), g);
+  }
+}
+
+// Everything block fb produces once its 16 x are in one thread's registers and its g is known: the 8 code bytes,
+// the mbits, the fake-quant values and the scale byte. (g_out is written by the kernels, once per row.)
+// guide_bits: the rollout's 16 mantissa bits (compact); guide_codes: its 16 rollout codes (full).
 template <typename T, int MODE, bool FAKE>
-__device__ __forceinline__ uint2 process_block(const QuantParams& p, const float (&x)[kNvfp4Block], uint32_t max_bits,
-                                               float g, uint64_t fb, int64_t row, int64_t kb, uint32_t guide_bits,
-                                               uint2 guide_codes, uint8_t& scale_out) {
+__device__ __forceinline__ void process_block(const QuantParams& p, const float (&x)[kNvfp4Block], uint32_t max_bits,
+                                              float g, uint64_t fb, int64_t row, int64_t kbi, uint32_t guide_bits,
+                                              uint2 guide_codes) {
   bool finite = max_bits < 0x7F800000u;
   uint8_t s;
   float t;
   if constexpr (MODE == kGuidedCompact || MODE == kGuidedFull) {
-    s = p.guide_scales[fb];
+    s = __ldg(p.guide_scales + fb);
     t = nvfp4_block_divisor(s, g);
     finite = finite && isfinite(t);  // a rollout NaN scale makes the block NaN
   } else {
     s = nvfp4_scale_byte(__uint_as_float(max_bits), g);
     t = nvfp4_block_divisor(s, g);
   }
-  uint2 codes = make_uint2(0u, 0u);
+  uint32_t codes[2] = {0u, 0u};
   if (finite) {
-    codes = quantize_block<MODE>(x, max_bits, t, fb, p, guide_bits, guide_codes);
+    quantize_block<MODE, kNvfp4Block>(x, max_bits, t, 4 * fb, p, guide_bits, guide_codes, codes);
   } else {
     s = kE4M3NaN;
   }
-  scale_out = s;
+  if (p.codes != nullptr) reinterpret_cast<uint2*>(p.codes)[fb] = make_uint2(codes[0], codes[1]);
   if constexpr (FAKE) {
     float y[kNvfp4Block];
-    dequant_block(codes, s, g, y);
+    dequant_codes<kNvfp4Block>(codes, s, g, y);
     store_floats<T, kNvfp4Block>(reinterpret_cast<T*>(p.y) + fb * kNvfp4Block, y);
   }
   if (p.mbits != nullptr) {
-    const uint32_t bits = nibble_lsbs(codes.x) | (nibble_lsbs(codes.y) << 8);
-    *reinterpret_cast<uint16_t*>(p.mbits + 2 * fb) = (uint16_t)bits;
+    reinterpret_cast<uint16_t*>(p.mbits)[fb] = (uint16_t)(nibble_lsbs(codes[0]) | (nibble_lsbs(codes[1]) << 8));
   }
-  if (p.scales != nullptr && p.swizzle) p.scales[swizzled_scale_offset(row, kb, p.kb_pad)] = s;
-  if (p.g_out != nullptr && kb == 0 && p.g_out != p.g) p.g_out[row] = g;
-  return codes;
-}
-
-// Loads the guidance of block fb (compact: 16 bits, full: 8 code bytes).
-template <int MODE>
-__device__ __forceinline__ void load_guide(const QuantParams& p, uint64_t fb, uint32_t& bits, uint2& codes) {
-  if constexpr (MODE == kGuidedCompact) {
-    bits = __ldg(reinterpret_cast<const uint16_t*>(p.guide_payload) + fb);
-  } else if constexpr (MODE == kGuidedFull) {
-    codes = __ldg(reinterpret_cast<const uint2*>(p.guide_payload) + fb);
-  }
-}
-
-// Stores the codes and linear scales of a unit (blocks fb0, fb0 + 1; nvalid of them exist).
-__device__ __forceinline__ void store_unit(const QuantParams& p, uint64_t fb0, int nvalid, const uint2 (&codes)[2],
-                                           const uint8_t (&s)[2]) {
-  const bool pair = nvalid == 2 && (fb0 % 2) == 0;  // 16-byte aligned
-  if (p.codes != nullptr) {
-    if (pair) {
-      st_vec(p.codes + 8 * fb0, make_uint4(codes[0].x, codes[0].y, codes[1].x, codes[1].y));
+  if (p.scales != nullptr) {
+    if (p.swizzle) {
+      p.scales[swizzled_scale_offset(row, kbi, p.kb_pad)] = s;
     } else {
-#pragma unroll
-      for (int b = 0; b < 2; ++b) {
-        if (b < nvalid) *reinterpret_cast<uint2*>(p.codes + 8 * (fb0 + b)) = codes[b];
-      }
-    }
-  }
-  if (p.scales != nullptr && !p.swizzle) {
-    if (pair) {
-      *reinterpret_cast<uint16_t*>(p.scales + fb0) = (uint16_t)(s[0] | (s[1] << 8));
-    } else {
-#pragma unroll
-      for (int b = 0; b < 2; ++b) {
-        if (b < nvalid) p.scales[fb0 + b] = s[b];
-      }
+      p.scales[fb] = s;
     }
   }
 }
@@ -248,56 +237,124 @@ __device__ void swizzle_pad_zero(const QuantParams& p, int64_t tid, int64_t nthr
   }
 }
 
+// Raw 16-byte vectors of one chunk (zeros when the chunk does not exist).
+template <typename T>
+struct ChunkRaw {
+  uint4 v[kChunkElems / ElemTraits<T>::kPerVec];
+};
+
+template <typename T>
+__device__ __forceinline__ ChunkRaw<T> load_chunk(const T* x, uint64_t c, bool ok) {
+  constexpr int kV = ElemTraits<T>::kPerVec;
+  ChunkRaw<T> raw;
+#pragma unroll
+  for (int v = 0; v < kChunkElems / kV; ++v) {
+    raw.v[v] = ok ? ld_vec(x + c * kChunkElems + v * kV) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  return raw;
+}
+
+// Lanes 2i, 2i+1 hold chunks a (slot 2q) and b (slot 2q+1) whose blocks are A (halves: a of the even lane, a of the
+// odd lane) and B (halves: b of the even lane, b of the odd lane). One exchange gives the even lane all of A and
+// the odd lane all of B: each lane sends the half it does not keep (even: b, odd: a). Returns the lane's block.
+template <typename T>
+__device__ __forceinline__ void pair_to_block(const ChunkRaw<T>& a, const ChunkRaw<T>& b, bool odd,
+                                              float (&x)[kNvfp4Block]) {
+  constexpr int kV = ElemTraits<T>::kPerVec;
+  constexpr int kVecs = kChunkElems / kV;
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    const uint4 send = odd ? a.v[v] : b.v[v];
+    uint4 recv;
+    recv.x = __shfl_xor_sync(0xFFFFFFFFu, send.x, 1);
+    recv.y = __shfl_xor_sync(0xFFFFFFFFu, send.y, 1);
+    recv.z = __shfl_xor_sync(0xFFFFFFFFu, send.z, 1);
+    recv.w = __shfl_xor_sync(0xFFFFFFFFu, send.w, 1);
+    vec_to_float<T>(odd ? recv : a.v[v], x + v * kV);               // first half of the block
+    vec_to_float<T>(odd ? b.v[v] : recv, x + kChunkElems + v * kV);  // second half
+  }
+}
+
 // ---- flat kernel: g known per block (given, guided, or the second pass of long rows) -----------------------
+// Warp w loads the kWarpChunks consecutive chunks from w * kWarpChunks; lane l takes chunks l, l + 32, l + 64,
+// l + 96, so every warp-wide load is one contiguous 512 B span (bf16). After the pair exchange (pair_to_block)
+// lane l owns the whole blocks w * 64 + 32 q + l / 2 + 16 (l % 2), q < 2: the warp's code stores are contiguous
+// 256 B spans, and every per-block step (scale, reciprocal, stores) is amortized over 16 elements.
 
 template <typename T, int MODE, bool FAKE>
 __global__ void __launch_bounds__(kFlatThreads) nvfp4_quant_flat_kernel(const QuantParams p) {
+  constexpr int kBlocksPerThread = kChunksPerThread / 2;
   const uint64_t total_blocks = (uint64_t)p.rows * p.kb;
-  const uint64_t unit = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  const uint64_t fb0 = unit * kBlocksPerUnit;
-  if (fb0 < total_blocks) {
-    const int nvalid = fb0 + 1 < total_blocks ? 2 : 1;
-    const T* xp = reinterpret_cast<const T*>(p.x) + fb0 * kNvfp4Block;
-    float x[2][kNvfp4Block];
-    load_floats<T, kNvfp4Block>(xp, x[0]);
-    if (nvalid == 2) {
-      load_floats<T, kNvfp4Block>(xp + kNvfp4Block, x[1]);
-    } else {
+  const uint64_t total_chunks = total_blocks * 2;
+  const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const uint64_t c0 = (tid / 32) * kWarpChunks + tid % 32;
+  const bool odd = (tid & 1u) != 0u;
+  const T* xp = reinterpret_cast<const T*>(p.x);
+  ChunkRaw<T> raw[kChunksPerThread];
 #pragma unroll
-      for (int i = 0; i < kNvfp4Block; ++i) x[1][i] = 0.0f;
-    }
-    int64_t row[2], kbi[2];
-    row[0] = row_of(fb0, p.kb);
-    kbi[0] = (int64_t)fb0 - row[0] * p.kb;
-    kbi[1] = kbi[0] + 1;
-    row[1] = row[0];
-    if (kbi[1] == p.kb) {
-      kbi[1] = 0;
-      row[1] += 1;
-    }
-    uint32_t gbits[2] = {0u, 0u};
-    uint2 gcodes[2] = {make_uint2(0u, 0u), make_uint2(0u, 0u)};
-    float g[2];
+  for (int j = 0; j < kChunksPerThread; ++j) raw[j] = load_chunk<T>(xp, c0 + 32 * j, c0 + 32 * j < total_chunks);
+  // the lane's own blocks after the exchange: (c0 / 2) + 16 (lane % 2) + 32 q
+  const uint64_t fb0 = (c0 >> 1) + (odd ? 16u : 0u);
+  uint32_t gbits[kBlocksPerThread];
+  uint2 gcodes[kBlocksPerThread];
 #pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      const int64_t r = b < nvalid ? row[b] : row[0];
+  for (int q = 0; q < kBlocksPerThread; ++q) {
+    const uint64_t fb = fb0 + 32 * q;
+    gbits[q] = 0u;
+    gcodes[q] = make_uint2(0u, 0u);
+    if constexpr (MODE == kGuidedCompact) {
+      if (fb < total_blocks) gbits[q] = __ldg(reinterpret_cast<const uint16_t*>(p.guide_payload) + fb);
+    } else if constexpr (MODE == kGuidedFull) {
+      if (fb < total_blocks) gcodes[q] = __ldg(reinterpret_cast<const uint2*>(p.guide_payload) + fb);
+    }
+  }
+  // Rows / block columns of the lane's blocks: one division, then a carry (one step when kb >= 32); the g loads
+  // are issued before any block is processed.
+  int64_t rows[kBlocksPerThread], kbis[kBlocksPerThread];
+  float g[kBlocksPerThread];
+  {
+    int64_t row = row_of(fb0, p.kb);
+    int64_t kbi = (int64_t)fb0 - row * p.kb;
+#pragma unroll
+    for (int q = 0; q < kBlocksPerThread; ++q) {
+      rows[q] = row;
+      kbis[q] = kbi;
+      kbi += 32;
+      while (kbi >= p.kb) {
+        kbi -= p.kb;
+        ++row;
+      }
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < kBlocksPerThread; ++q) {
+    g[q] = 0.0f;
+    if (fb0 + 32 * q < total_blocks) {
       if constexpr (MODE == kGuidedCompact || MODE == kGuidedFull) {
-        g[b] = __ldg(p.guide_g + r);
-        if (b < nvalid) load_guide<MODE>(p, fb0 + b, gbits[b], gcodes[b]);
+        g[q] = __ldg(p.guide_g + rows[q]);
       } else {
-        g[b] = __ldg(p.g + r * p.g_stride);
+        g[q] = __ldg(p.g + rows[q] * p.g_stride);
       }
     }
-    uint2 codes[2];
-    uint8_t s[2] = {0, 0};
+  }
 #pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      if (b < nvalid) {
-        codes[b] = process_block<T, MODE, FAKE>(p, x[b], max_abs_bits(x[b]), g[b], fb0 + b, row[b], kbi[b], gbits[b],
-                                                gcodes[b], s[b]);
+  for (int q = 0; q < kBlocksPerThread; ++q) {
+    float x[kNvfp4Block];
+    pair_to_block<T>(raw[2 * q], raw[2 * q + 1], odd, x);  // whole warp: every lane takes part
+    const uint64_t fb = fb0 + 32 * q;
+    if (fb < total_blocks) {
+      process_block<T, MODE, FAKE>(p, x, max_abs_bits(x), g[q], fb, rows[q], kbis[q], gbits[q], gcodes[q]);
+    }
+  }
+  // g_out[r]: the g each block of row r used (given or the rollout's), copied once per row.
+  if (p.g_out != nullptr && p.g_out != p.g) {
+    for (int64_t r = (int64_t)tid; r < p.rows; r += (int64_t)gridDim.x * blockDim.x) {
+      if constexpr (MODE == kGuidedCompact || MODE == kGuidedFull) {
+        p.g_out[r] = __ldg(p.guide_g + r);
+      } else {
+        p.g_out[r] = __ldg(p.g + r * p.g_stride);
       }
     }
-    store_unit(p, fb0, nvalid, codes, s);
   }
   if (p.swizzle && p.scales != nullptr) {
     swizzle_pad_zero(p, (int64_t)blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
@@ -305,39 +362,43 @@ __global__ void __launch_bounds__(kFlatThreads) nvfp4_quant_flat_kernel(const Qu
 }
 
 // ---- fused kernel: per-row g computed in the same launch (rows up to kFusedMaxK) ------------------------------
+// A team (power of two, 8..512 threads) per row: lane l of the team loads chunks l + team j (j < 4) of its row
+// (contiguous warp-wide), the pair exchange gives it the whole blocks l / 2 + (team / 2) (2 q + l % 2), q < 2.
 
 template <typename T, int MODE, bool FAKE>
 __global__ void __launch_bounds__(kMaxTeam) nvfp4_quant_rowg_kernel(const QuantParams p, int team) {
   static_assert(MODE == kRTN || MODE == kSR, "guided rounding never recomputes g");
+  constexpr int kBlocksPerThread = kChunksPerThread / 2;
   __shared__ uint32_t warp_max[kMaxTeam / 32];
   const int rows_per_cta = blockDim.x / team;
   const int lane_in_team = threadIdx.x % team;
+  const bool odd = (lane_in_team & 1) != 0;
   const int64_t row = (int64_t)blockIdx.x * rows_per_cta + threadIdx.x / team;
   const bool row_ok = row < p.rows;
-  const int64_t kb0 = (int64_t)lane_in_team * kBlocksPerUnit;
-  const int nvalid = !row_ok || kb0 >= p.kb ? 0 : (kb0 + 1 < p.kb ? 2 : 1);
-  const uint64_t fb0 = (uint64_t)(row_ok ? row : 0) * p.kb + kb0;
+  const int64_t row_chunks = p.kb * 2;
+  const uint64_t c_row = (uint64_t)(row_ok ? row : 0) * (uint64_t)row_chunks;
+  const T* xp = reinterpret_cast<const T*>(p.x);
 
-  float x[2][kNvfp4Block];
-  uint32_t mb[2] = {0u, 0u};
+  ChunkRaw<T> raw[kChunksPerThread];
+#pragma unroll
+  for (int j = 0; j < kChunksPerThread; ++j) {
+    const int64_t k = lane_in_team + (int64_t)team * j;
+    raw[j] = load_chunk<T>(xp, c_row + k, row_ok && k < row_chunks);
+  }
+  float x[kBlocksPerThread][kNvfp4Block];
+  uint32_t mb[kBlocksPerThread];
   uint32_t finite_max = 0;
 #pragma unroll
-  for (int b = 0; b < 2; ++b) {
-    if (b < nvalid) {
-      load_floats<T, kNvfp4Block>(reinterpret_cast<const T*>(p.x) + (fb0 + b) * kNvfp4Block, x[b]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < kNvfp4Block; ++i) x[b][i] = 0.0f;
-    }
-  }
-#pragma unroll
-  for (int b = 0; b < 2; ++b) {
-    mb[b] = max_abs_bits(x[b]);
-    finite_max = max(finite_max, mb[b] < 0x7F800000u ? mb[b] : max_abs_bits_finite(x[b]));
+  for (int q = 0; q < kBlocksPerThread; ++q) {
+    pair_to_block<T>(raw[2 * q], raw[2 * q + 1], odd, x[q]);  // absent blocks are zeros
+    mb[q] = max_abs_bits(x[q]);
+    finite_max = max(finite_max, mb[q] < 0x7F800000u ? mb[q] : max_abs_bits_finite(x[q]));
   }
   // Row reduction of the finite amax: shuffles within a warp (or a sub-warp team), then across the team's warps.
   const int width = team < 32 ? team : 32;
-  for (int off = width / 2; off > 0; off /= 2) finite_max = max(finite_max, __shfl_xor_sync(0xFFFFFFFFu, finite_max, off, width));
+  for (int off = width / 2; off > 0; off /= 2) {
+    finite_max = max(finite_max, __shfl_xor_sync(0xFFFFFFFFu, finite_max, off, width));
+  }
   if (team > 32) {
     const int warp = threadIdx.x / 32;
     if (threadIdx.x % 32 == 0) warp_max[warp] = finite_max;
@@ -347,17 +408,14 @@ __global__ void __launch_bounds__(kMaxTeam) nvfp4_quant_rowg_kernel(const QuantP
     for (int w = 0; w < team / 32; ++w) finite_max = max(finite_max, warp_max[first + w]);
   }
   const float g = nvfp4_global_scale(__uint_as_float(finite_max));
+  if (row_ok && lane_in_team == 0 && p.g_out != nullptr) p.g_out[row] = g;
 
-  if (nvalid > 0) {
-    uint2 codes[2];
-    uint8_t s[2] = {0, 0};
 #pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      if (b < nvalid) {
-        codes[b] = process_block<T, MODE, FAKE>(p, x[b], mb[b], g, fb0 + b, row, kb0 + b, 0u, make_uint2(0u, 0u), s[b]);
-      }
+  for (int q = 0; q < kBlocksPerThread; ++q) {
+    const int64_t kbi = (lane_in_team >> 1) + (int64_t)(team / 2) * (2 * q + (odd ? 1 : 0));
+    if (row_ok && kbi < p.kb) {
+      process_block<T, MODE, FAKE>(p, x[q], mb[q], g, c_row / 2 + kbi, row, kbi, 0u, make_uint2(0u, 0u));
     }
-    store_unit(p, fb0, nvalid, codes, s);
   }
   if (p.swizzle && p.scales != nullptr) {
     swizzle_pad_zero(p, (int64_t)blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
@@ -393,43 +451,45 @@ __global__ void __launch_bounds__(kAmaxThreads) nvfp4_row_g_kernel(const void* x
 }
 
 // ---- dequantize ---------------------------------------------------------------------------------------------
+// Same warp tiling as the flat quantize kernel: lane l of warp w dequantizes chunks w * kWarpChunks + l + 32 j
+// (4 code bytes in, 8 values out: one 16-byte store of bf16 / fp16 per chunk, contiguous across the warp).
 
 template <typename T>
 __global__ void __launch_bounds__(kFlatThreads) nvfp4_dequant_kernel(const uint8_t* codes, const uint8_t* scales,
                                                                      const float* g, int64_t g_stride, int64_t rows,
                                                                      int64_t kb, T* y) {
-  const uint64_t total_blocks = (uint64_t)rows * kb;
-  const uint64_t fb0 = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) * kBlocksPerUnit;
-  if (fb0 >= total_blocks) return;
-  const int nvalid = fb0 + 1 < total_blocks ? 2 : 1;
-  uint2 c[2];
-  if (nvalid == 2) {
-    const uint4 v = ld_vec(codes + 8 * fb0);
-    c[0] = make_uint2(v.x, v.y);
-    c[1] = make_uint2(v.z, v.w);
-  } else {
-    c[0] = __ldg(reinterpret_cast<const uint2*>(codes) + fb0);
-    c[1] = make_uint2(0u, 0u);
+  const uint64_t total_chunks = (uint64_t)rows * kb * 2;
+  const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const uint64_t c0 = (tid / 32) * kWarpChunks + tid % 32;
+  uint32_t w[kChunksPerThread];
+  uint8_t s[kChunksPerThread];
+  float gv[kChunksPerThread];
+  int64_t row = row_of(c0 >> 1, kb);
+  int64_t kbi = (int64_t)(c0 >> 1) - row * kb;
+#pragma unroll
+  for (int j = 0; j < kChunksPerThread; ++j) {
+    const uint64_t c = c0 + 32 * j;
+    const bool ok = c < total_chunks;
+    w[j] = ok ? __ldg(reinterpret_cast<const uint32_t*>(codes) + c) : 0u;
+    s[j] = ok ? __ldg(scales + (c >> 1)) : (uint8_t)0;
+    gv[j] = ok ? __ldg(g + row * g_stride) : 0.0f;
+    kbi += 32 / 2;  // the next chunk's block is 16 further: carry into the row (one step when kb >= 16)
+    while (kbi >= kb) {
+      kbi -= kb;
+      ++row;
+    }
   }
-  const int64_t row0 = row_of(fb0, kb);
-  const int64_t row1 = (int64_t)(fb0 + 1) - row0 * kb == kb ? row0 + 1 : row0;
-  const float g0 = __ldg(g + row0 * g_stride);
-  const uint8_t s0 = __ldg(scales + fb0);
-  float g1 = g0;
-  uint8_t s1 = 0;
-  if (nvalid == 2) {
-    g1 = __ldg(g + row1 * g_stride);
-    s1 = __ldg(scales + fb0 + 1);
-  }
-  float y16[kNvfp4Block];
-  dequant_block(c[0], s0, g0, y16);
-  store_floats<T, kNvfp4Block>(y + fb0 * kNvfp4Block, y16);
-  if (nvalid == 2) {
-    dequant_block(c[1], s1, g1, y16);
-    store_floats<T, kNvfp4Block>(y + (fb0 + 1) * kNvfp4Block, y16);
+#pragma unroll
+  for (int j = 0; j < kChunksPerThread; ++j) {
+    const uint64_t c = c0 + 32 * j;
+    if (c < total_chunks) {
+      const uint32_t wj[1] = {w[j]};
+      float yv[kChunkElems];
+      dequant_codes<kChunkElems>(wj, s[j], gv[j], yv);
+      store_floats<T, kChunkElems>(y + c * kChunkElems, yv);
+    }
   }
 }
-
 // ---- host side -----------------------------------------------------------------------------------------------
 
 int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -459,9 +519,9 @@ template <int MODE, bool FAKE, typename T>
 void launch_flat(const QuantParams& p, cudaStream_t stream, const char* op) {
   auto kernel = nvfp4_quant_flat_kernel<T, MODE, FAKE>;
   require_kernel_image(kernel, op);
-  int64_t units = div_up(p.rows * p.kb, kBlocksPerUnit);
+  const int64_t work_threads = div_up(p.rows * p.kb * 2, kWarpChunks) * 32;  // one warp per kWarpChunks chunks
   int64_t pad_jobs = p.swizzle ? (p.kb_pad / 4) * 512 + (p.rows_pad / 128) * 512 : 0;
-  int64_t threads = std::max<int64_t>(units, std::min<int64_t>(pad_jobs, int64_t(1) << 20));
+  int64_t threads = std::max<int64_t>(work_threads, std::min<int64_t>(pad_jobs, int64_t(1) << 20));
   kernel<<<(unsigned)std::max<int64_t>(1, div_up(threads, kFlatThreads)), kFlatThreads, 0, stream>>>(p);
   check_launch(op);
 }
@@ -482,9 +542,9 @@ void launch_rowg(const QuantParams& p, cudaStream_t stream, const char* op) {
   }
   auto kernel = nvfp4_quant_rowg_kernel<T, MODE, FAKE>;
   require_kernel_image(kernel, op);
-  const int64_t units = div_up(p.kb, kBlocksPerUnit);
+  const int64_t row_chunks = p.kb * 2;
   int team = kMinTeam;
-  while (team < units) team *= 2;
+  while ((int64_t)team * kChunksPerThread < row_chunks) team *= 2;
   const int cta = std::max(team, kFlatThreads);
   const int64_t rows_per_cta = cta / team;
   kernel<<<(unsigned)div_up(p.rows, rows_per_cta), cta, 0, stream>>>(p, team);
@@ -680,12 +740,12 @@ at::Tensor nvfp4_dequantize_cuda(const at::Tensor& codes_in, const at::Tensor& s
   if (R == 0 || K == 0) return y;
   const at::Tensor codes_v = aligned_for_vectors(codes, 16);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t units = div_up(R * kb, kBlocksPerUnit);
+  const int64_t work_threads = div_up(R * kb * 2, kWarpChunks) * 32;
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     auto kernel = nvfp4_dequant_kernel<T>;
     require_kernel_image(kernel, op);
-    kernel<<<(unsigned)div_up(units, kFlatThreads), kFlatThreads, 0, stream>>>(
+    kernel<<<(unsigned)div_up(work_threads, kFlatThreads), kFlatThreads, 0, stream>>>(
         codes_v.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), g.data_ptr<float>(), g.numel() == 1 ? 0 : 1, R, kb,
         reinterpret_cast<T*>(y.data_ptr()));
     check_launch(op);
