@@ -1,14 +1,14 @@
 // Large-M NVFP4-weight GEMM for sm_90a on bf16 wgmma (dense and grouped, W4A16 and W4A4).
 //
 // Design note:
-//  - FA3-FP8 pattern without a dedicated producer: CTA tile 128 (M) x 256 (N) x 64 (K), 2 warpgroups, each owning
-//    64 rows as one m64n256k16 wgmma accumulator (128 fp32 registers per thread). The wide N side halves the
-//    L2 -> SM traffic of the bf16 A tiles (the dominant operand) compared with 256 x 128. Raw tiles (bf16 A, FP4 codes +
-//    scale bytes) arrive by 16-byte cp.async in a 3-stage ring; every thread then dequantizes its share of the FP4
-//    tile(s) of the NEXT k step into a 128B-swizzled bf16 buffer (double-buffered) while the tensor cores run the
-//    wgmma of the current one (wgmma is asynchronous: issue, then wait_group 1). 128B swizzle keeps both the
-//    16-byte dequant stores and the wgmma reads bank-conflict free; K advances inside the swizzle atom by moving
-//    the descriptor start address 32 bytes per k16.
+//  - FA3-FP8 pattern without a dedicated producer: CTA tile 128 (M) x 256 (N) x 64 (K), 2 warpgroups, each
+//    owning 64 rows as one m64n256k16 wgmma accumulator (128 fp32 registers per thread). The wide N side halves
+//    the L2 -> SM traffic of the bf16 A tiles (the dominant operand) compared with 256 x 128.
+//  - Raw tiles (bf16 A, FP4 codes + scale bytes) arrive by 16-byte cp.async in a 4-stage ring, requested 2 k
+//    steps ahead. Every thread dequantizes its share of the FP4 tile(s) of step kt into a 128B-swizzled bf16
+//    buffer (double-buffered) while the tensor cores still run the wgmma of step kt - 1 (wgmma is asynchronous:
+//    issue, then wait_group 1). 128B swizzle keeps both the 16-byte dequant stores and the wgmma reads
+//    bank-conflict free; K advances inside the swizzle atom by moving the descriptor start 32 bytes per k16.
 //  - Dequantization (exact, as in gemm_w4_sm90.cu): one code word = 8 elements; nibbles split into low / high
 //    halves (2 ops), then per element pair one byte-permute, one integer multiply (x * (2^12 + 2^6) places the sign
 //    at bit 15 and the magnitude at bits 6-8 of each bf16 half, no carries because the fields are disjoint) and
@@ -35,7 +35,8 @@ namespace gemm_w4 {
 constexpr int kWgBM = 128;       // CTA rows (2 warpgroups x m64)
 constexpr int kWgBN = 256;       // CTA columns (wgmma n256)
 constexpr int kWgBK = 64;        // one 128-byte swizzle row of bf16
-constexpr int kWgStages = 3;     // raw-tile ring depth
+constexpr int kWgStages = 4;     // raw-tile ring depth: tiles are requested 2 k steps ahead (see the loop)
+static_assert(kWgStages >= 3, "the ring needs the tile in use, the one in flight and one being refilled");
 constexpr int kWgThreads = 256;  // 2 warpgroups
 constexpr int kSwRow = 128;      // bytes per bf16 row of a swizzled tile
 static_assert(kWgBK * 2 == kSwRow, "a k-tile row is exactly one 128B swizzle row");
@@ -235,15 +236,24 @@ __global__ void __launch_bounds__(kWgThreads, 1) gemm_w4_wgmma_kernel(const Gemm
   fence_acc(acc, 128);
 
 #pragma unroll
-  for (int s = 0; s < kWgStages - 1; ++s) {
+  for (int s = 0; s < kWgStages - 2; ++s) {
     if (s < KT) wg_load_stage<kAFp4>(p, ring + s * C::kStage, m_begin, m_end, wc, ws, n0, s * kWgBK);
     cp_async_commit();
   }
 
+  // Two barriers per k step. At the first one every thread has passed wgmma.wait_group 1 of step kt - 1, so the
+  // wgmma of step kt - 2 is complete: its ring stage ((kt + kWgStages - 2) % kWgStages) and its bf16 buffers
+  // (kt & 1) are free to refill while the wgmma of step kt - 1 still runs.
   for (int kt = 0; kt < KT; ++kt) {
-    cp_async_wait<kWgStages - 2>();
+    cp_async_wait<kWgStages - 3>();
     fence_proxy_async();
     __syncthreads();
+    {
+      const int nk = kt + kWgStages - 2;
+      if (nk < KT)
+        wg_load_stage<kAFp4>(p, ring + (nk % kWgStages) * C::kStage, m_begin, m_end, wc, ws, n0, nk * kWgBK);
+      cp_async_commit();
+    }
     const uint8_t* st = ring + (kt % kWgStages) * C::kStage;
     // ---- dequantize this k step's FP4 tiles into the swizzled bf16 buffers
     {
@@ -278,13 +288,6 @@ __global__ void __launch_bounds__(kWgThreads, 1) gemm_w4_wgmma_kernel(const Gemm
     // no operand fences inside the loop: one wgmma group is always in flight, and ptxas would serialize the
     // pipeline on any instruction that (even nominally) defines the accumulators meanwhile
     wgmma_wait<1>();
-    __syncthreads();  // every warpgroup finished step kt - 1: its ring stage and bf16 buffers are free
-    {
-      const int nk = kt + kWgStages - 1;
-      if (nk < KT)
-        wg_load_stage<kAFp4>(p, ring + (nk % kWgStages) * C::kStage, m_begin, m_end, wc, ws, n0, nk * kWgBK);
-      cp_async_commit();
-    }
   }
   wgmma_wait<0>();
   fence_acc(acc, 128);
