@@ -9,12 +9,13 @@
 //  - The MMA's k slots are permuted (sum order is free): lane (g, t) covers elements 16t + 4ks + {0..3} of each
 //    64-wide K step, so its 16 weight elements per row are ONE NVFP4 block (one scale per row per step) and its
 //    16 activation elements are contiguous (two 16-byte loads of bf16, one 8-byte load of FP4 codes).
-//  - Packed layout: per (16-row block, 256-K super-tile) 2304 bytes; a lane streams one 16-byte code load per 64 K
-//    and one 8-byte scale load per 256 K, all issued before the math of a super-tile; with one n-block per warp
-//    (M <= 8, grouped) the next super-tile's loads are issued before the current one's math (register double
-//    buffer, 2 x 4 x 16 B in flight per lane). Codes are re-encoded offline so FP4 -> bf16 costs 1 AND (pair 0), a shift + AND
-//    (pairs 1, 2) and 3 shifts + 3 ANDs/ORs (pair 3) per 8 elements; values come out as q * 2^-126 and one bf16x2
-//    multiply by (s * 2^119) gives the exact q * s * 2^-7 (see gemm_w4_sm90.cu).
+//  - Packed layout: per (16-row block, 256-K super-tile) 2304 bytes; a lane streams one 16-byte code load per
+//    64 K and one 8-byte scale load per 256 K, all issued before the math of a super-tile; with one n-block per
+//    warp the next super-tile's loads are issued before the current one's math (register double buffer), and the
+//    activation fragments are loaded one 64-K step ahead.
+//  - Codes are re-encoded offline so FP4 -> bf16 costs 1 AND (pair 0), a shift + AND (pairs 1, 2) and 3 shifts +
+//    3 ANDs/ORs (pair 3) per 8 elements; values come out as q * 2^-126 and one bf16x2 multiply by (s * 2^119)
+//    gives the exact q * s * 2^-7 (see gemm_w4_sm90.cu).
 //  - Parallelism: a CTA is 8 warps = (8 / KW) warp columns of NB 16-row blocks x KW warps splitting K (sums
 //    combined through shared memory in warp order, deterministic); activation fragments are reused NB times in
 //    registers and 8 / KW times through L1. Dense problems also split K over gridDim.y CTAs (about 512 K per
