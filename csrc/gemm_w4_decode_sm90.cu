@@ -21,7 +21,9 @@
 //    registers and 8 / KW times through L1. Dense problems also split K over gridDim.y CTAs (about 512 K per
 //    warp); partial sums go to an fp32 workspace and the last CTA of each N tile (atomic ticket, self-resetting)
 //    adds them in split order (deterministic) and runs the epilogue. Grouped problems run one CTA per (N tile,
-//    expert); experts with no rows exit at once, experts with more than 8 * MT8 rows loop over row chunks.
+//    non-empty expert): gridDim.z = min(E, M) and each CTA finds the blockIdx.z-th expert with rows (one
+//    ballot pass over offsets), so empty experts cost nothing; experts with more than 8 * MT8 rows loop over
+//    row chunks.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -76,11 +78,40 @@ __global__ void __launch_bounds__(kDecThreads) gemm_w4_decode_kernel(const GemmP
   const int warp_id = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int nw = warp_id % NW, kw = warp_id / NW;
   const int g = lane >> 2, t = lane & 3;
-  const int e = blockIdx.z;
   const int K = p.K, N = p.N;
   const int KT = K / kSuperK;
-  int m_lo = 0, m_hi = p.M;
+  int e = 0, m_lo = 0, m_hi = p.M;
   if (p.offsets != nullptr) {
+    // grouped: blockIdx.z is the rank of this CTA's expert among the experts that have rows (gridDim.z =
+    // min(E, M), so a decode step with few active experts launches no CTAs for the empty ones)
+    __shared__ int s_cnt[kDecWarps];
+    __shared__ int s_e;
+    if (threadIdx.x == 0) s_e = -1;
+    const int target = blockIdx.z;
+    int base = 0;
+    for (int j0 = 0; j0 < p.E; j0 += kDecThreads) {
+      const int j = j0 + threadIdx.x;
+      bool nonempty = false;
+      if (j < p.E) {
+        const int lo = min(max(p.offsets[j], 0), p.M);
+        nonempty = min(max(p.offsets[j + 1], lo), p.M) > lo;
+      }
+      const unsigned ball = __ballot_sync(0xffffffffu, nonempty);
+      if (lane == 0) s_cnt[warp_id] = __popc(ball);
+      __syncthreads();
+      int before = base, total = base;
+#pragma unroll
+      for (int w = 0; w < kDecWarps; ++w) {
+        before += w < warp_id ? s_cnt[w] : 0;
+        total += s_cnt[w];
+      }
+      if (nonempty && before + __popc(ball & ((1u << lane) - 1u)) == target) s_e = j;
+      __syncthreads();
+      base = total;
+      if (base > target) break;  // same value in every thread
+    }
+    e = s_e;
+    if (e < 0) return;
     m_lo = min(max(p.offsets[e], 0), p.M);
     m_hi = min(max(p.offsets[e + 1], m_lo), p.M);
   }
@@ -331,7 +362,7 @@ void launch_decode(const GemmParams& p, const at::Tensor& like, cudaStream_t str
       tickets = ticket_buffer(like, stream, n_tiles);
     }
   }
-  dim3 grid(n_tiles, splits, p.offsets != nullptr ? p.E : 1);
+  dim3 grid(n_tiles, splits, p.offsets != nullptr ? std::min(p.E, std::max(p.M, 1)) : 1);
   TORCH_CHECK(grid.z <= 65535 && grid.y <= 65535, "trace_ext: too many experts or K splits for one launch");
   kernel<<<grid, kDecThreads, 0, stream>>>(p, splits > 1 ? ws.data_ptr<float>() : nullptr, tickets, splits);
   check_launch("fp4_linear (decode)");
