@@ -81,8 +81,8 @@ DENSE_CASES = [
     (QWEN_DOWN, [1, 7, 16, 31, 128, 1000]),
     (OLMOE_DOWN, [1, 16, 333]),
     (MIXTRAL_UP, [1, 8, 16, 32, 129]),
-    (MIXTRAL_DOWN, [1, 16, 32, 65]),
-    (DSV3_GATE_UP, [1, 13, 32]),
+    (MIXTRAL_DOWN, [1, 16, 32, 65, 1000, 4097]),
+    (DSV3_GATE_UP, [1, 13, 32, 2048]),
     (DSV3_DOWN, [1, 16, 300]),
 ]
 
@@ -230,6 +230,27 @@ def test_tile_edges_every_path():
             for wt in (w, wp):
                 _check(O.fp4_linear(a, wt, backend="cuda"), a.double(), _w64(w), f"edge N={N} K={K} M={M} w4a16")
                 _check(O.fp4_linear(aq, wt, backend="cuda"), _a64(aq), _w64(w), f"edge N={N} K={K} M={M} w4a4")
+
+
+def test_results_are_deterministic():
+    """Protects the fixed summation orders (split-K partials added in split order, K-split warps in warp order):
+    the same call twice gives the same bits on every path (decode dense / grouped, tiled, wgmma)."""
+    w = _quant_w(4096, 14336)
+    wp = O.prepare_fp4_weight(w)
+    for M in (1, 16, 32, 100, 512):
+        a = torch.randn(M, 14336, device=DEV).bfloat16()
+        assert torch.equal(O.fp4_linear(a, wp, backend="cuda"), O.fp4_linear(a, wp, backend="cuda")), M
+    E = 128
+    wg = O.prepare_fp4_weight(_quant_w(1536, 2048, E))
+    gen = torch.Generator().manual_seed(3)
+    for T in (1, 16, 64):
+        counts = torch.tensor(_routed_counts(T, E, 8, gen))
+        offsets = torch.zeros(E + 1, dtype=torch.int32)
+        offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+        offsets = offsets.to(DEV)
+        a = torch.randn(T * 8, 2048, device=DEV).bfloat16()
+        y1 = O.fp4_grouped_linear(a, wg, offsets, backend="cuda")
+        assert torch.equal(y1, O.fp4_grouped_linear(a, wg, offsets, backend="cuda")), T
 
 
 # ---- routing -----------------------------------------------------------------------------------------------------
