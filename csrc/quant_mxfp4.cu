@@ -33,6 +33,7 @@ struct MxParams {
   int64_t total_blocks;  // R * K / 32
   uint64_t seed, offset;
   bool scale_ceil;
+  PhiloxKeySchedule keys;  // the seed's Philox key schedule
   uint8_t* codes;   // [R, K/2]
   uint8_t* scales;  // [R, K/32]
 };
@@ -78,7 +79,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_quant_kernel(const MxParams p)
         for (int i = 0; i < kChunkElems; ++i) {
           if constexpr (MODE == kSR) {
             // SPEC 4 counter: flat element index / 4 = 8 * block + 2 * quarter + i / 4 = 2 c + i / 4
-            if (i % 4 == 0) rnd = sr_words(2 * c + i / 4, p.seed, p.offset);
+            if (i % 4 == 0) rnd = sr_words_scheduled(2 * c + i / 4, p.offset, p.keys);
           }
           const float v = __fmul_rn(x[i], inv);
           uint32_t mag;
@@ -164,7 +165,7 @@ std::tuple<at::Tensor, at::Tensor> mxfp4_quantize_cuda(const at::Tensor& x, int6
   if (R == 0 || K == 0) return {codes, scales};
   const at::Tensor xv = aligned_for_vectors(x, 16);
   MxParams p{xv.data_ptr(), R * (K / kMxfp4Block), (uint64_t)seed, (uint64_t)offset, scale_ceil,
-             codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>()};
+             philox_key_schedule((uint64_t)seed), codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>()};
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   dispatch_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);

@@ -23,7 +23,10 @@
 //   codes are read off the float's bits (e2m1_*_bits) instead of seven-compare chains. Both were checked
 //   against reference.py: RTN over every non-negative float, SR / guided on 8M random and edge values, the
 //   division in exact rational arithmetic near every rounding midpoint.
-// - SR: one philox4x32_10 call per 4 elements (counter = flat element index / 4, SPEC 4).
+// - SR: one philox4x32_10 call per 4 elements (counter = flat element index / 4, SPEC 4), with the seed's key
+//   schedule precomputed on the host (philox4x32_10_scheduled: keys are constant-bank operands of the XORs).
+//   SR / guided skip the per-element tiny-quotient test when a block-level bound on the smallest nonzero |x|
+//   proves it false for every element (quantize_block).
 // - Swizzled scales: written at their 128x4 offsets; the zero padding is written by the same launch
 //   (a grid-stride pass over the padded bytes of the last row tile and the last column chunk of each tile).
 #include <ATen/ATen.h>
@@ -60,8 +63,9 @@ struct QuantParams {
   // decode scale: given per row (g_stride 1) or one value (g_stride 0); null = per-row, computed here
   const float* g;
   int64_t g_stride;
-  // stochastic rounding
+  // stochastic rounding (keys: the seed's Philox key schedule, filled by the host)
   uint64_t seed, offset;
+  PhiloxKeySchedule keys;
   // guided rounding: the rollout's linear scale bytes [R, kb], g [R], payload [R, K/8] or [R, K/2]
   const uint8_t* guide_scales;
   const float* guide_g;
@@ -115,7 +119,7 @@ __device__ __forceinline__ void quantize_elems(const float (&x)[N], float t, flo
 #pragma unroll
   for (int i = 0; i < N; ++i) {
     if constexpr (MODE == kSR) {
-      if (i % 4 == 0) rnd = sr_words(ctr0 + i / 4, p.seed, p.offset);
+      if (i % 4 == 0) rnd = sr_words_scheduled(ctr0 + i / 4, p.offset, p.keys);
     }
     float va;
     uint32_t sign;
@@ -123,10 +127,8 @@ __device__ __forceinline__ void quantize_elems(const float (&x)[N], float t, flo
       const float ax = fabsf(x[i]);
       va = div_rn_with_rcp(ax, t, r);
       sign = (__float_as_uint(x[i]) >> 28) & 8u;  // t > 0: v has x's sign (-0.0 included)
-      if constexpr (MODE != kRTN) {
-        // RTN needs no exact tiny quotients (anything below 0.25 is code 0); the others distinguish 0 from > 0
-        if (fminf(ax, va) < 0x1p-100f && ax != 0.0f) va = __fdiv_rn(ax, t);
-      }
+      // RTN needs no exact tiny quotients (anything below 0.25 is code 0); SR / guided distinguish 0 from > 0 and
+      // take this path only when quantize_block proved that no |x| or quotient of the block is tiny.
     } else {
       const float v = __fdiv_rn(x[i], t);
       va = fabsf(v);
@@ -152,7 +154,18 @@ __device__ __forceinline__ void quantize_block(const float (&x)[N], uint32_t max
     return;
   }
   const float r = __frcp_rn(t);
-  const bool fast = t >= 0x1p-100f && t <= 0x1p100f && __fmul_rn(__uint_as_float(max_bits), r) <= 0x1p100f;
+  bool fast = t >= 0x1p-100f && t <= 0x1p100f && __fmul_rn(__uint_as_float(max_bits), r) <= 0x1p100f;
+  if constexpr (MODE != kRTN) {
+    // The reciprocal quotient v is exact unless |x| or v is tiny (< 2^-100). Both are >= 2^-100 for every nonzero
+    // element when the smallest nonzero |x| of the block, m, has m >= 2^-100 and fl(m * r) >= 2^-99 (each nonzero
+    // |x| >= m, q = fl(|x| r) >= 2^-99 and v is within an ulp of q); zeros give v = 0 either way. Otherwise the
+    // block takes __fdiv_rn (the reference operation itself). m - 1 on the bits maps +-0 to 0xFFFFFFFF.
+    uint32_t min_m1 = 0xFFFFFFFFu;
+#pragma unroll
+    for (int i = 0; i < N; ++i) min_m1 = min(min_m1, (__float_as_uint(x[i]) & 0x7FFFFFFFu) - 1u);
+    const float m = __uint_as_float(min_m1 + 1u);
+    fast = fast && (min_m1 == 0xFFFFFFFFu || (m >= 0x1p-100f && __fmul_rn(m, r) >= 0x1p-99f));
+  }
   if (fast) {
     quantize_elems<MODE, true, N>(x, t, r, ctr0, p, guide_bits, guide_codes, w);
   } else {
@@ -593,6 +606,7 @@ Prepared prepare(at::Tensor& x, const std::optional<at::Tensor>& g, int64_t roun
   p.kb = K / kNvfp4Block;
   p.seed = (uint64_t)seed;
   p.offset = (uint64_t)offset;
+  p.keys = philox_key_schedule(p.seed);
   const bool guided = rounding >= kGuidedCompact;
   if (guided) {
     TORCH_CHECK_VALUE(gs.has_value() && gg.has_value() && gp.has_value(), "trace_ext.", op,

@@ -263,6 +263,43 @@ __device__ __forceinline__ Philox4 sr_words(uint64_t n, uint64_t seed, uint64_t 
                        (uint32_t)(seed >> 32));
 }
 
+// philox4x32_10 with the key schedule precomputed: round r uses (k0 + r * 0x9E3779B9, k1 + r * 0xBB67AE85) mod 2^32,
+// exactly the keys philox4x32_10 derives as it goes. Kernels keep the table in their launch parameters, so the
+// key words are constant-bank operands of the XORs and the 20 key additions leave the per-call work.
+struct PhiloxKeySchedule {
+  uint32_t k0[10], k1[10];
+};
+
+__host__ __device__ inline PhiloxKeySchedule philox_key_schedule(uint64_t seed) {
+  PhiloxKeySchedule s;
+  uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+  for (int round = 0; round < 10; ++round) {
+    s.k0[round] = k0;
+    s.k1[round] = k1;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return s;
+}
+
+__device__ __forceinline__ Philox4 philox4x32_10_scheduled(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
+                                                           const PhiloxKeySchedule& ks) {
+  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
+#pragma unroll
+  for (int round = 0; round < 10; ++round) {
+    uint32_t hi0 = __umulhi(kM0, c0), lo0 = kM0 * c0;
+    uint32_t hi1 = __umulhi(kM1, c2), lo1 = kM1 * c2;
+    uint32_t n0 = hi1 ^ c1 ^ ks.k0[round], n2 = hi0 ^ c3 ^ ks.k1[round];
+    c0 = n0; c1 = lo1; c2 = n2; c3 = lo0;
+  }
+  return Philox4{{c0, c1, c2, c3}};
+}
+
+// sr_words with the seed's key schedule precomputed (same four words).
+__device__ __forceinline__ Philox4 sr_words_scheduled(uint64_t n, uint64_t offset, const PhiloxKeySchedule& ks) {
+  return philox4x32_10_scheduled((uint32_t)n, (uint32_t)(n >> 32), (uint32_t)offset, (uint32_t)(offset >> 32), ks);
+}
+
 // ---- Swizzled 128x4 scale layout (SPEC 6) -----------------------------------------------------------------------
 __host__ __device__ __forceinline__ int64_t swizzled_scale_offset(int64_t m, int64_t k, int64_t kb_padded) {
   return (m / 128) * (kb_padded / 4) * 512 + (k / 4) * 512 + (m % 32) * 16 + ((m % 128) / 32) * 4 + (k % 4);
