@@ -262,11 +262,13 @@ template <int BM, bool kAFp4, bool kAligned>
 void launch_tiled(const GemmParams& p, int m_tiles, cudaStream_t stream) {
   using C = TileCfg<BM, kAFp4>;
   auto kernel = gemm_w4_tiled_kernel<BM, kAFp4, kAligned>;
-  static bool attr_set = false;  // per template instance
-  if (!attr_set) {
+  static bool attr_set[kMaxDevices] = {};  // per template instance and device (the attribute is per device)
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev >= kMaxDevices || !attr_set[dev]) {
     require_kernel_image(kernel, "fp4_linear");
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem));
-    attr_set = true;
+    if (dev < kMaxDevices) attr_set[dev] = true;
   }
   TORCH_CHECK(m_tiles <= 65535, "trace_ext: fp4_linear: M = ", p.M, " needs ", m_tiles,
               " row tiles, more than one launch holds (65535)");
@@ -305,13 +307,13 @@ namespace gemm_w4 {
 namespace {
 
 void require_sm90(const at::Tensor& t, const char* op) {
-  static int cached_cc[64] = {};  // major * 10 + minor per device, 0 = not queried yet
+  static int cached_cc[kMaxDevices] = {};  // major * 10 + minor per device, 0 = not queried yet
   const int dev = t.device().index();
-  if (dev >= 0 && dev < 64 && cached_cc[dev] == 90) return;
+  if (dev >= 0 && dev < kMaxDevices && cached_cc[dev] == 90) return;
   int major = 0, minor = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  if (dev >= 0 && dev < 64) cached_cc[dev] = major * 10 + minor;
+  if (dev >= 0 && dev < kMaxDevices) cached_cc[dev] = major * 10 + minor;
   TORCH_CHECK(major == 9 && minor == 0, "trace_ext: ", op,
               " is implemented for sm_90a (Hopper) only; this GPU is sm_", major, minor,
               ", for which no NVFP4 GEMM kernel is built (missing build target: an sm_", major, minor,

@@ -329,11 +329,13 @@ template <bool kAFp4>
 void launch_wgmma(const GemmParams& p, cudaStream_t stream) {
   using C = WgCfg<kAFp4>;
   auto kernel = gemm_w4_wgmma_kernel<kAFp4>;
-  static bool attr_set = false;
-  if (!attr_set) {
+  static bool attr_set[kMaxDevices] = {};  // per template instance and device (the attribute is per device)
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev >= kMaxDevices || !attr_set[dev]) {
     require_kernel_image(kernel, "fp4_linear (wgmma)");
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem));
-    attr_set = true;
+    if (dev < kMaxDevices) attr_set[dev] = true;
   }
   const int m_tiles = (p.M + kWgBM - 1) / kWgBM + (p.offsets != nullptr ? p.E : 0);
   TORCH_CHECK(m_tiles <= 65535, "trace_ext: fp4_linear: M = ", p.M, " needs more row tiles than one launch holds");

@@ -14,6 +14,7 @@ namespace trace_ext {
 namespace gemm_w4 {
 
 constexpr int kMaxExperts = 1024;       // offsets of up to this many experts fit the lookup's shared buffer
+constexpr int kMaxDevices = 64;         // per-device caches of one-time launch setup
 constexpr float kScaleFold = 0x1p119f;  // block scale * 2^119: exact, and 448 * 2^119 < 2^128 (bf16 max)
 constexpr float kUnfoldW4A16 = 0x1p7f;  // q bits read as q * 2^-126; * s * 2^119 = q * s * 2^-7
 constexpr float kUnfoldW4A4 = 0x1p14f;  // both operands carry 2^-7
