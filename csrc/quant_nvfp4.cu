@@ -306,8 +306,10 @@ __global__ void __launch_bounds__(kFlatThreads) nvfp4_quant_flat_kernel(const Qu
   ChunkRaw<T> raw[kChunksPerThread];
 #pragma unroll
   for (int j = 0; j < kChunksPerThread; ++j) raw[j] = load_chunk<T>(xp, c0 + 32 * j, c0 + 32 * j < total_chunks);
-  // the lane's own blocks after the exchange: (c0 / 2) + 16 (lane % 2) + 32 q
-  const uint64_t fb0 = (c0 >> 1) + (odd ? 16u : 0u);
+  // the lane's own blocks after the exchange: (c0 / 2) + 16 (lane % 2) + 32 q. The empty asm keeps fb0 in a
+  // register (ptxas otherwise re-derives the 64-bit index from the thread id at every store).
+  uint64_t fb0 = (c0 >> 1) + (odd ? 16u : 0u);
+  asm("" : "+l"(fb0));
   uint32_t gbits[kBlocksPerThread];
   uint2 gcodes[kBlocksPerThread];
 #pragma unroll
