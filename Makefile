@@ -27,7 +27,7 @@ test: build
 	$(VPY) -m pytest tests -q -ra $(PYTEST_ARGS)
 
 demo: venv
-	test -f $(VENV)/.trace_ext_installed || (TRACE_EXT_SKIP_CUDA_BUILD=$${TRACE_EXT_SKIP_CUDA_BUILD:-0} $(MAKE) build && touch $(VENV)/.trace_ext_installed)
+	cd /tmp && $(CURDIR)/$(VPY) -c "import trace_ext" 2>/dev/null || $(MAKE) -C $(CURDIR) build
 	$(VPY) -m trace_ext.rl.demo --out demo_out $(DEMO_ARGS)
 
 # ---- device machine (H200): python3 there is the image's torch 2.11; CUTLASS travels as a wheel in .whl/
