@@ -419,18 +419,8 @@ class GuidanceCache:
             seen = torch.cat([seen, s])
         out = GuidanceCache(first.config, first.model_signature, first.layers)
         for c in caches:
-            for k, s in c.records.items():
-                dst = out.records.setdefault(k, RowStore(s.meta))
-                if dst.meta != s.meta:
-                    raise GuidanceError(f"merge: {k} has meta {s.meta} vs {dst.meta}")
-                if len(s):
-                    dst.add(s.keys, s.columns)
-            for k, s in c.routes.items():
-                dst = out.routes.setdefault(k, RowStore(s.meta))
-                if dst.meta != s.meta:
-                    raise GuidanceError(f"merge: routes[{k}] has meta {s.meta} vs {dst.meta}")
-                if len(s):
-                    dst.add(s.keys, s.columns)
+            _merge_stores(out.records, c.records, "")
+            _merge_stores(out.routes, c.routes, "routes")
         return out
 
     # save / load ----------------------------------------------------------------------------------------------------
@@ -540,3 +530,14 @@ class GuidanceRecorder:
 
     def save(self, path: str) -> None:
         self.cache.save(path)
+
+
+def _merge_stores(dst_map: dict, src_map: dict, label: str) -> None:
+    """Append every RowStore of src_map to the one under the same key in dst_map (metas must agree)."""
+    for k, s in src_map.items():
+        dst = dst_map.setdefault(k, RowStore(s.meta))
+        if dst.meta != s.meta:
+            name = f"{label}[{k}]" if label else f"{k}"
+            raise GuidanceError(f"merge: {name} has meta {s.meta} vs {dst.meta}")
+        if len(s):
+            dst.add(s.keys, s.columns)
