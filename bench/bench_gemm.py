@@ -89,14 +89,18 @@ def _row(group, shape, ms, nbytes, flops, copy_bw, base_ms, target_speedup, targ
     }
 
 
+def _dense_weight_sets(N, K):
+    """N_SETS independent weights (rotated for a cold L2): (prepared FP4 weight, its bf16 dequantization)."""
+    sets = []
+    for _ in range(N_SETS):
+        q = ref.nvfp4_quantize(torch.randn(N, K, device=DEV) * 0.02, scope="tensor")
+        sets.append((O.prepare_fp4_weight(q), ref.nvfp4_dequantize(q, torch.bfloat16)))
+    return sets
+
+
 def bench_dense_decode(copy_bw, rows):
     for N, K in ((14336, 4096), (4096, 14336), (7168, 4096)):
-        sets = []
-        for _ in range(N_SETS):
-            x = torch.randn(N, K, device=DEV) * 0.02
-            q = ref.nvfp4_quantize(x, scope="tensor")
-            sets.append((O.prepare_fp4_weight(q), ref.nvfp4_dequantize(q, torch.bfloat16)))
-            del x
+        sets = _dense_weight_sets(N, K)
         for M in (1, 8, 16, 32):
             a = torch.randn(M, K, device=DEV).bfloat16()
             nw = _rot([s[0] for s in sets])
@@ -152,12 +156,7 @@ def bench_grouped_decode(copy_bw, rows):
 
 def bench_large_m(copy_bw, rows):
     for N, K in ((14336, 4096), (4096, 14336), (7168, 4096)):
-        sets = []
-        for _ in range(N_SETS):
-            x = torch.randn(N, K, device=DEV) * 0.02
-            q = ref.nvfp4_quantize(x, scope="tensor")
-            sets.append((O.prepare_fp4_weight(q), ref.nvfp4_dequantize(q, torch.bfloat16)))
-            del x
+        sets = _dense_weight_sets(N, K)
         for M in (1024, 4096, 16384):
             a = torch.randn(M, K, device=DEV).bfloat16()
             nw = _rot([s[0] for s in sets])

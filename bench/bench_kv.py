@@ -61,6 +61,15 @@ def random_cache(B, Hkv, S, gen, page=PAGE):
     return kc, ks, vc, vs, table, seq_lens
 
 
+def _sweep_row(case, ms, nbytes, copy_gbs, ms_sdpa):
+    """One row of a split / page-size sweep (no target of its own)."""
+    gbs = nbytes / (ms * 1e-3) / 1e9
+    return {
+        "case": case, "ms": ms, "MB": nbytes / 1e6, "GB/s": gbs, "% copy": 100.0 * gbs / copy_gbs,
+        "sdpa ms": ms_sdpa, "sdpa GB/s": float("nan"), "speedup": ms_sdpa / ms, "target": "(sweep)", "status": "-",
+    }
+
+
 def decode_rows(copy_gbs, gen):
     op = torch.ops.trace_ext.fp4kv_decode_attention
     rows, sweep = [], []
@@ -90,24 +99,14 @@ def decode_rows(copy_gbs, gen):
         })
         for splits in SPLIT_SWEEP.get(name, ()):
             ms_s = do_bench_cold(lambda: op(q, kc, ks, vc, vs, table, seq_lens, scale, g_k, g_v, splits))
-            gbs_s = nbytes / (ms_s * 1e-3) / 1e9
-            sweep.append({
-                "case": f"decode {name} splits={splits}", "ms": ms_s, "MB": nbytes / 1e6, "GB/s": gbs_s,
-                "% copy": 100.0 * gbs_s / copy_gbs, "sdpa ms": ms_sdpa, "sdpa GB/s": float("nan"),
-                "speedup": ms_sdpa / ms_s, "target": "(sweep)", "status": "-",
-            })
+            sweep.append(_sweep_row(f"decode {name} splits={splits}", ms_s, nbytes, copy_gbs, ms_sdpa))
         del kc, ks, vc, vs
         torch.cuda.empty_cache()
         if name in PAGE_SWEEP:
             for page in PAGE_SWEEP[name]:
                 kc, ks, vc, vs, table, seq_lens = random_cache(B, Hkv, S, gen, page)
                 ms_p = do_bench_cold(lambda: op(q, kc, ks, vc, vs, table, seq_lens, scale, g_k, g_v, 0))
-                gbs_p = nbytes / (ms_p * 1e-3) / 1e9
-                sweep.append({
-                    "case": f"decode {name} page={page}", "ms": ms_p, "MB": nbytes / 1e6, "GB/s": gbs_p,
-                    "% copy": 100.0 * gbs_p / copy_gbs, "sdpa ms": ms_sdpa, "sdpa GB/s": float("nan"),
-                    "speedup": ms_sdpa / ms_p, "target": "(sweep)", "status": "-",
-                })
+                sweep.append(_sweep_row(f"decode {name} page={page}", ms_p, nbytes, copy_gbs, ms_sdpa))
                 del kc, ks, vc, vs
     return rows, sweep
 
