@@ -10,7 +10,7 @@ TORCH_PIN ?= torch==2.14.1
 DEPS      := "transformers>=5.17,<6" nvidia-cutlass==4.2.0.0 safetensors tqdm matplotlib pytest ninja numpy setuptools wheel
 PYTEST_ARGS ?=
 
-.PHONY: venv build test demo gpu gpu-build gpu-test gpu-bench clean
+.PHONY: venv build test demo gpu gpu-build gpu-test gpu-bench gpu-profile clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -52,6 +52,15 @@ gpu-test:
 gpu-bench:
 	for b in $(or $(BENCHES),bench/bench_quant.py bench/bench_gemm.py bench/bench_kv.py); do \
 	  [ -f $$b ] && BENCH_OUT=$(GPU_TMP) PYTHONUNBUFFERED=1 python3 $$b 2>&1 | tee -a $(GPU_TMP)/bench.log; done; true
+
+# Nsight Compute counters of the hot kernels (bench/profile_kernels.py), one text report per case group
+NCU_SECTIONS := SpeedOfLight LaunchStats Occupancy WarpStateStats SchedulerStats ComputeWorkloadAnalysis MemoryWorkloadAnalysis
+gpu-profile:
+	for c in $(or $(PROFILE_CASES),quant gemm kv); do \
+	  echo "=== ncu $$c"; ncu --clock-control none --kernel-name-base mangled -k regex:trace_ext \
+	    $(foreach s,$(NCU_SECTIONS),--section $(s)) python3 bench/profile_kernels.py $$c > $(GPU_TMP)/ncu_$$c.txt 2>&1; \
+	  echo "rc=$$?"; grep -c "Section: GPU Speed Of Light" $(GPU_TMP)/ncu_$$c.txt; \
+	done
 
 gpu: gpu-build
 	-$(MAKE) gpu-test

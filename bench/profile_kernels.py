@@ -1,0 +1,99 @@
+"""One call of each hot trace_ext kernel at a benchmark shape, for Nsight Compute (hardware counters).
+
+Not a benchmark (no timing here): `make gpu-profile` runs this file under
+`ncu --clock-control none -k regex:trace_ext --kernel-name-base mangled` so that the report shows issue-slot use,
+DRAM throughput, occupancy and warp stall reasons of the kernels the benchmarks time. Each case runs twice; the
+first call warms up caches of the host dispatch, ncu's --launch-skip is not needed.
+
+Run: python bench/profile_kernels.py [case ...]   (cases: quant gemm kv; default all)
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+import trace_ext.ops as O
+from trace_ext import reference as ref
+
+DEV = "cuda"
+
+
+def quant_cases():
+    op = torch.ops.trace_ext
+    x = torch.randn(16384, 4096, device=DEV, dtype=torch.bfloat16)
+    g = ref.nvfp4_global_scale(x, "row").contiguous()
+    codes, scales, g_out, _ = op.nvfp4_quantize(x, None, 0, 0, 0, None, None, None, False, False)
+    mbits = ref.mantissa_bits_of_codes(codes)
+    torch.cuda.synchronize()
+    yield "nvfp4 rtn per-row fused", lambda: op.nvfp4_quantize(x, None, 0, 0, 0, None, None, None, False, False)
+    yield "nvfp4 rtn g given", lambda: op.nvfp4_quantize(x, g, 0, 0, 0, None, None, None, False, False)
+    yield "nvfp4 sr", lambda: op.nvfp4_quantize(x, None, 1, 7, 0, None, None, None, False, False)
+    yield "nvfp4 guided compact", lambda: op.nvfp4_quantize(x, None, 2, 0, 0, scales, g_out, mbits, False, False)
+    yield "nvfp4 dequantize", lambda: op.nvfp4_dequantize(codes, scales, g_out, torch.bfloat16)
+    yield "mxfp4 rtn", lambda: op.mxfp4_quantize(x, 0, 0, 0, False)
+
+
+def gemm_cases():
+    q = ref.nvfp4_quantize(torch.randn(14336, 4096, device=DEV) * 0.02, scope="tensor")
+    w = O.prepare_fp4_weight(q)
+    a1 = torch.randn(1, 4096, device=DEV).bfloat16()
+    a16 = torch.randn(16, 4096, device=DEV).bfloat16()
+    a4k = torch.randn(4096, 4096, device=DEV).bfloat16()
+    yield "dense decode M=1 14336x4096", lambda: O.fp4_linear(a1, w, backend="cuda")
+    yield "dense decode M=16 14336x4096", lambda: O.fp4_linear(a16, w, backend="cuda")
+    yield "large M=4096 W4A16 14336x4096", lambda: O.fp4_linear(a4k, w, backend="cuda")
+    E, k, N, K, T = 128, 8, 1536, 2048, 16
+    qg = ref.nvfp4_quantize(torch.randn(E, N, K, device=DEV) * 0.02, scope="matrix")
+    wg = O.prepare_fp4_weight(qg)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    ids = torch.topk(torch.randn(T, E, device=DEV, generator=gen), k, dim=-1).indices
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    offsets = torch.zeros(E + 1, dtype=torch.int32, device=DEV)
+    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    a = torch.randn(T * k, K, device=DEV).bfloat16()
+    yield "grouped decode qwen3 gate_up T=16", lambda: O.fp4_grouped_linear(a, wg, offsets, backend="cuda")
+
+
+def kv_cases():
+    sys.path.insert(0, "bench")
+    from bench_kv import D, random_cache  # noqa: PLC0415
+
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    op = torch.ops.trace_ext
+    B, Hq, Hkv, S = 32, 32, 4, 8192
+    kc, ks, vc, vs, table, seq_lens = random_cache(B, Hkv, S, gen)
+    q = torch.randn(B, Hq, D, device=DEV, generator=gen).to(torch.bfloat16)
+    yield "kv decode B32 Hq32 Hkv4 S8K", lambda: op.fp4kv_decode_attention(
+        q, kc, ks, vc, vs, table, seq_lens, 1 / math.sqrt(D), 0.01, 0.02, 0)
+    T = 8 * 4096
+    k = torch.randn(T, 8, D, device=DEV, generator=gen).to(torch.bfloat16)
+    v = torch.randn(T, 8, D, device=DEV, generator=gen).to(torch.bfloat16)
+    pages = 8 * math.ceil(2 * 4096 / 16)
+    kc2 = torch.zeros(pages, 16, 8, D // 2, dtype=torch.uint8, device=DEV)
+    vc2, ks2 = torch.zeros_like(kc2), torch.zeros(pages, 16, 8, D // 16, dtype=torch.uint8, device=DEV)
+    vs2 = torch.zeros_like(ks2)
+    table2 = torch.randperm(pages, device=DEV, generator=gen).reshape(8, -1).to(torch.int32)
+    cu = torch.arange(0, T + 1, 4096, dtype=torch.int32, device=DEV)
+    start = torch.full((8,), 1000, dtype=torch.int32, device=DEV)
+    yield "kv append B8 x 4096", lambda: op.fp4kv_append(kc2, ks2, vc2, vs2, k, v, table2, cu, start, 0.01, 0.02)
+
+
+CASES = {"quant": quant_cases, "gemm": gemm_cases, "kv": kv_cases}
+
+
+def main() -> None:
+    for name in sys.argv[1:] or list(CASES):
+        for label, fn in CASES[name]():
+            fn()
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_push(label)
+            fn()
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_pop()
+            print(f"profiled: {label}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
