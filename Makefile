@@ -10,7 +10,7 @@ TORCH_PIN ?= torch==2.14.1
 DEPS      := "transformers>=5.17,<6" nvidia-cutlass==4.2.0.0 safetensors tqdm matplotlib pytest ninja numpy setuptools wheel
 PYTEST_ARGS ?=
 
-.PHONY: venv build test demo gpu gpu-build gpu-test gpu-bench gpu-profile clean
+.PHONY: venv build test demo gpu gpu-build gpu-test gpu-bench gpu-profile gpu-sass clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -60,6 +60,15 @@ gpu-profile:
 	  echo "=== ncu $$c"; ncu --clock-control none --kernel-name-base mangled -k regex:trace_ext \
 	    $(foreach s,$(NCU_SECTIONS),--section $(s)) python3 bench/profile_kernels.py $$c > $(GPU_TMP)/ncu_$$c.txt 2>&1; \
 	  echo "rc=$$?"; grep -c "Section: GPU Speed Of Light" $(GPU_TMP)/ncu_$$c.txt; \
+	done
+
+# per-SASS-instruction execution counts and stall samples (source page as CSV) of the same kernels
+gpu-sass:
+	for c in $(or $(PROFILE_CASES),quant gemm kv); do \
+	  echo "=== ncu source $$c"; ncu --clock-control none --kernel-name-base mangled -k regex:trace_ext \
+	    --section SourceCounters --section InstructionStats -f -o $(GPU_TMP)/rep_$$c python3 bench/profile_kernels.py $$c > $(GPU_TMP)/ncu_src_$$c.log 2>&1; \
+	  echo "rc=$$?"; ncu -i $(GPU_TMP)/rep_$$c.ncu-rep --page source --csv --print-source sass > $(GPU_TMP)/sass_$$c.csv 2>&1; \
+	  echo "rc=$$?"; ls -la $(GPU_TMP)/sass_$$c.csv; \
 	done
 
 gpu: gpu-build
