@@ -37,6 +37,16 @@
 //   (nibble expansion ~1.4 LOP/PRMT per element, plus copy addressing), not by memory. Further speedups
 //   need fewer integer instructions per element (a cache layout pre-interleaved for the fragments, or the
 //   Blackwell cvt.e2m1x2 path on sm_100a).
+// - Occupancy: Nsight Compute (B32 Hq32 Hkv4 S8K, 157 registers, 3 CTAs = 12 warps per SM) showed the warps
+//   latency-bound rather than pipe-bound: ALU 51%, issue slots 57%, 4.5 cycles per issued instruction per
+//   warp, DRAM 44%. The Q fragments (D/4 registers per thread, identical in the 4 warps) therefore live in
+//   shared memory behind the cp.async stages ([k-step][lane] uint4: one conflict-free 16-byte load per k-step
+//   and tile, feeding both n8 tiles), which brings the kernel to 127 registers and 4 CTAs = 16 warps per SM
+//   (the split heuristic reads the occupancy, so it picks splits for 4 CTAs per SM). The Q region lies inside
+//   the footprint of the cross-warp combine, so the dynamic shared memory per CTA is unchanged.
+//   TRACE_EXT_KV_DECODE_IMPL=old selects the register-resident variant for A/B timing (the same arithmetic
+//   per split, every MMA chain keeps its k-step order; the automatic split count follows each variant's
+//   occupancy, so outputs agree bit for bit only at equal num_splits).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
@@ -47,6 +57,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "trace_ext/fp4_numerics.cuh"
 #include "trace_ext/host_checks.h"
@@ -58,6 +70,8 @@ constexpr int kWarps = 4;                 // independent flash-decoding loops pe
 constexpr int kThreads = kWarps * 32;
 constexpr int kTile = 16;                 // tokens per warp tile: two n8 tiles of Q.K^T, one k16 step of P.V
 constexpr int kStages = 4;                // cp.async stages per warp
+constexpr int kMinBlocks = 4;             // CTAs per SM (Q fragments in shared memory): 65536 / (128 * 4) = 128 regs
+constexpr int kMinBlocksQReg = 3;         // CTAs per SM of the register-resident-Q variant (TRACE_EXT_KV_DECODE_IMPL=old)
 constexpr int kMaxGroup = 16;             // query heads per KV head: the M = 16 rows of one MMA
 constexpr int kCtaTokens = kWarps * kTile;  // split lengths are multiples of this
 constexpr int kMinSplitTokens = 512;      // heuristic: below this a split's pipeline never fills
@@ -91,8 +105,9 @@ struct Geo {
   static constexpr int kKSteps = D / 16;                // k16 steps of Q.K^T
   static constexpr int kONTiles = D / 8;                // n8 tiles of the output
   static constexpr int kSmemBytes = kWarps * kStages * kStageBytes;
+  static constexpr int kQBytes = kKSteps * 32 * 16;     // Q fragments: [k-step][lane] uint4, behind the stages
   static constexpr int kCombineBytes = (kWarps * kMaxGroup * kOStride + 2 * kWarps * kMaxGroup) * 4;
-  static constexpr int kSmem = kSmemBytes > kCombineBytes ? kSmemBytes : kCombineBytes;
+  static constexpr int kSmem = kSmemBytes + kQBytes > kCombineBytes ? kSmemBytes + kQBytes : kCombineBytes;
   static_assert(kKWords * 8 == D / 4 && kKSteps == 2 * kKWords * 4 / 4, "a thread's K quarter row feeds every k-step");
   static_assert(kStageBytes % 16 == 0, "stages must stay 16-byte aligned for cp.async");
   static_assert(kCodeTile % 128 == 0, "the swizzle works on whole 128-byte lines");
@@ -259,8 +274,12 @@ struct WarpLoader {
   }
 };
 
-template <int D>
-__global__ void __launch_bounds__(kThreads, 3) fp4kv_decode_kernel(const DecodeParams p) {
+// kQSmem: the Q fragments live in shared memory ([k-step][lane], one 16-byte load per k-step, reloaded every tile)
+// instead of D/4 registers, so the kernel fits 128 registers and 4 CTAs (16 warps) per SM; false keeps them in
+// registers (157 registers, 3 CTAs per SM), selectable with TRACE_EXT_KV_DECODE_IMPL=old.
+template <int D, bool kQSmem>
+__global__ void __launch_bounds__(kThreads, kQSmem ? kMinBlocks : kMinBlocksQReg)
+    fp4kv_decode_kernel(const DecodeParams p) {
   using G = Geo<D>;
   extern __shared__ __align__(128) uint8_t smem[];
 
@@ -299,7 +318,8 @@ __global__ void __launch_bounds__(kThreads, 3) fp4kv_decode_kernel(const DecodeP
 
   // ---- Q fragments (fp16, row-scaled by a power of two, head_dim permuted like the K fragments); loaded
   // after the pipeline prologue so its latency overlaps the first K/V tiles ----
-  uint32_t qa[G::kKSteps][4];
+  uint32_t qa[kQSmem ? 1 : G::kKSteps][4];  // register-resident Q (kQSmem == false)
+  uint4* q_sm = reinterpret_cast<uint4*>(smem + G::kSmemBytes);  // [k-step][lane] (kQSmem)
   float row_scale[2];
   {
     float qv[2][D / 4];
@@ -343,15 +363,24 @@ __global__ void __launch_bounds__(kThreads, 3) fp4kv_decode_kernel(const DecodeP
 #pragma unroll
     for (int ks = 0; ks < G::kKSteps; ++ks) {
       const int base = 8 * (ks / 2) + 4 * (ks % 2);
+      uint32_t a[4];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         __half2 lo = __floats2half2_rn(qv[h][base + 0], qv[h][base + 2]);
         __half2 hi = __floats2half2_rn(qv[h][base + 1], qv[h][base + 3]);
-        qa[ks][h] = *reinterpret_cast<uint32_t*>(&lo);      // a0a1 (row r), a2a3 (row r + 8)
-        qa[ks][2 + h] = *reinterpret_cast<uint32_t*>(&hi);  // a4a5, a6a7
+        a[h] = *reinterpret_cast<uint32_t*>(&lo);      // a0a1 (row r), a2a3 (row r + 8)
+        a[2 + h] = *reinterpret_cast<uint32_t*>(&hi);  // a4a5, a6a7
+      }
+      if constexpr (kQSmem) {
+        // every warp computed the same fragments (same Q rows); warp 0 publishes them
+        if (warp == 0) q_sm[ks * 32 + lane] = make_uint4(a[0], a[1], a[2], a[3]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) qa[ks][e] = a[e];
       }
     }
   }
+  if constexpr (kQSmem) __syncthreads();  // Q fragments visible to all warps (the only CTA barrier before the combine)
 
   // Per-thread shared-memory offsets inside a stage (loop invariant): K rows 8 nt + r (quarter row c), their
   // scale bytes; V rows 2c, 2c+1, 2c+8, 2c+9 (the block of head_dim column r) and their scale bytes.
@@ -384,33 +413,48 @@ __global__ void __launch_bounds__(kThreads, 3) fp4kv_decode_kernel(const DecodeP
     const int t0 = tile_start(i);
 
     // ---- S = Q.K^T for tokens 8 nt + r (B operand rows), two n8 tiles ----
+    // k-steps outermost (each Q fragment is loaded once per tile and feeds both n8 tiles); every s[nt] still
+    // accumulates its k-steps in the order 0, 1, ..., so the scores do not depend on kQSmem.
     float s[2][4];
+    uint32_t w[2][G::kKWords];
+    uint32_t sc[2][G::kKWords];  // half2 (s, s) per word
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-      uint32_t w[G::kKWords];
-      uint32_t sc[G::kKWords];  // half2 (s, s) per word
       if constexpr (D == 128) {
         const uint4 u = *reinterpret_cast<const uint4*>(st + k_off[nt]);
-        w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w;
+        w[nt][0] = u.x, w[nt][1] = u.y, w[nt][2] = u.z, w[nt][3] = u.w;
         const uint32_t s2 = e4m3x2_to_half2(*reinterpret_cast<const uint16_t*>(st + ks_off[nt]));
-        sc[0] = sc[1] = __byte_perm(s2, 0u, 0x1010);
-        sc[2] = sc[3] = __byte_perm(s2, 0u, 0x3232);
+        sc[nt][0] = sc[nt][1] = __byte_perm(s2, 0u, 0x1010);
+        sc[nt][2] = sc[nt][3] = __byte_perm(s2, 0u, 0x3232);
       } else {
         const uint2 u = *reinterpret_cast<const uint2*>(st + k_off[nt]);
-        w[0] = u.x, w[1] = u.y;
+        w[nt][0] = u.x, w[nt][1] = u.y;
         const uint32_t s2 = e4m3x2_to_half2(st[ks_off[nt]]);
-        sc[0] = sc[1] = __byte_perm(s2, 0u, 0x1010);
+        sc[nt][0] = sc[nt][1] = __byte_perm(s2, 0u, 0x1010);
+      }
+    }
+#pragma unroll
+    for (int wi = 0; wi < G::kKWords; ++wi) {
+      uint32_t qlo[4], qhi[4];  // Q fragments of k-steps 2 wi and 2 wi + 1
+      if constexpr (kQSmem) {
+        const uint4 a = q_sm[(2 * wi) * 32 + lane];
+        const uint4 b = q_sm[(2 * wi + 1) * 32 + lane];
+        qlo[0] = a.x, qlo[1] = a.y, qlo[2] = a.z, qlo[3] = a.w;
+        qhi[0] = b.x, qhi[1] = b.y, qhi[2] = b.z, qhi[3] = b.w;
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) qlo[e] = qa[2 * wi][e], qhi[e] = qa[2 * wi + 1][e];
       }
 #pragma unroll
-      for (int wi = 0; wi < G::kKWords; ++wi) {
-        const uint32_t hb = e2m1_hi_nibbles_to_f16_hibytes(w[wi]);  // nibbles 1, 3, 5, 7
-        const uint32_t lb = e2m1_lo_nibbles_to_f16_hibytes(w[wi]);  // nibbles 0, 2, 4, 6
+      for (int nt = 0; nt < 2; ++nt) {
+        const uint32_t hb = e2m1_hi_nibbles_to_f16_hibytes(w[nt][wi]);  // nibbles 1, 3, 5, 7
+        const uint32_t lb = e2m1_lo_nibbles_to_f16_hibytes(w[nt][wi]);  // nibbles 0, 2, 4, 6
         // k-step 2 wi: b0b1 = (n0, n2), b2b3 = (n1, n3); k-step 2 wi + 1: (n4, n6), (n5, n7)
-        mma_f16(s[nt], qa[2 * wi], hmul2(f16x2_from_hibytes(lb, kPairLo), sc[wi]),
-                hmul2(f16x2_from_hibytes(hb, kPairLo), sc[wi]));
-        mma_f16(s[nt], qa[2 * wi + 1], hmul2(f16x2_from_hibytes(lb, kPairHi), sc[wi]),
-                hmul2(f16x2_from_hibytes(hb, kPairHi), sc[wi]));
+        mma_f16(s[nt], qlo, hmul2(f16x2_from_hibytes(lb, kPairLo), sc[nt][wi]),
+                hmul2(f16x2_from_hibytes(hb, kPairLo), sc[nt][wi]));
+        mma_f16(s[nt], qhi, hmul2(f16x2_from_hibytes(lb, kPairHi), sc[nt][wi]),
+                hmul2(f16x2_from_hibytes(hb, kPairHi), sc[nt][wi]));
       }
     }
 
@@ -616,14 +660,27 @@ __global__ void __launch_bounds__(D) fp4kv_decode_combine_kernel(const float* __
 
 // ---- host ------------------------------------------------------------------------------------------------
 
-template <int D>
+// TRACE_EXT_KV_DECODE_IMPL=old selects the register-resident-Q kernel (3 CTAs per SM), for A/B timing.
+bool decode_q_in_smem() {
+  static const bool q_smem = [] {
+    const char* env = std::getenv("TRACE_EXT_KV_DECODE_IMPL");
+    return !(env != nullptr && std::strcmp(env, "old") == 0);
+  }();
+  return q_smem;
+}
+
+template <int D, bool kQSmem>
 int choose_splits(int batch_heads, int64_t max_len, int device) {
-  static int cached_sms[64] = {0}, cached_per_sm[64] = {0};  // per device; occupancy of this D's kernel
+  static int cached_sms[64] = {0}, cached_per_sm[64] = {0};  // per device; occupancy of this kernel
   const int slot = device & 63;
   if (cached_sms[slot] == 0) {
     int sms = 0, per_sm = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fp4kv_decode_kernel<D>, kThreads, Geo<D>::kSmem);
+    // the largest shared-memory carveout, so that the register limit (not the L1 / shared split) sets the CTAs
+    // per SM (the attribute is per device: set on the current device, which the caller's guard selected)
+    cudaFuncSetAttribute(fp4kv_decode_kernel<D, kQSmem>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                         cudaSharedmemCarveoutMaxShared);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fp4kv_decode_kernel<D, kQSmem>, kThreads, Geo<D>::kSmem);
     cached_per_sm[slot] = per_sm;
     cached_sms[slot] = sms;
   }
@@ -648,12 +705,13 @@ int choose_splits(int batch_heads, int64_t max_len, int device) {
   return (int)best;
 }
 
-template <int D>
+template <int D, bool kQSmem>
 void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max_len, const at::Tensor& q,
             at::Tensor& out, at::Tensor& lse) {
   DecodeParams p = base;
   const int device = q.get_device();
-  const int splits = num_splits_arg > 0 ? num_splits_arg : choose_splits<D>(batch * p.heads_kv, max_len, device);
+  const int splits =
+      num_splits_arg > 0 ? num_splits_arg : choose_splits<D, kQSmem>(batch * p.heads_kv, max_len, device);
   p.num_splits = splits;
   at::Tensor o_part, lse_part;
   if (splits > 1) {
@@ -662,10 +720,10 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
     p.o_part = o_part.data_ptr<float>();
     p.lse_part = lse_part.data_ptr<float>();
   }
-  require_kernel_image(fp4kv_decode_kernel<D>, "fp4kv_decode_attention");
+  require_kernel_image(fp4kv_decode_kernel<D, kQSmem>, "fp4kv_decode_attention");
   auto stream = c10::cuda::getCurrentCUDAStream();
   dim3 grid(splits, p.heads_kv, batch);
-  fp4kv_decode_kernel<D><<<grid, kThreads, Geo<D>::kSmem, stream>>>(p);
+  fp4kv_decode_kernel<D, kQSmem><<<grid, kThreads, Geo<D>::kSmem, stream>>>(p);
   check_launch("fp4kv_decode_attention");
   if (splits > 1) {
     fp4kv_decode_combine_kernel<D><<<batch * p.heads_q, D, 0, stream>>>(
@@ -751,10 +809,13 @@ std::tuple<at::Tensor, at::Tensor> fp4kv_decode_attention_cuda(const at::Tensor&
   p.score_scale = (float)(softmax_scale * g_k * (double)kTwo14 * (double)kLog2e);
   p.out_scale = (float)(g_v * (double)kTwo14);
   const int64_t max_len = block_table.size(1) * P;  // an upper bound of seq_lens without a host sync
+  const bool q_smem = decode_q_in_smem();
   if (D == 64) {
-    launch<64>(p, (int)B, (int)num_splits, max_len, q, out, lse);
+    q_smem ? launch<64, true>(p, (int)B, (int)num_splits, max_len, q, out, lse)
+           : launch<64, false>(p, (int)B, (int)num_splits, max_len, q, out, lse);
   } else {
-    launch<128>(p, (int)B, (int)num_splits, max_len, q, out, lse);
+    q_smem ? launch<128, true>(p, (int)B, (int)num_splits, max_len, q, out, lse)
+           : launch<128, false>(p, (int)B, (int)num_splits, max_len, q, out, lse);
   }
   return {out, lse};
 }
