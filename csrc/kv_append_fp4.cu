@@ -18,17 +18,24 @@
 // - The block amax and the finiteness test run on the bf16 bit patterns (|x| orders like an unsigned int;
 //   NaN/Inf are the patterns >= 0x7F80), two elements per integer max.
 // - Element codes: the SPEC needs v = fl(x / t) only through e2m1_rn(|v|) and signbit(v) = signbit(x)
-//   (t > 0). The kernel computes q = fl(|x| * fl(1 / t)) (within 1.5 ulp of fl(|x| / t)) and rounds it to
-//   the E2M1 grid with a magic-number add (RNE on a 0.5 / 1 / 2 step grid), branch free; an element whose q
-//   lies within 2^-18 steps of a rounding tie (where fl(x / t) could round the other way) is redone exactly
-//   (fl(x / t), e2m1_rn_magnitude) out of line. Bit-exact by construction. Exact ties are common when g is
-//   a power of two (x = 2.5 * s_b happens), so the fallback is per element, not per block.
+//   (t > 0). Blocks whose t, 1 / t and quotients are far from under/overflow (judged once per block from
+//   t and the amax, as in quant_nvfp4.cu's RTN path) take |v| = div_rn_with_rcp(|x|, t, fl(1 / t)) (the
+//   correctly rounded quotient: one FMUL and two FMAs) and e2m1_rn_magnitude_bits (RNE read off the float's
+//   bits), both from fp4_numerics.cuh and checked there against the reference: branch free, ~12 ops per
+//   element (the previous magic-add rounding with a per-element near-tie test and out-of-line fallback took
+//   ~20 and left the kernel issue-bound). Other blocks (and every block with TRACE_EXT_KV_APPEND_IMPL=old,
+//   for A/B timing) take the previous per-element path, also bit-exact: q = fl(|x| * fl(1 / t)) rounded to
+//   the E2M1 grid with a magic-number add (RNE on a 0.5 / 1 / 2 step grid); an element whose q lies within
+//   2^-18 steps of a rounding tie (where fl(x / t) could round the other way), or any element when 1 / t
+//   overflowed, is redone exactly (fl(x / t), e2m1_rn_magnitude) out of line.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "trace_ext/fp4_numerics.cuh"
 #include "trace_ext/host_checks.h"
@@ -59,6 +66,8 @@ struct AppendParams {
   uint32_t nb_mul, nb_shr, heads_mul, heads_shr, page_mul, page_shr;
   // static decode scales
   float g_k, g_v;
+  // 1: blocks in range take the reciprocal-quotient element path (default); 0: TRACE_EXT_KV_APPEND_IMPL=old
+  int rcp_quotient;
 };
 
 __device__ __forceinline__ float bf16_bits_to_float(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
@@ -150,11 +159,23 @@ __global__ void __launch_bounds__(kAppendThreads) fp4kv_append_kernel(const Appe
       uint32_t w2[2] = {0u, 0u};
       if (t != 0.0f) {  // t == 0: v = +0 for every element, all codes 0
         const float r = __frcp_rn(t);
-        const bool exact = !(r <= 3.0e38f);  // t so small that 1/t overflowed
+        if (p.rcp_quotient && t >= 0x1p-100f && t <= 0x1p100f && __fmul_rn(amax, r) <= 0x1p100f) {
+          // |v| = fl(|x| / t) exactly (Markstein with the block reciprocal); RTN needs no exact tiny quotients
+          // (every |v| below 0.25 is code 0), so no per-element range test (fp4_numerics.cuh, quant_nvfp4.cu)
 #pragma unroll
-        for (int e = 0; e < kBlockElems; ++e) {
-          const float x = bf16_bits_to_float(e & 1 ? words[e >> 1] >> 16 : words[e >> 1] & 0xFFFFu);
-          w2[e >> 3] |= e2m1_code(x, t, r, exact) << (4 * (e & 7));
+          for (int e = 0; e < kBlockElems; ++e) {
+            const uint32_t bits = e & 1 ? words[e >> 1] >> 16 : words[e >> 1] & 0xFFFFu;
+            const float ax = bf16_bits_to_float(bits & 0x7FFFu);
+            const uint32_t mag = e2m1_rn_magnitude_bits(div_rn_with_rcp(ax, t, r));
+            w2[e >> 3] |= (mag | ((bits >> 12) & 8u)) << (4 * (e & 7));
+          }
+        } else {
+          const bool exact = !(r <= 3.0e38f);  // t so small that 1/t overflowed
+#pragma unroll
+          for (int e = 0; e < kBlockElems; ++e) {
+            const float x = bf16_bits_to_float(e & 1 ? words[e >> 1] >> 16 : words[e >> 1] & 0xFFFFu);
+            w2[e >> 3] |= e2m1_code(x, t, r, exact) << (4 * (e & 7));
+          }
         }
       }
       packed = make_uint2(w2[0], w2[1]);
@@ -250,6 +271,11 @@ void fp4kv_append_cuda(at::Tensor& k_codes, at::Tensor& k_scales, at::Tensor& v_
   p.page_mul = fd_p.mul, p.page_shr = fd_p.shr;
   p.g_k = (float)g_k;
   p.g_v = (float)g_v;
+  static const int rcp_quotient = [] {
+    const char* env = std::getenv("TRACE_EXT_KV_APPEND_IMPL");
+    return (env != nullptr && std::strcmp(env, "old") == 0) ? 0 : 1;
+  }();
+  p.rcp_quotient = rcp_quotient;
   TORCH_CHECK_VALUE(std::isfinite(p.g_k) && p.g_k > 0.0f && std::isfinite(p.g_v) && p.g_v > 0.0f,
                     "trace_ext: g_k and g_v must be finite and > 0, got ", g_k, ", ", g_v);
 
