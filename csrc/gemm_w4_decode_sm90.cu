@@ -9,10 +9,14 @@
 //  - The MMA's k slots are permuted (sum order is free): lane (g, t) covers elements 16t + 4ks + {0..3} of each
 //    64-wide K step, so its 16 weight elements per row are ONE NVFP4 block (one scale per row per step) and its
 //    16 activation elements are contiguous (two 16-byte loads of bf16, one 8-byte load of FP4 codes).
-//  - Packed layout: per (16-row block, 256-K super-tile) 2304 bytes; a lane streams one 16-byte code load per
-//    64 K and one 8-byte scale load per 256 K, all issued before the math of a super-tile; with one n-block per
-//    warp the next super-tile's loads are issued before the current one's math (register double buffer), and the
-//    activation fragments are loaded one 64-K step ahead.
+//  - Packed layout: per (16-row block, 256-K super-tile) 2304 bytes, 72 per lane (4 x 16 B codes + 8 B scales).
+//    Default path: every warp streams its super-tiles through its own cp.async ring in shared memory (3-4 slots
+//    of 2304 B, 2-3 super-tiles in flight per warp), each lane copying and reading back only its own 72 bytes,
+//    so cp.async.wait_group orders the copy before the reads without a barrier. Loads in flight hold no
+//    registers, so 80 registers and 3 CTAs (24 warps, ~110 KB of weight loads in flight) fit per SM; the
+//    counters of the register-prefetch path (124-138 registers, 1-2 CTAs per SM) showed DRAM at 16-37 % of
+//    peak, latency bound. TRACE_EXT_DECODE_IMPL=old keeps that path (next super-tile's weights in registers,
+//    activation fragments one 64-K step ahead) selectable for comparison.
 //  - Codes are re-encoded offline so FP4 -> bf16 costs 1 AND (pair 0), a shift + AND (pairs 1, 2) and 3 shifts +
 //    3 ANDs/ORs (pair 3) per 8 elements; values come out as q * 2^-126 and one bf16x2 multiply by (s * 2^119)
 //    gives the exact q * s * 2^-7 (see gemm_w4_sm90.cu).
@@ -21,16 +25,18 @@
 //    registers and 8 / KW times through L1. Dense problems also split K over gridDim.y CTAs (about 512 K per
 //    warp); partial sums go to an fp32 workspace and the last CTA of each N tile (atomic ticket, self-resetting)
 //    adds them in split order (deterministic) and runs the epilogue. Grouped problems run one CTA per (N tile,
-//    non-empty expert): gridDim.z = min(E, M) and each CTA finds the blockIdx.z-th expert with rows (one
-//    ballot pass over offsets), so empty experts cost nothing; experts with more than 8 * MT8 rows loop over
-//    row chunks.
+//    expert): with at least as many rows as experts, blockIdx.z is the expert and empty ones exit at once; with
+//    fewer (gridDim.z = M < E) each CTA finds the blockIdx.z-th expert with rows (one ballot pass over offsets)
+//    so that the empty experts launch nothing. Experts with more than 8 * MT8 rows loop over row chunks.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
 
+#include <cstdlib>
 #include <map>
 #include <mutex>
+#include <string>
 
 #include "trace_ext/fp4_numerics.cuh"
 #include "trace_ext/gemm_w4_common.cuh"
@@ -69,19 +75,34 @@ __device__ __forceinline__ uint2 ld_stream8(const void* p) {
 }
 
 // MT8: 8-row token tiles per chunk; NB: 16-row weight blocks per warp; KW: warps of a CTA that split K (the
-// CTA's kDecWarps / KW warp columns each own NB weight blocks).
-template <int MT8, int NB, bool kAFp4, int KW>
-__global__ void __launch_bounds__(kDecThreads) gemm_w4_decode_kernel(const GemmParams p, float* __restrict__ ws,
-                                                                     int* __restrict__ tickets, int splits) {
+// CTA's kDecWarps / KW warp columns each own NB weight blocks). kStages > 0: each warp streams its weight
+// super-tiles through its own cp.async ring of kStages slots in dynamic shared memory (kStages - 1 tiles in
+// flight per warp, no registers held by loads in flight); kStages == 0: the register path of commit 0847752
+// (next super-tile's weights in registers when NB = 1, activation fragments one 64-K step ahead).
+// kMinBlocks: resident CTAs per SM asked of ptxas (caps the registers: 3 -> 80, 2 -> 128).
+// rank_experts (grouped): blockIdx.z is the rank of the expert among those with rows (gridDim.z < E) instead
+// of the expert itself.
+template <int MT8, int NB, bool kAFp4, int KW, int kStages, int kMinBlocks>
+__global__ void __launch_bounds__(kDecThreads, kMinBlocks)
+    gemm_w4_decode_kernel(const GemmParams p, float* __restrict__ ws, int* __restrict__ tickets, int splits,
+                          int rank_experts) {
   constexpr int NW = kDecWarps / KW;
   static_assert(kDecWarps % KW == 0, "KW must divide the warps of a CTA");
+  constexpr bool kPipe = kStages == 0;  // register path
+  static_assert(kStages == 0 || kStages >= 2, "a cp.async ring needs at least 2 slots");
+  extern __shared__ __align__(16) uint8_t dec_ring[];  // [warp][kStages][NB][kTileBytes] (kStages > 0)
   const int warp_id = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int nw = warp_id % NW, kw = warp_id / NW;
   const int g = lane >> 2, t = lane & 3;
   const int K = p.K, N = p.N;
   const int KT = K / kSuperK;
   int e = 0, m_lo = 0, m_hi = p.M;
-  if (p.offsets != nullptr) {
+  if (p.offsets != nullptr && !rank_experts) {
+    // grouped, one CTA column per expert: empty experts leave at once (no offsets scan before the first load)
+    e = blockIdx.z;
+    m_lo = min(max(p.offsets[e], 0), p.M);
+    m_hi = min(max(p.offsets[e + 1], m_lo), p.M);
+  } else if (p.offsets != nullptr) {
     // grouped: blockIdx.z is the rank of this CTA's expert among the experts that have rows (gridDim.z =
     // min(E, M), so a decode step with few active experts launches no CTAs for the empty ones)
     __shared__ int s_cnt[kDecWarps];
@@ -134,8 +155,9 @@ __global__ void __launch_bounds__(kDecThreads) gemm_w4_decode_kernel(const GemmP
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[b][i][c] = 0.f;
 
-    // Weight loads run one super-tile ahead: the next tile's 4 x 16 B (+ 8 B scales) per lane and n-block are in
-    // flight while this one is converted and multiplied. Out-of-range blocks are clamped (computed, never stored).
+    // Register path: weight loads run one super-tile ahead: the next tile's 4 x 16 B (+ 8 B scales) per lane and
+    // n-block are in flight while this one is converted and multiplied. Out-of-range blocks are clamped (computed,
+    // never stored); the cp.async path clamps them the same way.
     uint4 wv[NB][4], wn[NB][4];
     uint2 sv[NB], sn[NB];
     auto load_tile = [&](int kt, uint4 (&w)[NB][4], uint2 (&sc)[NB]) {
@@ -148,15 +170,49 @@ __global__ void __launch_bounds__(kDecThreads) gemm_w4_decode_kernel(const GemmP
         sc[b] = ld_stream8(tile + kCodeBytes + lane * 8);
       }
     };
-    constexpr bool kPrefetch = NB == 1;  // NB = 2 (M > 8) has no registers left for a second buffer
+    // cp.async ring: slot (kt - kt0) % kStages of this warp holds super-tile kt as a byte copy of the packed tile;
+    // each lane copies, and later reads back, only its own 4 x 16 B + 8 B, so cp.async.wait_group alone orders
+    // the copy before the reads (no barrier). A slot is refilled one iteration after its last read.
+    uint8_t* const ring = dec_ring + warp_id * (kStages > 0 ? kStages : 1) * NB * kTileBytes;
+    auto issue_tile = [&](int kt) {
+      if (kt < kt1) {
+        uint8_t* slot = ring + ((kt - kt0) % (kStages > 0 ? kStages : 1)) * NB * kTileBytes;
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+          const int nb = min(nb0 + b, n_blocks - 1);
+          const uint8_t* tile = wpk + ((int64_t)nb * KT + kt) * kTileBytes;
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk)
+            cp_async16(slot + b * kTileBytes + kk * 512 + lane * 16, tile + kk * 512 + lane * 16, true);
+          cp_async8(slot + b * kTileBytes + kCodeBytes + lane * 8, tile + kCodeBytes + lane * 8, true);
+        }
+      }
+      cp_async_commit();  // possibly empty: keeps one group per iteration for wait_group
+    };
+    constexpr bool kPrefetch = kPipe && NB == 1;  // NB = 2 has no registers left for a second buffer
+    if constexpr (kStages > 0) {
+#pragma unroll
+      for (int i = 0; i < kStages - 1; ++i) issue_tile(kt0 + i);
+    }
     if (kPrefetch && kt0 < kt1) load_tile(kt0, wv, sv);
+    const uint8_t* slot_rd = ring;  // slot of the current super-tile (cp.async ring), read one 64-K step at a time
     for (int kt = kt0; kt < kt1; ++kt) {
-      if constexpr (kPrefetch) {
+      if constexpr (kStages > 0) {
+        asm volatile("" ::: "memory");  // the reads of the slot refilled here (previous iteration) stay before it
+        issue_tile(kt + kStages - 1);
+        cp_async_wait<kStages - 1>();  // the group of tile kt is complete
+        asm volatile("" ::: "memory");  // and the reads below stay after the wait
+        slot_rd = ring + ((kt - kt0) % kStages) * NB * kTileBytes;
+#pragma unroll
+        for (int b = 0; b < NB; ++b)
+          sv[b] = *reinterpret_cast<const uint2*>(slot_rd + b * kTileBytes + kCodeBytes + lane * 8);
+      } else if constexpr (kPrefetch) {
         if (kt + 1 < kt1) load_tile(kt + 1, wn, sn);
       } else {
         load_tile(kt, wv, sv);
       }
-      // ---- activation fragments of row mc + 8i + g, elements k + 16t .. +16; loaded one 64-K step ahead
+      // ---- activation fragments of row mc + 8i + g, elements k + 16t .. +16 (register path: loaded one
+      // 64-K step ahead)
       auto load_a = [&](int kk, uint32_t (&bq)[MT8][8]) {
         const int k = kt * kSuperK + kk * 64 + 16 * t;
 #pragma unroll
@@ -185,16 +241,22 @@ __global__ void __launch_bounds__(kDecThreads) gemm_w4_decode_kernel(const GemmP
         }
       };
       uint32_t bq[MT8][8], bq_next[MT8][8];
-      load_a(0, bq);
+      if constexpr (kPipe) load_a(0, bq);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        if (kk < 3) load_a(kk + 1, bq_next);
+        if constexpr (kPipe) {
+          if (kk < 3) load_a(kk + 1, bq_next);
+        } else {
+          load_a(kk, bq);
+        }
         // ---- weights: convert, scale, MMA
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
           const uint32_t s_lo = scale_bf16x2_folded((uint8_t)(((kk < 2 ? sv[b].x : sv[b].y) >> (16 * (kk & 1))) & 0xFF));
           const uint32_t s_hi =
               scale_bf16x2_folded((uint8_t)(((kk < 2 ? sv[b].x : sv[b].y) >> (16 * (kk & 1) + 8)) & 0xFF));
+          if constexpr (kStages > 0)
+            wv[b][kk] = *reinterpret_cast<const uint4*>(slot_rd + b * kTileBytes + kk * 512 + lane * 16);
           uint32_t rg[8], rh[8];  // rows g and g+8: pairs 0..7 of the 16-element block
           decode_word(wv[b][kk].x, rg);
           decode_word(wv[b][kk].y, rg + 4);
@@ -215,7 +277,7 @@ __global__ void __launch_bounds__(kDecThreads) gemm_w4_decode_kernel(const GemmP
             }
           }
         }
-        if (kk < 3) {
+        if (kPipe && kk < 3) {
 #pragma unroll
           for (int i = 0; i < MT8; ++i)
 #pragma unroll
@@ -339,13 +401,19 @@ int* ticket_buffer(const at::Tensor& like, cudaStream_t stream, int n) {
   return buf.data_ptr<int>();
 }
 
-template <int MT8, int NB, bool kAFp4, int KW = 1>
-void launch_decode(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
-  auto kernel = gemm_w4_decode_kernel<MT8, NB, kAFp4, KW>;
-  static bool checked = false;  // per template instance: the image check costs a driver call
-  if (!checked) {
+template <int MT8, int NB, bool kAFp4, int KW, int kStages, int kMinBlocks>
+void launch_decode(const GemmParams& p, const at::Tensor& like, cudaStream_t stream, bool rank_always) {
+  auto kernel = gemm_w4_decode_kernel<MT8, NB, kAFp4, KW, kStages, kMinBlocks>;
+  constexpr int kSmem = kDecWarps * kStages * NB * kTileBytes;  // the warps' cp.async rings
+  static_assert(kSmem <= 200 * 1024, "decode cp.async rings must fit one SM's shared memory");
+  static bool attr_set[kMaxDevices] = {};  // per template instance and device (the attribute is per device)
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev >= kMaxDevices || !attr_set[dev]) {
     require_kernel_image(kernel, "fp4_linear (decode)");
-    checked = true;
+    if (kSmem > 48 * 1024)
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    if (dev < kMaxDevices) attr_set[dev] = true;
   }
   const int rows_per_cta = kDecWarps / KW * 16 * NB;
   const int n_tiles = (p.N + rows_per_cta - 1) / rows_per_cta;
@@ -362,31 +430,59 @@ void launch_decode(const GemmParams& p, const at::Tensor& like, cudaStream_t str
       tickets = ticket_buffer(like, stream, n_tiles);
     }
   }
-  dim3 grid(n_tiles, splits, p.offsets != nullptr ? std::min(p.E, std::max(p.M, 1)) : 1);
+  // grouped: one CTA column per expert when there are at least as many rows as experts (empty experts exit at
+  // once); with fewer rows than experts only min(E, M) columns, each ranking the non-empty experts
+  const int cols = p.offsets != nullptr ? std::min(p.E, std::max(p.M, 1)) : 1;
+  const int rank = p.offsets != nullptr && (rank_always || cols < p.E) ? 1 : 0;
+  dim3 grid(n_tiles, splits, cols);
   TORCH_CHECK(grid.z <= 65535 && grid.y <= 65535, "trace_ext: too many experts or K splits for one launch");
-  kernel<<<grid, kDecThreads, 0, stream>>>(p, splits > 1 ? ws.data_ptr<float>() : nullptr, tickets, splits);
+  kernel<<<grid, kDecThreads, kSmem, stream>>>(p, splits > 1 ? ws.data_ptr<float>() : nullptr, tickets, splits, rank);
   check_launch("fp4_linear (decode)");
+}
+
+// TRACE_EXT_DECODE_IMPL=old selects the configurations of commit 0847752 (register double buffers, 2 resident
+// CTAs per SM, experts always ranked) so that one GPU run can time both; read once per process.
+bool decode_impl_old() {
+  static const bool old = [] {
+    const char* v = std::getenv("TRACE_EXT_DECODE_IMPL");
+    return v != nullptr && std::string(v) == "old";
+  }();
+  return old;
+}
+
+template <bool kAFp4>
+void run_decode_old(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream) {
+  if (rows_hint <= 8) {
+    launch_decode<1, 1, kAFp4, 4, 0, 1>(p, like, stream, true);
+  } else if (rows_hint <= 16 || p.offsets != nullptr) {
+    launch_decode<2, 1, kAFp4, 2, 0, 1>(p, like, stream, true);
+  } else {
+    launch_decode<4, 2, kAFp4, 1, 0, 1>(p, like, stream, true);
+  }
+}
+
+// Default configurations: weights through per-warp cp.async rings (2 super-tiles = 4.6 KB ahead per warp, held
+// in shared memory, not registers), so that 3 CTAs per SM fit (80 registers, 24 warps, ~110 KB of weight
+// loads in flight per SM; counters of 0847752: 124 / 138 registers, 2 / 1 CTAs per SM, DRAM 16-37 % of peak).
+// M > 16: 32 rows per chunk, one 16-row block per warp, K split over 2 warps (activations reused through L1 by
+// the 4 warp columns), 3 tiles ahead, 2 CTAs per SM.
+template <bool kAFp4>
+void run_decode_new(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream) {
+  if (rows_hint <= 8) {
+    launch_decode<1, 1, kAFp4, 4, 3, 3>(p, like, stream, false);
+  } else if (rows_hint <= 16 || p.offsets != nullptr) {
+    launch_decode<2, 1, kAFp4, 2, 3, 3>(p, like, stream, false);
+  } else {
+    launch_decode<4, 1, kAFp4, 2, 4, 2>(p, like, stream, false);
+  }
 }
 
 void run_decode(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream) {
   const bool a4 = p.a_scales != nullptr;
-  if (p.offsets != nullptr) {
-    // grouped: rows per expert vary (chunks of 8 or 16 rows); no cross-CTA split, K split over 4 / 2 warps
-    if (rows_hint <= 8) {
-      if (a4) launch_decode<1, 1, true, 4>(p, like, stream); else launch_decode<1, 1, false, 4>(p, like, stream);
-    } else {
-      if (a4) launch_decode<2, 1, true, 2>(p, like, stream); else launch_decode<2, 1, false, 2>(p, like, stream);
-    }
-    return;
-  }
-  // dense: the grouped configurations (K split over the CTA's warps, then over CTAs); M > 16 keeps 2 n-blocks per
-  // warp and 8 warps per K slice for activation reuse through registers and L1
-  if (rows_hint <= 8) {
-    if (a4) launch_decode<1, 1, true, 4>(p, like, stream); else launch_decode<1, 1, false, 4>(p, like, stream);
-  } else if (rows_hint <= 16) {
-    if (a4) launch_decode<2, 1, true, 2>(p, like, stream); else launch_decode<2, 1, false, 2>(p, like, stream);
+  if (decode_impl_old()) {
+    if (a4) run_decode_old<true>(p, rows_hint, like, stream); else run_decode_old<false>(p, rows_hint, like, stream);
   } else {
-    if (a4) launch_decode<4, 2, true>(p, like, stream); else launch_decode<4, 2, false>(p, like, stream);
+    if (a4) run_decode_new<true>(p, rows_hint, like, stream); else run_decode_new<false>(p, rows_hint, like, stream);
   }
 }
 
