@@ -676,10 +676,6 @@ int choose_splits(int batch_heads, int64_t max_len, int device) {
   if (cached_sms[slot] == 0) {
     int sms = 0, per_sm = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    // the largest shared-memory carveout, so that the register limit (not the L1 / shared split) sets the CTAs
-    // per SM (the attribute is per device: set on the current device, which the caller's guard selected)
-    cudaFuncSetAttribute(fp4kv_decode_kernel<D, kQSmem>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                         cudaSharedmemCarveoutMaxShared);
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fp4kv_decode_kernel<D, kQSmem>, kThreads, Geo<D>::kSmem);
     cached_per_sm[slot] = per_sm;
     cached_sms[slot] = sms;
@@ -710,6 +706,14 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
             at::Tensor& out, at::Tensor& lse) {
   DecodeParams p = base;
   const int device = q.get_device();
+  static bool carveout_set[64] = {false};  // per device (the caller's guard made `device` current)
+  if (!carveout_set[device & 63]) {
+    // the largest shared-memory carveout, so that the register limit (not the L1 / shared split) sets the CTAs
+    // per SM; set before choose_splits reads the occupancy
+    cudaFuncSetAttribute(fp4kv_decode_kernel<D, kQSmem>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                         cudaSharedmemCarveoutMaxShared);
+    carveout_set[device & 63] = true;
+  }
   const int splits =
       num_splits_arg > 0 ? num_splits_arg : choose_splits<D, kQSmem>(batch * p.heads_kv, max_len, device);
   p.num_splits = splits;
