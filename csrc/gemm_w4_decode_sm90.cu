@@ -468,9 +468,22 @@ void run_decode_old(const GemmParams& p, int64_t rows_hint, const at::Tensor& li
 // the 4 warp columns), 3 tiles ahead, 2 CTAs per SM.
 template <bool kAFp4>
 void run_decode_new(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream) {
+  if (p.offsets != nullptr) {
+    // grouped (rows_hint = rows per expert on average): a row chunk a little larger than the average, so that
+    // few experts loop over a second chunk (which streams their weights again): 8 rows up to 2 per expert on
+    // average, 16 up to 8 (Qwen3 T = 64: ~4, at most ~11), 32 beyond (T = 256: ~16, at most ~28)
+    if (rows_hint <= 2) {
+      launch_decode<1, 1, kAFp4, 4, 3, 3>(p, like, stream, false);
+    } else if (rows_hint <= 8) {
+      launch_decode<2, 1, kAFp4, 2, 3, 3>(p, like, stream, false);
+    } else {
+      launch_decode<4, 1, kAFp4, 2, 4, 2>(p, like, stream, false);
+    }
+    return;
+  }
   if (rows_hint <= 8) {
     launch_decode<1, 1, kAFp4, 4, 3, 3>(p, like, stream, false);
-  } else if (rows_hint <= 16 || p.offsets != nullptr) {
+  } else if (rows_hint <= 16) {
     launch_decode<2, 1, kAFp4, 2, 3, 3>(p, like, stream, false);
   } else {
     launch_decode<4, 1, kAFp4, 2, 4, 2>(p, like, stream, false);
