@@ -1,29 +1,61 @@
 // Large-M NVFP4-weight GEMM for sm_90a on bf16 wgmma (dense and grouped, W4A16 and W4A4).
 //
-// Design note:
+// Design note. Two kernels; the register-operand (RS) one is the default, TRACE_EXT_WGMMA_IMPL=old selects the
+// shared-memory-operand (SS) one for both W4A16 and W4A4 (A/B timing, test coverage).
+//
+// RS kernel (gemm_w4_wgmma_rs_kernel): computes Y^T = W * A^T so that the weight, which needs conversion, is
+// wgmma's A operand taken from registers, and the bf16 activation is the smem B operand.
+//  - Why: the SS kernel (H200, M=4096 N=14336 K=4096, Nsight Compute) ran at 36% tensor-pipe / 37% issue use, two
+//    warps per scheduler mostly stalled: every k step dequantized 256 x 64 weights per CTA (64 per thread) through a
+//    32 KB swizzled smem round trip and a second barrier before the wgmmas could start. RS converts 128 x 64 weights
+//    per CTA (32 per thread, for the same 128 x 256 x 64 MMA work) straight into the wgmma fragments: no smem
+//    stores, one barrier per k step.
+//  - CTA tile 128 weight rows (2 warpgroups x m64) x 256 activation rows (n256) x 64 K; each warpgroup keeps one
+//    m64n256 fp32 accumulator (128 registers per thread). Grid x walks the weight tiles so that concurrently running
+//    CTAs share the activation tile in L2.
+//  - 5-stage cp.async ring (per stage: 32 KB activation tile, 128B-swizzled as in the SS kernel, plus 4.5 KB raw
+//    codes and scale bytes), requested 3 k steps ahead; stage kt - 2 is refilled after the barrier of step kt,
+//    when every thread has passed wgmma.wait_group 1 of step kt - 1.
+//  - Fragment conversion: thread (warp w, lane 4g + t) of warpgroup wg owns weight rows r0 = 64 wg + 16 w + g and
+//    r0 + 8. Per k step it reads both rows' 32 code bytes (4 LDS.128; the two 16-byte chunks of a row are swapped
+//    on bit 2 of the row, so the 8 rows a warp reads are bank-conflict free) and 4-byte scale words, gathers byte t
+//    of each code word with prmt (k16 step j, register b: word 2j + (b >> 1), row r0 + 8 (b & 1)), and converts
+//    each byte with one prmt (sign-replicate selectors give the zero bytes), one integer multiply, one AND and one
+//    bf16x2 multiply by s * 2^119 (exact, as below): the 16 A registers of the 4 k16 wgmmas.
+//  - Overlap: the fragments of step kt are converted while the wgmmas of step kt - 1 run; two register sets (the
+//    loop is unrolled by 2 so both stay in registers), pinned before wgmma.fence (ptxas serializes the wgmma
+//    pipeline when a fragment register is defined between wgmmas of one batch, or when the two sets meet in one
+//    conditional loop body, hence the peeled odd step).
+//  - Epilogue: lanes g and g ^ 1 swap one value per pair (one shuffle) so that each stores two adjacent output
+//    columns of one row as one 4-byte store; Y = acc * fold * (g_a[m] * g_w[n]) as in the SS kernel.
+//  - W4A4: the NVFP4 activation is first converted to bf16 q * s * 2^-7 (exact; a temporary [M, K], one small
+//    elementwise kernel, ~1-2% of the GEMM time at the bench shapes), then the RS kernel runs with the W4A4 fold
+//    and g_a in its epilogue: the same exact products and fp32 accumulation as the fused SS path.
+//
+// SS kernel (gemm_w4_wgmma_kernel, kept as the fallback):
 //  - FA3-FP8 pattern without a dedicated producer: CTA tile 128 (M) x 256 (N) x 64 (K), 2 warpgroups, each
-//    owning 64 rows as one m64n256k16 wgmma accumulator (128 fp32 registers per thread). The wide N side halves
-//    the L2 -> SM traffic of the bf16 A tiles (the dominant operand) compared with 256 x 128.
+//    owning 64 rows as one m64n256k16 wgmma accumulator (128 fp32 registers per thread).
 //  - Raw tiles (bf16 A, FP4 codes + scale bytes) arrive by 16-byte cp.async in a 4-stage ring, requested 2 k
 //    steps ahead. Every thread dequantizes its share of the FP4 tile(s) of step kt into a 128B-swizzled bf16
 //    buffer (double-buffered) while the tensor cores still run the wgmma of step kt - 1 (wgmma is asynchronous:
 //    issue, then wait_group 1). 128B swizzle keeps both the 16-byte dequant stores and the wgmma reads
 //    bank-conflict free; K advances inside the swizzle atom by moving the descriptor start 32 bytes per k16.
-//  - Dequantization (exact, as in gemm_w4_sm90.cu): one code word = 8 elements; nibbles split into low / high
-//    halves (2 ops), then per element pair one byte-permute, one integer multiply (x * (2^12 + 2^6) places the sign
-//    at bit 15 and the magnitude at bits 6-8 of each bf16 half, no carries because the fields are disjoint) and
-//    one AND give q * 2^-126 in bf16x2; one bf16x2 multiply by s * 2^119 gives q * s * 2^-7.
-//  - Per k step the CTA dequantizes W 256 x 64 (one row per thread) against 128 x 256 x 64 MMAs: 1/128 of the
-//    MMA work per element, issued while the previous wgmma runs; W4A4 also dequantizes A (128 x 64).
 //  - Generic-proxy shared-memory writes (cp.async and the dequant stores) are published to the async proxy with
-//    fence.proxy.async before the barrier that precedes the wgmma.
-//  - Compiled only for sm_90a (wgmma); on other targets the kernel body is empty and the host never selects it.
-//    TRACE_EXT_GEMM_WGMMA=0 in the environment disables this path (the mma.sync tiled kernel runs instead).
+//    fence.proxy.async before the barrier that precedes the wgmma (both kernels).
+//
+// Dequantization (exact, as in gemm_w4_sm90.cu): nibbles split into low / high halves, then per element pair one
+// byte-permute, one integer multiply (x * (2^12 + 2^6) places the sign at bit 15 and the magnitude at bits 6-8 of
+// each bf16 half, no carries because the fields are disjoint) and one AND give q * 2^-126 in bf16x2; one bf16x2
+// multiply by s * 2^119 gives q * s * 2^-7.
+//
+// Compiled only for sm_90a (wgmma); on other targets the kernel bodies are empty and the host never selects them.
+// TRACE_EXT_GEMM_WGMMA=0 in the environment disables this path (the mma.sync tiled kernel runs instead).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
 
 #include <cstdlib>
+#include <string>
 
 #include "trace_ext/fp4_numerics.cuh"
 #include "trace_ext/gemm_w4_common.cuh"
@@ -317,6 +349,287 @@ __global__ void __launch_bounds__(kWgThreads, 1) gemm_w4_wgmma_kernel(const Gemm
 #endif
 }
 
+// ---- W4A16 register-operand (RS) kernel ---------------------------------------------------------------------
+// Computes Y^T = W * A^T: the dequantized weight is wgmma's A operand straight from registers, the bf16 activation
+// tile is the smem B operand. CTA tile 128 weight rows (2 warpgroups x m64) x 256 activation rows (n256) x 64 K.
+constexpr int kRsBN = 128;     // weight rows per CTA (wgmma M side)
+constexpr int kRsBM = 256;     // activation rows per CTA (wgmma N side)
+constexpr int kRsStages = 5;   // cp.async ring; tiles are requested kRsStages - 2 k steps ahead
+static_assert(kRsStages >= 3, "the ring needs the tile in use, the one in flight and one being refilled");
+static_assert(kRsBN == 2 * 64, "2 warpgroups x m64 weight rows");
+static_assert(kRsBM * 8 % kWgThreads == 0, "whole 16-byte activation chunks per thread");
+static_assert(kRsBN * 2 == kWgThreads, "one 16-byte weight-code chunk per thread");
+constexpr int kRsAct = kRsBM * kSwRow;                         // 32 KB swizzled bf16 activation tile
+constexpr int kRsWCodes = kRsBN * 32;                          // 4 KB codes (64 K = 32 bytes per weight row)
+constexpr int kRsWScales = kRsBN * 4;                          // 512 B scale bytes
+constexpr int kRsStage = (kRsAct + kRsWCodes + kRsWScales + 1023) / 1024 * 1024;
+constexpr int kRsSmem = 1024 + kRsStages * kRsStage;          // + 1 KB for 1024-byte alignment
+static_assert(kRsAct % 1024 == 0, "the swizzled activation tile must stay 1024-byte aligned");
+static_assert(kRsSmem <= 227 * 1024 - 8 * 1024, "ring + static shared memory must fit one CTA per SM");
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// d[0..127] += A(registers a[0..3]: 64 x 16 fragment) * B(desc_b: 256 x 16, K-major, 128B swizzle)^T.
+__device__ __forceinline__ void wgmma_m64n256k16_bf16_rs(float d[128], const uint32_t a[4], uint64_t desc_b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
+        "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]),
+        "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]),
+        "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]),
+        "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]),
+        "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]),
+        "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]),
+        "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
+        "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]),
+        "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+#endif
+}
+
+// Byte offset of 16-byte chunk c (0 / 1) of weight row r in a stage's code area: the chunk index is XORed with
+// bit 2 of the row so that the 8 rows one LDS.128 of a warp reads (rows g, 32-byte stride) hit distinct banks.
+__device__ __forceinline__ int rs_code_off(int r, int c) { return r * 32 + ((c ^ ((r >> 2) & 1)) << 4); }
+
+// The wgmma A fragments of one k step (64 K = 4 x k16) for weight rows r0 and r0 + 8 of the stage: fr[4j + b] is
+// register b of k16 step j: b = 0: (r0, k 2t..2t+1), 1: (r0 + 8, k 2t..), 2: (r0, k 2t+8..), 3: (r0 + 8, k 2t+8..),
+// each bf16x2 q * s * 2^-7 (exact, as in dequant32_to_swizzled). Element k of a row is nibble k & 1 of code byte
+// k / 2, so register b of step j comes from byte t of code word 2j (b = 0, 1) or 2j + 1 (b = 2, 3).
+__device__ __forceinline__ void rs_fragments(const uint8_t* stage, int r0, int t, uint32_t fr[16]) {
+  const uint8_t* codes = stage + kRsAct;
+  const uint4 a0 = *reinterpret_cast<const uint4*>(codes + rs_code_off(r0, 0));
+  const uint4 a1 = *reinterpret_cast<const uint4*>(codes + rs_code_off(r0, 1));
+  const uint4 b0 = *reinterpret_cast<const uint4*>(codes + rs_code_off(r0 + 8, 0));
+  const uint4 b1 = *reinterpret_cast<const uint4*>(codes + rs_code_off(r0 + 8, 1));
+  const uint32_t sa = *reinterpret_cast<const uint32_t*>(codes + kRsWCodes + r0 * 4);
+  const uint32_t sb = *reinterpret_cast<const uint32_t*>(codes + kRsWCodes + (r0 + 8) * 4);
+  const uint32_t wa[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+  const uint32_t wb[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+  const uint32_t sel = (uint32_t)t | ((uint32_t)(4 + t) << 4);  // byte t of the first word, byte t of the second
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t sc_a = scale_bf16x2_folded((uint8_t)(sa >> (8 * j)));
+    const uint32_t sc_b = scale_bf16x2_folded((uint8_t)(sb >> (8 * j)));
+    // x bytes: (r0, k 2t..2t+1), (r0 + 8, same), (r0, k 2t+8..2t+9), (r0 + 8, same)
+    const uint32_t x = prmt(prmt(wa[2 * j], wb[2 * j], sel), prmt(wa[2 * j + 1], wb[2 * j + 1], sel), 0x5410u);
+    const uint32_t lo = x & 0x0F0F0F0Fu;
+    const uint32_t hi = (x >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      // bytes (lo nibble of byte b, 0, hi nibble of byte b, 0): selector bit 3 replicates the (clear) sign bit of
+      // a nibble byte, so the odd bytes come out zero without a mask
+      const uint32_t q = prmt(lo, hi, (uint32_t)(b | ((8 | b) << 4) | ((4 + b) << 8) | ((12 + b) << 12)));
+      fr[4 * j + b] = bf16x2_mul((q * 4160u) & 0x81C081C0u, (b & 1) ? sc_b : sc_a);  // 4160 = 2^12 + 2^6
+    }
+  }
+}
+
+// Issues the cp.async copies of k step `k0` into one ring stage: the activation rows [m_begin, m_begin + 256)
+// (rows >= m_end zero-filled) swizzled as the B operand, and the raw codes + scale bytes of weight rows
+// [n0, n0 + 128) (rows >= N zero-filled).
+__device__ __forceinline__ void rs_load_stage(const GemmParams& p, uint8_t* st, int m_begin, int m_end,
+                                              const uint8_t* wc, const uint8_t* ws, int n0, int k0) {
+  const int tid = threadIdx.x;
+  const int K = p.K;
+  const __nv_bfloat16* a = reinterpret_cast<const __nv_bfloat16*>(p.a);
+  const int c = tid & 7;
+#pragma unroll
+  for (int it = 0; it < kRsBM * 8 / kWgThreads; ++it) {
+    const int row = (tid >> 3) + it * (kWgThreads / 8);
+    const int m = m_begin + row;
+    const bool ok = m < m_end;
+    cp_async16(st + row * kSwRow + ((c ^ (row & 7)) << 4), ok ? (const void*)(a + (int64_t)m * K + k0 + c * 8) : p.a,
+               ok);
+  }
+  uint8_t* codes = st + kRsAct;
+  {
+    const int row = tid >> 1, cc = tid & 1;
+    const int n = n0 + row;
+    const bool ok = n < p.N;
+    cp_async16(codes + rs_code_off(row, cc), ok ? (const void*)(wc + (int64_t)n * (K / 2) + k0 / 2 + cc * 16) : wc,
+               ok);
+  }
+  if (tid < kRsBN) {
+    const int n = n0 + tid;
+    const bool ok = n < p.N;
+    cp_async4(codes + kRsWCodes + tid * 4, ok ? (const void*)(ws + (int64_t)n * (K / 16) + k0 / 16) : ws, ok);
+  }
+}
+
+__global__ void __launch_bounds__(kWgThreads, 1) gemm_w4_wgmma_rs_kernel(const GemmParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ int s_tile[3];
+  __shared__ int s_off[kMaxExperts + 1];
+  uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+
+  if (p.offsets != nullptr) {
+    for (int i = threadIdx.x; i <= p.E; i += kWgThreads) s_off[i] = p.offsets[i];
+    __syncthreads();
+  }
+  if (threadIdx.x < 32) {
+    int e = 0, mb = blockIdx.y * kRsBM, me = p.M;
+    if (p.offsets != nullptr) find_group_tile(s_off, p.E, p.M, kRsBM, blockIdx.y, &e, &mb, &me);
+    if (threadIdx.x == 0) { s_tile[0] = e; s_tile[1] = mb; s_tile[2] = me; }
+  }
+  __syncthreads();
+  const int e = s_tile[0], m_begin = s_tile[1], m_end = s_tile[2];
+  if (e < 0 || m_begin >= m_end) return;
+
+  const int K = p.K;
+  const int n0 = blockIdx.x * kRsBN;
+  const uint8_t* wc = p.w_codes + (int64_t)e * p.N * (K / 2);
+  const uint8_t* ws = p.w_scales + (int64_t)e * p.N * (K / 16);
+  const int KT = K / kWgBK;
+  const int tid = threadIdx.x;
+  const int wg = tid >> 7, warp_in_wg = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int r0 = wg * 64 + warp_in_wg * 16 + g;  // this thread's weight rows in the tile: r0 and r0 + 8
+
+  float acc[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+  fence_acc(acc, 128);
+
+#pragma unroll
+  for (int s = 0; s < kRsStages - 2; ++s) {
+    if (s < KT) rs_load_stage(p, ring + s * kRsStage, m_begin, m_end, wc, ws, n0, s * kWgBK);
+    cp_async_commit();
+  }
+
+  // One barrier per k step. At the barrier of step kt every thread has passed wgmma.wait_group 1 of step kt - 1,
+  // so the wgmmas of step kt - 2 are complete and their stage ((kt + kRsStages - 2) % kRsStages) can be refilled.
+  // The fragments of step kt are converted while the wgmmas of step kt - 1 run; they live in one of two register
+  // sets (the other one is still read by the wgmmas of step kt - 1), hence the 2-way unrolled loop.
+  auto step = [&](int kt, uint32_t (&fr)[16]) {
+    cp_async_wait<kRsStages - 3>();
+    fence_proxy_async();
+    __syncthreads();
+    {
+      const int nk = kt + kRsStages - 2;
+      if (nk < KT) rs_load_stage(p, ring + (nk % kRsStages) * kRsStage, m_begin, m_end, wc, ws, n0, nk * kWgBK);
+      cp_async_commit();
+    }
+    const uint8_t* st = ring + (kt % kRsStages) * kRsStage;
+    rs_fragments(st, r0, t, fr);
+    // pin the conversion before the wgmmas: an instruction defining a fragment register between two wgmmas of
+    // the batch makes ptxas serialize the whole wgmma pipeline
+#pragma unroll
+    for (int i = 0; i < 16; ++i) asm volatile("" : "+r"(fr[i])::"memory");
+    const uint32_t b_addr = smem_u32(st);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kWgBK / 16; ++ks) wgmma_m64n256k16_bf16_rs(acc, fr + 4 * ks, sw128_desc(b_addr + ks * 32));
+    wgmma_commit();
+    wgmma_wait<1>();
+  };
+  uint32_t fr0[16], fr1[16];
+  int kt = 0;
+  for (; kt + 1 < KT; kt += 2) {
+    step(kt, fr0);
+    step(kt + 1, fr1);
+  }
+  if (kt < KT) step(kt, fr0);
+  wgmma_wait<0>();
+  fence_acc(acc, 128);
+  cp_async_wait<0>();
+
+  // ---- epilogue: acc[4c + 2h + u] = Y[m_begin + 8c + 2t + u][n0 + r0 + 8h]. Lanes g and g ^ 1 swap one value per
+  // pair so that each holds two adjacent columns n of one row m (one 4-byte store): even g keeps u = 0 and stores
+  // columns (g, g + 1) of row 8c + 2t, odd g keeps u = 1 and stores columns (g - 1, g) of row 8c + 2t + 1.
+  const bool odd = (g & 1) != 0;
+  const float fold = p.g_a != nullptr ? kUnfoldW4A4 : kUnfoldW4A16;  // W4A4: the activation carries 2^-7 too
+  const float* gw = p.g_w + (int64_t)e * p.gw_stride_e;
+  float gwv[2][2];
+  int ncol[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    ncol[h] = n0 + (r0 & ~1) + 8 * h;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int nn = ncol[h] + u < p.N ? ncol[h] + u : p.N - 1;
+      gwv[h][u] = gw[(int64_t)nn * p.gw_stride_n];
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < kRsBM / 8; ++c) {
+    const int m = m_begin + 8 * c + 2 * t + (odd ? 1 : 0);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float own = odd ? acc[4 * c + 2 * h + 1] : acc[4 * c + 2 * h];
+      const float give = odd ? acc[4 * c + 2 * h] : acc[4 * c + 2 * h + 1];
+      const float other = __shfl_xor_sync(0xffffffffu, give, 4);
+      const float lo = odd ? other : own, hi = odd ? own : other;
+      if (m < m_end) {
+        const int n = ncol[h];
+        const float ga = p.g_a != nullptr ? p.g_a[m] : 1.0f;
+        float v[2];
+        v[0] = __fmul_rn(__fmul_rn(lo, fold), __fmul_rn(ga, gwv[h][0]));
+        v[1] = __fmul_rn(__fmul_rn(hi, fold), __fmul_rn(ga, gwv[h][1]));
+        store_bf16_pair(p.y + (int64_t)m * p.N + n, v, n + 1 < p.N, n < p.N, p.N);
+      }
+    }
+  }
+#endif
+}
+
+// W4A4 on the RS kernel: the NVFP4 activation [M, K] becomes bf16 q * s * 2^-7 (exact, same conversion as the
+// fused paths; g_a stays for the epilogue), 32 elements per thread: one 16-byte code load, two scale bytes, four
+// 16-byte stores.
+__global__ void __launch_bounds__(256) nvfp4_act_to_bf16_kernel(const uint8_t* __restrict__ codes,
+                                                                const uint8_t* __restrict__ scales,
+                                                                __nv_bfloat16* __restrict__ out, int64_t n32) {
+  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n32) return;
+  const uint4 c = *reinterpret_cast<const uint4*>(codes + i * 16);
+  const uint32_t s0 = scale_bf16x2_folded(scales[2 * i]), s1 = scale_bf16x2_folded(scales[2 * i + 1]);
+  const uint32_t w[4] = {c.x, c.y, c.z, c.w};
+  uint4* dst = reinterpret_cast<uint4*>(out + i * 32);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {  // word q: elements 8q .. 8q + 7 of the 32
+    const uint32_t lo = w[q] & 0x0F0F0F0Fu;
+    const uint32_t hi = (w[q] >> 4) & 0x0F0F0F0Fu;
+    uint32_t r[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t x = prmt(lo, hi, (uint32_t)(j | ((8 | j) << 4) | ((4 + j) << 8) | ((12 + j) << 12)));
+      r[j] = bf16x2_mul((x * 4160u) & 0x81C081C0u, q < 2 ? s0 : s1);
+    }
+    dst[q] = make_uint4(r[0], r[1], r[2], r[3]);
+  }
+}
+
 bool wgmma_supported(const GemmParams& p) {
   static const bool enabled = [] {
     const char* v = std::getenv("TRACE_EXT_GEMM_WGMMA");
@@ -344,9 +657,62 @@ void launch_wgmma(const GemmParams& p, cudaStream_t stream) {
   check_launch("fp4_linear (wgmma)");
 }
 
+void launch_wgmma_rs(const GemmParams& p, cudaStream_t stream) {
+  auto kernel = gemm_w4_wgmma_rs_kernel;
+  static bool attr_set[kMaxDevices] = {};
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev >= kMaxDevices || !attr_set[dev]) {
+    require_kernel_image(kernel, "fp4_linear (wgmma rs)");
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRsSmem));
+    if (dev < kMaxDevices) attr_set[dev] = true;
+  }
+  const int m_tiles = (p.M + kRsBM - 1) / kRsBM + (p.offsets != nullptr ? p.E : 0);
+  TORCH_CHECK(m_tiles <= 65535, "trace_ext: fp4_linear: M = ", p.M, " needs more row tiles than one launch holds");
+  dim3 grid((p.N + kRsBN - 1) / kRsBN, m_tiles);
+  kernel<<<grid, kWgThreads, kRsSmem, stream>>>(p);
+  check_launch("fp4_linear (wgmma rs)");
+}
+
+// TRACE_EXT_WGMMA_IMPL=old keeps W4A16 on the shared-memory-operand kernel (for A/B timing and tests).
+bool use_rs_kernel() {
+  static const bool rs = [] {
+    const char* v = std::getenv("TRACE_EXT_WGMMA_IMPL");
+    return v == nullptr || std::string(v) != "old";
+  }();
+  return rs;
+}
+
 void run_wgmma(const GemmParams& p, cudaStream_t stream) {
-  if (p.a_scales != nullptr) launch_wgmma<true>(p, stream);
-  else launch_wgmma<false>(p, stream);
+  if (!use_rs_kernel()) {
+    if (p.a_scales != nullptr) launch_wgmma<true>(p, stream);
+    else launch_wgmma<false>(p, stream);
+    return;
+  }
+  if (p.a_scales == nullptr) {
+    launch_wgmma_rs(p, stream);
+    return;
+  }
+  // W4A4: activation to bf16 q * s * 2^-7 in a temporary (stream-ordered caching allocation), then the RS kernel
+  // with g_a and the W4A4 fold in its epilogue
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  at::Tensor a16 = at::empty({(int64_t)p.M, (int64_t)p.K}, at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA, dev));
+  const int64_t n32 = (int64_t)p.M * p.K / 32;  // K % 64 == 0 (wgmma_supported)
+  if (n32 > 0) {
+    static bool checked[kMaxDevices] = {};
+    if (dev >= kMaxDevices || !checked[dev]) {
+      require_kernel_image(nvfp4_act_to_bf16_kernel, "fp4_linear (W4A4 activation)");
+      if (dev < kMaxDevices) checked[dev] = true;
+    }
+    nvfp4_act_to_bf16_kernel<<<(unsigned)((n32 + 255) / 256), 256, 0, stream>>>(
+        reinterpret_cast<const uint8_t*>(p.a), p.a_scales, reinterpret_cast<__nv_bfloat16*>(a16.data_ptr()), n32);
+    check_launch("fp4_linear (W4A4 activation)");
+  }
+  GemmParams q = p;
+  q.a = a16.data_ptr();
+  q.a_scales = nullptr;
+  launch_wgmma_rs(q, stream);
 }
 
 }  // namespace gemm_w4
