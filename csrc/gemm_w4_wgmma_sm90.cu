@@ -14,14 +14,16 @@
 //    m64n256 fp32 accumulator (128 registers per thread). Grid x walks the weight tiles so that concurrently running
 //    CTAs share the activation tile in L2.
 //  - 5-stage cp.async ring (per stage: 32 KB activation tile, 128B-swizzled as in the SS kernel, plus 4.5 KB raw
-//    codes and scale bytes), requested 3 k steps ahead; stage kt - 2 is refilled after the barrier of step kt,
-//    when every thread has passed wgmma.wait_group 1 of step kt - 1.
+//    codes and scale bytes), requested 3 k steps ahead: the stage of step kt - 2 is refilled right after the
+//    wgmmas of step kt are issued (the barrier of step kt comes after every thread's wgmma.wait_group 1 of step
+//    kt - 1), so the copies stay off the path from the barrier to the wgmma issue.
 //  - Fragment conversion: thread (warp w, lane 4g + t) of warpgroup wg owns weight rows r0 = 64 wg + 16 w + g and
 //    r0 + 8. Per k step it reads both rows' 32 code bytes (4 LDS.128; the two 16-byte chunks of a row are swapped
 //    on bit 2 of the row, so the 8 rows a warp reads are bank-conflict free) and 4-byte scale words, gathers byte t
 //    of each code word with prmt (k16 step j, register b: word 2j + (b >> 1), row r0 + 8 (b & 1)), and converts
 //    each byte with one prmt (sign-replicate selectors give the zero bytes), one integer multiply, one AND and one
-//    bf16x2 multiply by s * 2^119 (exact, as below): the 16 A registers of the 4 k16 wgmmas.
+//    bf16x2 multiply by s * 2^119 (exact, as below): the 16 A registers of the 4 k16 wgmmas. Scale bytes go two at
+//    a time through the fp8x2 -> f16x2 conversion.
 //  - Overlap: the fragments of step kt are converted while the wgmmas of step kt - 1 run; two register sets (the
 //    loop is unrolled by 2 so both stay in registers), pinned before wgmma.fence (ptxas serializes the wgmma
 //    pipeline when a fragment register is defined between wgmmas of one batch, or when the two sets meet in one
@@ -419,6 +421,21 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16_rs(float d[128], const uin
 #endif
 }
 
+// Four E4M3 scale bytes (one word) -> out[j] = bf16x2 of s_j * 2^119, both halves (bit-identical to
+// scale_bf16x2_folded for every non-NaN byte; NaN stays NaN): two bytes per fp8x2 -> f16x2 conversion and one
+// packed f32 -> bf16x2 conversion per scale.
+__device__ __forceinline__ void scales4_bf16x2_folded(uint32_t w, uint32_t out[4]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w >> (16 * h)), __NV_E4M3);
+    const float f0 = __fmul_rn(__half2float(__ushort_as_half(r.x)), kScaleFold);  // byte 2h
+    const float f1 = __fmul_rn(__half2float(__ushort_as_half(r.y)), kScaleFold);  // byte 2h + 1
+    const __nv_bfloat162 b0 = __floats2bfloat162_rn(f0, f0), b1 = __floats2bfloat162_rn(f1, f1);
+    out[2 * h] = *reinterpret_cast<const uint32_t*>(&b0);
+    out[2 * h + 1] = *reinterpret_cast<const uint32_t*>(&b1);
+  }
+}
+
 // Byte offset of 16-byte chunk c (0 / 1) of weight row r in a stage's code area: the chunk index is XORed with
 // bit 2 of the row so that the 8 rows one LDS.128 of a warp reads (rows g, 32-byte stride) hit distinct banks.
 __device__ __forceinline__ int rs_code_off(int r, int c) { return r * 32 + ((c ^ ((r >> 2) & 1)) << 4); }
@@ -438,10 +455,12 @@ __device__ __forceinline__ void rs_fragments(const uint8_t* stage, int r0, int t
   const uint32_t wa[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
   const uint32_t wb[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
   const uint32_t sel = (uint32_t)t | ((uint32_t)(4 + t) << 4);  // byte t of the first word, byte t of the second
+  uint32_t sca[4], scb[4];
+  scales4_bf16x2_folded(sa, sca);
+  scales4_bf16x2_folded(sb, scb);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const uint32_t sc_a = scale_bf16x2_folded((uint8_t)(sa >> (8 * j)));
-    const uint32_t sc_b = scale_bf16x2_folded((uint8_t)(sb >> (8 * j)));
+    const uint32_t sc_a = sca[j], sc_b = scb[j];
     // x bytes: (r0, k 2t..2t+1), (r0 + 8, same), (r0, k 2t+8..2t+9), (r0 + 8, same)
     const uint32_t x = prmt(prmt(wa[2 * j], wb[2 * j], sel), prmt(wa[2 * j + 1], wb[2 * j + 1], sel), 0x5410u);
     const uint32_t lo = x & 0x0F0F0F0Fu;
@@ -529,18 +548,14 @@ __global__ void __launch_bounds__(kWgThreads, 1) gemm_w4_wgmma_rs_kernel(const G
   }
 
   // One barrier per k step. At the barrier of step kt every thread has passed wgmma.wait_group 1 of step kt - 1,
-  // so the wgmmas of step kt - 2 are complete and their stage ((kt + kRsStages - 2) % kRsStages) can be refilled.
+  // so the wgmmas of step kt - 2 are complete and their stage ((kt + kRsStages - 2) % kRsStages) can be refilled
+  // (issued right after the wgmmas of step kt).
   // The fragments of step kt are converted while the wgmmas of step kt - 1 run; they live in one of two register
   // sets (the other one is still read by the wgmmas of step kt - 1), hence the 2-way unrolled loop.
   auto step = [&](int kt, uint32_t (&fr)[16]) {
     cp_async_wait<kRsStages - 3>();
     fence_proxy_async();
     __syncthreads();
-    {
-      const int nk = kt + kRsStages - 2;
-      if (nk < KT) rs_load_stage(p, ring + (nk % kRsStages) * kRsStage, m_begin, m_end, wc, ws, n0, nk * kWgBK);
-      cp_async_commit();
-    }
     const uint8_t* st = ring + (kt % kRsStages) * kRsStage;
     rs_fragments(st, r0, t, fr);
     // pin the conversion before the wgmmas: an instruction defining a fragment register between two wgmmas of
@@ -552,6 +567,11 @@ __global__ void __launch_bounds__(kWgThreads, 1) gemm_w4_wgmma_rs_kernel(const G
 #pragma unroll
     for (int ks = 0; ks < kWgBK / 16; ++ks) wgmma_m64n256k16_bf16_rs(acc, fr + 4 * ks, sw128_desc(b_addr + ks * 32));
     wgmma_commit();
+    {  // the refill is issued after the wgmmas: it is needed 3 steps later, the wgmmas now
+      const int nk = kt + kRsStages - 2;
+      if (nk < KT) rs_load_stage(p, ring + (nk % kRsStages) * kRsStage, m_begin, m_end, wc, ws, n0, nk * kWgBK);
+      cp_async_commit();
+    }
     wgmma_wait<1>();
   };
   uint32_t fr0[16], fr1[16];
