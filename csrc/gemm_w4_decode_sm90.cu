@@ -242,7 +242,10 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
       };
       uint32_t bq[MT8][8], bq_next[MT8][8];
       if constexpr (kPipe) load_a(0, bq);
-#pragma unroll
+      // 32-row chunks from the ring: one 64-K step per loop trip, so that ptxas does not hoist the activation
+      // fragments of all four steps (4 x 32 registers) and spill
+      constexpr int kKkUnroll = (kStages > 0 && MT8 >= 4) ? 1 : 4;
+#pragma unroll kKkUnroll
       for (int kk = 0; kk < 4; ++kk) {
         if constexpr (kPipe) {
           if (kk < 3) load_a(kk + 1, bq_next);
@@ -255,13 +258,17 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
           const uint32_t s_lo = scale_bf16x2_folded((uint8_t)(((kk < 2 ? sv[b].x : sv[b].y) >> (16 * (kk & 1))) & 0xFF));
           const uint32_t s_hi =
               scale_bf16x2_folded((uint8_t)(((kk < 2 ? sv[b].x : sv[b].y) >> (16 * (kk & 1) + 8)) & 0xFF));
-          if constexpr (kStages > 0)
-            wv[b][kk] = *reinterpret_cast<const uint4*>(slot_rd + b * kTileBytes + kk * 512 + lane * 16);
+          uint4 wq;
+          if constexpr (kStages > 0) {
+            wq = *reinterpret_cast<const uint4*>(slot_rd + b * kTileBytes + kk * 512 + lane * 16);
+          } else {
+            wq = wv[b][kk];
+          }
           uint32_t rg[8], rh[8];  // rows g and g+8: pairs 0..7 of the 16-element block
-          decode_word(wv[b][kk].x, rg);
-          decode_word(wv[b][kk].y, rg + 4);
-          decode_word(wv[b][kk].z, rh);
-          decode_word(wv[b][kk].w, rh + 4);
+          decode_word(wq.x, rg);
+          decode_word(wq.y, rg + 4);
+          decode_word(wq.z, rh);
+          decode_word(wq.w, rh + 4);
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
             rg[j] = bf16x2_mul(rg[j], s_lo);
