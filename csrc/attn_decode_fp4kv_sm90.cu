@@ -47,6 +47,11 @@
 //   TRACE_EXT_KV_DECODE_IMPL=old selects the register-resident variant for A/B timing (the same arithmetic
 //   per split, every MMA chain keeps its k-step order; the automatic split count follows each variant's
 //   occupancy, so outputs agree bit for bit only at equal num_splits).
+// - G <= 8 (every benchmarked model shape: G = 4, 8) runs a swapped-operand kernel (fp4kv_decode_kernel_g8,
+//   notes at its definition): tokens and head_dim are the MMA rows and the heads the N = 8 columns, so no MMA
+//   row is padding: half the MMAs, D/4 accumulators per thread, Q back in registers, ~100 registers, 5 CTAs
+//   per SM. Same code expansion, same score / softmax / output formulas. TRACE_EXT_KV_DECODE_IMPL=qsmem forces
+//   the M = 16 kernel above for any G.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
@@ -59,6 +64,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "trace_ext/fp4_numerics.cuh"
 #include "trace_ext/host_checks.h"
@@ -71,6 +77,7 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kTile = 16;                 // tokens per warp tile: two n8 tiles of Q.K^T, one k16 step of P.V
 constexpr int kStages = 4;                // cp.async stages per warp
 constexpr int kMinBlocks = 4;             // CTAs per SM (Q fragments in shared memory): 65536 / (128 * 4) = 128 regs
+constexpr int kMinBlocksSwap = 5;         // CTAs per SM of the G <= 8 swapped-operand kernel (<= 102 regs)
 constexpr int kMinBlocksQReg = 3;         // CTAs per SM of the register-resident-Q variant (TRACE_EXT_KV_DECODE_IMPL=old)
 constexpr int kMaxGroup = 16;             // query heads per KV head: the M = 16 rows of one MMA
 constexpr int kCtaTokens = kWarps * kTile;  // split lengths are multiples of this
@@ -201,6 +208,44 @@ __device__ __forceinline__ int code_offset(int t, int chunk) {
 }
 
 // ---- the split-KV kernel -------------------------------------------------------------------------------------
+
+// The cross-warp merge of a CTA's (m, l, O) from shared memory (sm_o [warps][16][kOStride] with head_dim d at
+// (d / (D/8)) * kOGroup + d % (D/8); sm_m, sm_l [warps][16]) and the store of the output (one split) or of the
+// split's partial result; all threads of the CTA.
+template <int D>
+__device__ __forceinline__ void merge_warps(const DecodeParams& p, const float* sm_o, const float* sm_m,
+                                            const float* sm_l, int split, int kv_head, int b) {
+  for (int idx = threadIdx.x; idx < p.group * D; idx += kThreads) {
+    const int row = idx / D, d = idx % D;
+    float m_all = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m_all = fmaxf(m_all, sm_m[w * kMaxGroup + row]);
+    float l_all = 0.0f, o_all = 0.0f;
+    if (m_all != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float mw = sm_m[w * kMaxGroup + row];
+        if (mw == -INFINITY) continue;
+        const float f = exp2f(mw - m_all);
+        l_all += f * sm_l[w * kMaxGroup + row];
+        o_all += f * sm_o[(w * kMaxGroup + row) * kOStride + (d / (D / 8)) * kOGroup + d % (D / 8)];
+      }
+    }
+    const int64_t bh = (int64_t)b * p.heads_q + (int64_t)kv_head * p.group + row;
+    const bool empty = !(l_all > 0.0f);
+    const float val = empty ? 0.0f : o_all / l_all * p.out_scale;
+    const float lse2 = empty ? -INFINITY : m_all + log2f(l_all);
+    if (p.num_splits == 1) {
+      __nv_bfloat16 ob = __float2bfloat16_rn(val);
+      p.out[bh * D + d] = *reinterpret_cast<uint16_t*>(&ob);
+      if (d == 0) p.lse[bh] = empty ? -INFINITY : lse2 * kLn2;
+    } else {
+      p.o_part[(bh * p.num_splits + split) * D + d] = val;
+      if (d == 0) p.lse_part[bh * p.num_splits + split] = lse2;
+    }
+  }
+}
+
 
 template <int D>
 struct WarpLoader {
@@ -601,35 +646,319 @@ __global__ void __launch_bounds__(kThreads, kQSmem ? kMinBlocks : kMinBlocksQReg
   }
   __syncthreads();
 
-  for (int idx = threadIdx.x; idx < p.group * D; idx += kThreads) {
-    const int row = idx / D, d = idx % D;
-    float m_all = -INFINITY;
+  merge_warps<D>(p, sm_o, sm_m, sm_l, split, kv_head, b);
+}
+
+// ---- G <= 8: the swapped-operand kernel ---------------------------------------------------------------------
+// With at most 8 query heads per KV head, half of the M = 16 rows of the kernel above are padding. Here the
+// roles swap: S^T = K.Q^T (A = 16 tokens of K, B = Q^T with the heads as the N = 8 columns) and O^T = V^T.P^T
+// (A = 16 head_dim rows of V^T, B = P^T), so every MMA row is real: half the MMAs, half the O accumulators
+// (D/4 floats per thread instead of D/2), softmax on 4 instead of 8 scores per thread, and Q fits in
+// registers (D/8 per thread). The K and V code expansion is shared with the kernel above and identical:
+// - S^T A fragment (rows = tokens r and r + 8, k = head_dim in the same permutation): the registers that were the
+//   B fragments of n8 tiles 0 and 1. Q's B fragment (k, n = head r): the a0a1 / a4a5 halves of its old A.
+// - S^T accumulator: lane (r, c) holds tokens r, r + 8 of heads 2c, 2c + 1; the per-head max and sum reduce over
+//   r (shuffles 4, 8, 16). P^T as the B operand of O^T needs P[head r][tokens 2c, 2c + 1 (+ 8)], the transpose of
+//   what the lane holds: one movmatrix.trans per 8x8 half of the 16-token tile.
+// - O^T A fragment for M tile m: head_dim rows r and r + 8 are elements 2m and 2m + 1 of the lane's V block
+//   (d = r * D/8 + 2m and + 1): exactly the old B fragments of n8 tiles 2m and 2m + 1.
+// - Scores are the same sums over the same products in the same k-step order as the kernel above; P, O and the
+//   cross-warp merge use the same formulas (only the per-lane bookkeeping differs).
+
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+template <int D>
+__global__ void __launch_bounds__(kThreads, kMinBlocksSwap) fp4kv_decode_kernel_g8(const DecodeParams p) {
+  using G = Geo<D>;
+  constexpr int kMTiles = D / 16;  // M tiles of O^T
+  extern __shared__ __align__(128) uint8_t smem[];
+
+  const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r = lane / 4, c = lane % 4;  // MMA fragment row / column group
+
+  const int len = __ldg(p.seq_lens + b);
+  const int per_split = (len + p.num_splits - 1) / p.num_splits;
+  const int chunk_len = (per_split + kCtaTokens - 1) / kCtaTokens * kCtaTokens;
+  const int start = split * chunk_len;
+  const int end = min(len, start + chunk_len);
+  const int n_tiles = end > start ? (end - start + kTile - 1) / kTile : 0;
+  const int my_tiles = n_tiles > warp ? (n_tiles - warp + kWarps - 1) / kWarps : 0;
+
+  float o[kMTiles][4];  // O^T: [m][0] (d row r, head 2c), [1] (r, 2c + 1), [2] (r + 8, 2c), [3] (r + 8, 2c + 1)
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) m_all = fmaxf(m_all, sm_m[w * kMaxGroup + row]);
-    float l_all = 0.0f, o_all = 0.0f;
-    if (m_all != -INFINITY) {
+  for (int m = 0; m < kMTiles; ++m) o[m][0] = o[m][1] = o[m][2] = o[m][3] = 0.0f;
+  float m_run[2] = {-INFINITY, -INFINITY};  // heads 2c, 2c + 1
+  float l_run[2] = {0.0f, 0.0f};
+
+  uint8_t* wsmem = smem + warp * kStages * G::kStageBytes;
+  WarpLoader<D> ld{p.k_codes, p.v_codes, p.k_scales, p.v_scales, p.block_table + (int64_t)b * p.max_pages,
+                   p.page_size, p.heads_kv, kv_head, lane};
+  auto tile_start = [&](int i) { return start + (warp + kWarps * i) * kTile; };
+  ld.init(tile_start(0));
+  ld.prepare();
+  const uint32_t wsmem_addr = smem_addr(wsmem);
+
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float mw = sm_m[w * kMaxGroup + row];
-        if (mw == -INFINITY) continue;
-        const float f = exp2f(mw - m_all);
-        l_all += f * sm_l[w * kMaxGroup + row];
-        o_all += f * sm_o[(w * kMaxGroup + row) * kOStride + (d / (D / 8)) * kOGroup + d % (D / 8)];
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < my_tiles) ld.issue(wsmem_addr + s * G::kStageBytes, tile_start(s), end, ld.fetch(tile_start(s), end));
+    cp_async_commit();
+  }
+  int2 next_ps = (kStages - 1 < my_tiles) ? ld.fetch(tile_start(kStages - 1), end) : make_int2(0, 0);
+
+  // ---- Q^T fragments of head r (same scaling and head_dim permutation as the kernel above) ----
+  uint32_t qb[G::kKSteps][2];
+  float head_scale[2];  // score scale of heads 2c, 2c + 1
+  {
+    float qv[D / 4];
+    float amax = 0.0f;
+    if (r < p.group) {
+      const uint4* src = reinterpret_cast<const uint4*>(
+          p.q + ((int64_t)b * p.heads_q + (int64_t)kv_head * p.group + r) * D + c * (D / 4));
+#pragma unroll
+      for (int v = 0; v < D / 32; ++v) {
+        const uint4 u = __ldg(src + v);
+        const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          qv[8 * v + 2 * e] = __uint_as_float(w[e] << 16);
+          qv[8 * v + 2 * e + 1] = __uint_as_float(w[e] & 0xFFFF0000u);
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < D / 4; ++e) amax = fmaxf(amax, fabsf(qv[e]));
+    } else {
+#pragma unroll
+      for (int e = 0; e < D / 4; ++e) qv[e] = 0.0f;
+    }
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    int e2 = 0;
+    if (amax > 0.0f && isfinite(amax)) {
+      const int field = (int)((__float_as_uint(amax) >> 23) & 0xFFu);
+      e2 = kQExp - (field == 0 ? -127 : field - 127);
+      e2 = max(-126, min(127, e2));
+    }
+    const float up = exp2_exact(e2);
+    const float rs = __fmul_rn(p.score_scale, exp2_exact(-e2));  // head r's score scale
+#pragma unroll
+    for (int e = 0; e < D / 4; ++e) qv[e] = __fmul_rn(qv[e], up);
+    // k-step 2i + s takes elements 8i + 4s + {0, 2} (k = 2c, 2c+1) and 8i + 4s + {1, 3} (k = 2c+8, 2c+9)
+#pragma unroll
+    for (int ks = 0; ks < G::kKSteps; ++ks) {
+      const int base = 8 * (ks / 2) + 4 * (ks % 2);
+      __half2 lo = __floats2half2_rn(qv[base + 0], qv[base + 2]);
+      __half2 hi = __floats2half2_rn(qv[base + 1], qv[base + 3]);
+      qb[ks][0] = *reinterpret_cast<uint32_t*>(&lo);  // b0b1: k = 2c, 2c + 1
+      qb[ks][1] = *reinterpret_cast<uint32_t*>(&hi);  // b2b3: k = 2c + 8, 2c + 9
+    }
+    head_scale[0] = __shfl_sync(0xffffffffu, rs, 8 * c);      // lane of head 2c (r = 2c, c = 0)
+    head_scale[1] = __shfl_sync(0xffffffffu, rs, 8 * c + 4);  // head 2c + 1
+  }
+
+  // Per-thread shared-memory offsets inside a stage, as in the kernel above.
+  int k_off[2], ks_off[2], v_off[4], vs_off[4];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const int t = 8 * nt + r;
+    k_off[nt] = D == 128 ? code_offset<D>(t, c) : code_offset<D>(t, c / 2) + (c % 2) * 8;
+    ks_off[nt] = 2 * G::kCodeTile + t * G::kScaleBytes + (D == 128 ? 2 * c : c);
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int t = 2 * c + (k & 1) + 8 * (k >> 1);
+    const int voff = r * G::kVBytes;
+    v_off[k] = G::kCodeTile + code_offset<D>(t, voff / 16) + voff % 16;
+    vs_off[k] = 2 * G::kCodeTile + G::kScaleTile + t * G::kScaleBytes + r * (D / 8) / kNvfp4Block;
+  }
+
+  for (int i = 0; i < my_tiles; ++i) {
+    {
+      const int nxt = i + kStages - 1;
+      if (nxt < my_tiles) ld.issue(wsmem_addr + (nxt % kStages) * G::kStageBytes, tile_start(nxt), end, next_ps);
+      cp_async_commit();
+      if (nxt + 1 < my_tiles) next_ps = ld.fetch(tile_start(nxt + 1), end);
+    }
+    cp_async_wait<kStages - 1>();
+    __syncwarp();
+
+    const uint8_t* st = wsmem + (i % kStages) * G::kStageBytes;
+    const int t0 = tile_start(i);
+
+    // ---- S^T = K.Q^T: rows tokens r (half 0) and 8 + r (half 1), columns heads 2c, 2c + 1 ----
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    {
+      uint32_t w[2][G::kKWords];
+      uint32_t sc[2][G::kKWords];  // half2 (s, s) per word
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        if constexpr (D == 128) {
+          const uint4 u = *reinterpret_cast<const uint4*>(st + k_off[nt]);
+          w[nt][0] = u.x, w[nt][1] = u.y, w[nt][2] = u.z, w[nt][3] = u.w;
+          const uint32_t s2 = e4m3x2_to_half2(*reinterpret_cast<const uint16_t*>(st + ks_off[nt]));
+          sc[nt][0] = sc[nt][1] = __byte_perm(s2, 0u, 0x1010);
+          sc[nt][2] = sc[nt][3] = __byte_perm(s2, 0u, 0x3232);
+        } else {
+          const uint2 u = *reinterpret_cast<const uint2*>(st + k_off[nt]);
+          w[nt][0] = u.x, w[nt][1] = u.y;
+          const uint32_t s2 = e4m3x2_to_half2(st[ks_off[nt]]);
+          sc[nt][0] = sc[nt][1] = __byte_perm(s2, 0u, 0x1010);
+        }
+      }
+#pragma unroll
+      for (int wi = 0; wi < G::kKWords; ++wi) {
+        uint32_t hb[2], lb[2];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          hb[nt] = e2m1_hi_nibbles_to_f16_hibytes(w[nt][wi]);  // nibbles 1, 3, 5, 7
+          lb[nt] = e2m1_lo_nibbles_to_f16_hibytes(w[nt][wi]);  // nibbles 0, 2, 4, 6
+        }
+        // k-step 2 wi: (n0, n2) for k = 2c, 2c+1 and (n1, n3) for k = 2c+8, 2c+9; k-step 2 wi + 1: n4..n7
+        const uint32_t a0[4] = {hmul2(f16x2_from_hibytes(lb[0], kPairLo), sc[0][wi]),
+                                hmul2(f16x2_from_hibytes(lb[1], kPairLo), sc[1][wi]),
+                                hmul2(f16x2_from_hibytes(hb[0], kPairLo), sc[0][wi]),
+                                hmul2(f16x2_from_hibytes(hb[1], kPairLo), sc[1][wi])};
+        mma_f16(s, a0, qb[2 * wi][0], qb[2 * wi][1]);
+        const uint32_t a1[4] = {hmul2(f16x2_from_hibytes(lb[0], kPairHi), sc[0][wi]),
+                                hmul2(f16x2_from_hibytes(lb[1], kPairHi), sc[1][wi]),
+                                hmul2(f16x2_from_hibytes(hb[0], kPairHi), sc[0][wi]),
+                                hmul2(f16x2_from_hibytes(hb[1], kPairHi), sc[1][wi])};
+        mma_f16(s, a1, qb[2 * wi + 1][0], qb[2 * wi + 1][1]);
       }
     }
-    const int64_t bh = (int64_t)b * p.heads_q + (int64_t)kv_head * p.group + row;
-    const bool empty = !(l_all > 0.0f);
-    const float val = empty ? 0.0f : o_all / l_all * p.out_scale;
-    const float lse2 = empty ? -INFINITY : m_all + log2f(l_all);
-    if (p.num_splits == 1) {
-      __nv_bfloat16 ob = __float2bfloat16_rn(val);
-      p.out[bh * D + d] = *reinterpret_cast<uint16_t*>(&ob);
-      if (d == 0) p.lse[bh] = empty ? -INFINITY : lse2 * kLn2;
-    } else {
-      p.o_part[(bh * p.num_splits + split) * D + d] = val;
-      if (d == 0) p.lse_part[bh * p.num_splits + split] = lse2;
+
+    // ---- online softmax (log2 domain) per head (column) over the 16 tokens (rows) ----
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[e] *= head_scale[e & 1];
+    if (t0 + kTile > end) {  // the last tile of the split: mask tokens past its end (warp-uniform branch)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (t0 + r + 8 * (e >> 1) >= end) s[e] = -INFINITY;
+      }
+    }
+    float mx[2] = {fmaxf(s[0], s[2]), fmaxf(s[1], s[3])};
+    bool grow = false;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 4));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 8));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 16));
+      grow = grow || (mx[h] > m_run[h] + kRescaleSlack);  // lazy rescaling, as in the kernel above
+    }
+    if (__any_sync(0xffffffffu, grow)) {
+      float alpha[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float m_new = fmaxf(m_run[h], mx[h]);
+        alpha[h] = m_new == -INFINITY ? 1.0f : exp2f(m_run[h] - m_new);
+        m_run[h] = m_new;
+        l_run[h] *= alpha[h];
+      }
+#pragma unroll
+      for (int m = 0; m < kMTiles; ++m) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[m][e] *= alpha[e & 1];
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float m_ref = m_run[e & 1] == -INFINITY ? 0.0f : m_run[e & 1];
+      s[e] = exp2f(s[e] - m_ref);
+    }
+    l_run[0] += s[0] + s[2];  // this lane's tokens only; summed over r after the loop
+    l_run[1] += s[1] + s[3];
+    uint32_t pb[2];  // P^T B fragment: P[head r][tokens 2c, 2c+1] and [2c+8, 2c+9]
+    {
+      __half2 h0 = __floats2half2_rn(s[0], s[1]);  // token r, heads 2c, 2c+1
+      __half2 h1 = __floats2half2_rn(s[2], s[3]);  // token r + 8
+      pb[0] = movmatrix_trans(*reinterpret_cast<uint32_t*>(&h0));
+      pb[1] = movmatrix_trans(*reinterpret_cast<uint32_t*>(&h1));
+    }
+
+    // ---- O^T += V^T.P^T: tokens (2c, 2c+1) and (2c+8, 2c+9); d rows r, r + 8 of M tile m are elements 2m, 2m + 1
+    // of this lane's head_dim block (d = r * D/8 + j) ----
+    {
+      uint32_t vw[4][G::kVWords];
+      uint32_t vs2[2];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const uint8_t* src = st + v_off[k];
+        if constexpr (G::kVWords == 2) {
+          const uint2 u = *reinterpret_cast<const uint2*>(src);
+          vw[k][0] = u.x, vw[k][1] = u.y;
+        } else {
+          vw[k][0] = *reinterpret_cast<const uint32_t*>(src);
+        }
+      }
+#pragma unroll
+      for (int pr = 0; pr < 2; ++pr) {
+        vs2[pr] = e4m3x2_to_half2((uint32_t)st[vs_off[2 * pr]] | ((uint32_t)st[vs_off[2 * pr + 1]] << 8));
+      }
+#pragma unroll
+      for (int wi = 0; wi < G::kVWords; ++wi) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const uint32_t sel = half == 0 ? 0x5140u : 0x7362u;
+          uint32_t hb[2], lb[2];
+#pragma unroll
+          for (int pr = 0; pr < 2; ++pr) {
+            const uint32_t z = __byte_perm(vw[2 * pr][wi], vw[2 * pr + 1][wi], sel);
+            hb[pr] = e2m1_hi_nibbles_to_f16_hibytes(z);
+            lb[pr] = e2m1_lo_nibbles_to_f16_hibytes(z);
+          }
+          // element j = 8 wi + 4 half + n of the block: n = 0 (lb, lo), 1 (hb, lo), 2 (lb, hi), 3 (hb, hi);
+          // M tile j0 / 2 takes elements j0, j0 + 1, M tile j0 / 2 + 1 takes j0 + 2, j0 + 3
+          const int m0 = (8 * wi + 4 * half) / 2;
+          const uint32_t a0[4] = {hmul2(f16x2_from_hibytes(lb[0], kPairLo), vs2[0]),
+                                  hmul2(f16x2_from_hibytes(hb[0], kPairLo), vs2[0]),
+                                  hmul2(f16x2_from_hibytes(lb[1], kPairLo), vs2[1]),
+                                  hmul2(f16x2_from_hibytes(hb[1], kPairLo), vs2[1])};
+          mma_f16(o[m0], a0, pb[0], pb[1]);
+          const uint32_t a1[4] = {hmul2(f16x2_from_hibytes(lb[0], kPairHi), vs2[0]),
+                                  hmul2(f16x2_from_hibytes(hb[0], kPairHi), vs2[0]),
+                                  hmul2(f16x2_from_hibytes(lb[1], kPairHi), vs2[1]),
+                                  hmul2(f16x2_from_hibytes(hb[1], kPairHi), vs2[1])};
+          mma_f16(o[m0 + 1], a1, pb[0], pb[1]);
+        }
+      }
+    }
+    __syncwarp();
+  }
+  cp_async_wait<0>();
+
+  // ---- combine the 4 warps' (m, l, O) in shared memory (layout of the kernel above, heads 0..7 only) ----
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 4);
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 8);
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 16);
+  }
+  __syncthreads();
+  float* sm_o = reinterpret_cast<float*>(smem);                  // [warps][16][kOStride]
+  float* sm_m = sm_o + kWarps * kMaxGroup * kOStride;              // [warps][16]
+  float* sm_l = sm_m + kWarps * kMaxGroup;                         // [warps][16]
+#pragma unroll
+  for (int m = 0; m < kMTiles; ++m) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int head = 2 * c + (e & 1);
+      const int j = 2 * m + (e >> 1);  // d = r * D/8 + j
+      sm_o[(warp * kMaxGroup + head) * kOStride + r * kOGroup + j] = o[m][e];
     }
   }
+  if (r == 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      sm_m[warp * kMaxGroup + 2 * c + h] = m_run[h];
+      sm_l[warp * kMaxGroup + 2 * c + h] = l_run[h];
+    }
+  }
+  __syncthreads();
+  merge_warps<D>(p, sm_o, sm_m, sm_l, split, kv_head, b);
 }
 
 // Combine the splits of one (sequence, query head): weights 2^(lse_s - max), LSE in natural log.
@@ -660,23 +989,37 @@ __global__ void __launch_bounds__(D) fp4kv_decode_combine_kernel(const float* __
 
 // ---- host ------------------------------------------------------------------------------------------------
 
-// TRACE_EXT_KV_DECODE_IMPL=old selects the register-resident-Q kernel (3 CTAs per SM), for A/B timing.
-bool decode_q_in_smem() {
-  static const bool q_smem = [] {
-    const char* env = std::getenv("TRACE_EXT_KV_DECODE_IMPL");
-    return !(env != nullptr && std::strcmp(env, "old") == 0);
-  }();
-  return q_smem;
+// Kernel variants: the G <= 8 swapped-operand kernel (default when G <= 8), the M = 16 heads kernel with Q in
+// shared memory (default for G > 8; TRACE_EXT_KV_DECODE_IMPL=qsmem forces it) and with Q in registers
+// (TRACE_EXT_KV_DECODE_IMPL=old: the kernel before the occupancy work). Read per call, so that one process can
+// time all three.
+enum DecodeImpl : int { kImplRegQ = 0, kImplSmemQ = 1, kImplSwap = 2 };
+using DecodeKernelFn = void (*)(DecodeParams);
+
+template <int D, int kImpl>
+DecodeKernelFn decode_kernel() {
+  if constexpr (kImpl == kImplSwap) {
+    return fp4kv_decode_kernel_g8<D>;
+  } else {
+    return fp4kv_decode_kernel<D, kImpl == kImplSmemQ>;
+  }
 }
 
-template <int D, bool kQSmem>
+int decode_impl(int group) {
+  const char* env = std::getenv("TRACE_EXT_KV_DECODE_IMPL");
+  if (env != nullptr && std::strcmp(env, "old") == 0) return kImplRegQ;
+  if (env != nullptr && std::strcmp(env, "qsmem") == 0) return kImplSmemQ;
+  return group <= 8 ? kImplSwap : kImplSmemQ;
+}
+
+template <int D, int kImpl>
 int choose_splits(int batch_heads, int64_t max_len, int device) {
   static int cached_sms[64] = {0}, cached_per_sm[64] = {0};  // per device; occupancy of this kernel
   const int slot = device & 63;
   if (cached_sms[slot] == 0) {
     int sms = 0, per_sm = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fp4kv_decode_kernel<D, kQSmem>, kThreads, Geo<D>::kSmem);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_kernel<D, kImpl>(), kThreads, Geo<D>::kSmem);
     cached_per_sm[slot] = per_sm;
     cached_sms[slot] = sms;
   }
@@ -701,7 +1044,7 @@ int choose_splits(int batch_heads, int64_t max_len, int device) {
   return (int)best;
 }
 
-template <int D, bool kQSmem>
+template <int D, int kImpl>
 void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max_len, const at::Tensor& q,
             at::Tensor& out, at::Tensor& lse) {
   DecodeParams p = base;
@@ -710,12 +1053,12 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
   if (!carveout_set[device & 63]) {
     // the largest shared-memory carveout, so that the register limit (not the L1 / shared split) sets the CTAs
     // per SM; set before choose_splits reads the occupancy
-    cudaFuncSetAttribute(fp4kv_decode_kernel<D, kQSmem>, cudaFuncAttributePreferredSharedMemoryCarveout,
+    cudaFuncSetAttribute(decode_kernel<D, kImpl>(), cudaFuncAttributePreferredSharedMemoryCarveout,
                          cudaSharedmemCarveoutMaxShared);
     carveout_set[device & 63] = true;
   }
   const int splits =
-      num_splits_arg > 0 ? num_splits_arg : choose_splits<D, kQSmem>(batch * p.heads_kv, max_len, device);
+      num_splits_arg > 0 ? num_splits_arg : choose_splits<D, kImpl>(batch * p.heads_kv, max_len, device);
   p.num_splits = splits;
   at::Tensor o_part, lse_part;
   if (splits > 1) {
@@ -724,10 +1067,11 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
     p.o_part = o_part.data_ptr<float>();
     p.lse_part = lse_part.data_ptr<float>();
   }
-  require_kernel_image(fp4kv_decode_kernel<D, kQSmem>, "fp4kv_decode_attention");
+  const DecodeKernelFn kernel = decode_kernel<D, kImpl>();
+  require_kernel_image(kernel, "fp4kv_decode_attention");
   auto stream = c10::cuda::getCurrentCUDAStream();
   dim3 grid(splits, p.heads_kv, batch);
-  fp4kv_decode_kernel<D, kQSmem><<<grid, kThreads, Geo<D>::kSmem, stream>>>(p);
+  kernel<<<grid, kThreads, Geo<D>::kSmem, stream>>>(p);
   check_launch("fp4kv_decode_attention");
   if (splits > 1) {
     fp4kv_decode_combine_kernel<D><<<batch * p.heads_q, D, 0, stream>>>(
@@ -813,13 +1157,21 @@ std::tuple<at::Tensor, at::Tensor> fp4kv_decode_attention_cuda(const at::Tensor&
   p.score_scale = (float)(softmax_scale * g_k * (double)kTwo14 * (double)kLog2e);
   p.out_scale = (float)(g_v * (double)kTwo14);
   const int64_t max_len = block_table.size(1) * P;  // an upper bound of seq_lens without a host sync
-  const bool q_smem = decode_q_in_smem();
+  const int impl = decode_impl(p.group);
+  auto go = [&](auto d_tag) {
+    constexpr int kD = decltype(d_tag)::value;
+    if (impl == kImplSwap) {
+      launch<kD, kImplSwap>(p, (int)B, (int)num_splits, max_len, q, out, lse);
+    } else if (impl == kImplSmemQ) {
+      launch<kD, kImplSmemQ>(p, (int)B, (int)num_splits, max_len, q, out, lse);
+    } else {
+      launch<kD, kImplRegQ>(p, (int)B, (int)num_splits, max_len, q, out, lse);
+    }
+  };
   if (D == 64) {
-    q_smem ? launch<64, true>(p, (int)B, (int)num_splits, max_len, q, out, lse)
-           : launch<64, false>(p, (int)B, (int)num_splits, max_len, q, out, lse);
+    go(std::integral_constant<int, 64>{});
   } else {
-    q_smem ? launch<128, true>(p, (int)B, (int)num_splits, max_len, q, out, lse)
-           : launch<128, false>(p, (int)B, (int)num_splits, max_len, q, out, lse);
+    go(std::integral_constant<int, 128>{});
   }
   return {out, lse};
 }
