@@ -412,7 +412,10 @@ template <int MT8, int NB, bool kAFp4, int KW, int kStages, int kMinBlocks>
 void launch_decode(const GemmParams& p, const at::Tensor& like, cudaStream_t stream, bool rank_always) {
   auto kernel = gemm_w4_decode_kernel<MT8, NB, kAFp4, KW, kStages, kMinBlocks>;
   constexpr int kSmem = kDecWarps * kStages * NB * kTileBytes;  // the warps' cp.async rings
-  static_assert(kSmem <= 200 * 1024, "decode cp.async rings must fit one SM's shared memory");
+  // kMinBlocks CTAs per SM must fit in 228 KB with their static reduction buffers (<= 8 KB) and the 1 KB per CTA
+  // reserved by the driver
+  static_assert(kStages == 0 || kMinBlocks * (kSmem + 9 * 1024) <= 228 * 1024,
+                "decode cp.async rings of kMinBlocks CTAs must fit one SM's shared memory");
   static bool attr_set[kMaxDevices] = {};  // per template instance and device (the attribute is per device)
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
@@ -420,6 +423,11 @@ void launch_decode(const GemmParams& p, const at::Tensor& like, cudaStream_t str
     require_kernel_image(kernel, "fp4_linear (decode)");
     if (kSmem > 48 * 1024)
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    // the rings of kMinBlocks CTAs (up to ~180 KB) need most of the unified L1 / shared memory as shared memory;
+    // L1 keeps the rest for the activation fragments (a few KB per CTA)
+    if (kSmem > 0)
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                          (int)cudaSharedmemCarveoutMaxShared));
     if (dev < kMaxDevices) attr_set[dev] = true;
   }
   const int rows_per_cta = kDecWarps / KW * 16 * NB;
