@@ -1,28 +1,31 @@
 // NVFP4 quantize / fake-quantize / dequantize (SPEC 2, 4, 5, 6), bit-exact against reference.py.
 //
-// Design (memory-bound: 2 B read + 0.5625 B written per bf16 element):
-// - Loads in chunks of 8 elements (half a 16-element block): lane l of a warp loads chunks l, l + 32, l + 64,
-//   l + 96 of the warp's tile, so every warp-wide load is contiguous (512 B of bf16 x) and 4 independent 16-byte
-//   loads are in flight per thread before the first use. One pair exchange (__shfl_xor 1, pair_to_block) then
-//   hands each lane two whole blocks (the even lane keeps block A of chunk slots 2q, 2q+1, the odd lane block B),
-//   so the per-block work (scale, reciprocal, stores) is amortized over 16 elements as in a one-thread-per-block
-//   loop, with identical per-element numerics; the warp's code stores are contiguous 256 B spans.
-// - g given (per row or one value), guided rounding, and the second pass of long rows: a flat grid over all
-//   chunks of the [R, K] input (each block reads the g of its own row).
-// - g None (per-row scale, activations): a team of threads per row (power of two, 8..512 threads) loads its
-//   row into registers once (lane l: chunks l + team * j, j < 4, contiguous warp-wide; then the pair exchange),
-//   reduces the row's finite amax (shuffles, plus shared memory across warps of a team), derives g and quantizes
-//   from the registers: one HBM read of x, one launch. Rows up to kFusedMaxK = 16384 elements fit (512 threads x 32
-//   elements). Longer rows take a documented two-pass path: kernel 1 writes the per-row g (finite amax / 2688),
-//   kernel 2 is the flat kernel reading it.
-// - Dequantize: same warp tiling, one 16-byte store of bf16 / fp16 per 8 elements, contiguous across the warp.
+// Design (memory-bound: 2 B read + 0.5625 B written per bf16 element; on the H200 the limit is instruction issue,
+// so every choice below counts instructions per element):
+// - A lane owns whole 16-element blocks and loads each with its own 16-byte vectors (for bf16 two loads, 32 B
+//   apart across lanes: the warp's pair of loads covers one contiguous span, sectors are fetched once). Per-block
+//   work (amax, scale byte, reciprocal, stores) happens once per 16 elements in one thread; code / scale / mbits
+//   stores of a warp are contiguous. No shuffles.
+// - g given (per row or one value), guided rounding, and the second pass of long rows: the flat kernel. Warps loop
+//   over tiles of 64 blocks (kFlatTilesPerWarp tiles each, grid stride) so that the per-thread setup is amortized.
+// - g None (per-row scale, activations): a team of threads per row (power of two, 1..512 threads), lane l owning
+//   blocks l + team q (q < 2), loads its row into registers once, reduces the row's finite amax (shuffles, plus
+//   shared memory across warps of a team), derives g and quantizes from the registers: one HBM read of x, one
+//   launch. Rows up to kFusedMaxK = 16384 elements fit (512 threads x 32 elements). Longer rows take a documented
+//   two-pass path: kernel 1 writes the per-row g (finite amax / 2688), kernel 2 is the flat kernel reading it.
+// - Dequantize: warp tiles of 8-element chunks, one 16-byte store of bf16 / fp16 per chunk, contiguous across the warp.
 // - Every numeric step comes from fp4_numerics.cuh; all float ops are __f*_rn (no contraction, no FTZ).
-// - Instruction budget (the kernel must stay memory-bound at ~18 ops / element): v = fl(x / t) is one FMUL and
-//   two FMAs with the block's correctly rounded reciprocal (Markstein; exact where t, 1/t and the quotients are
-//   far from under/overflow, checked per block and per element, __fdiv_rn otherwise), and the RTN / SR / guided
-//   codes are read off the float's bits (e2m1_*_bits) instead of seven-compare chains. Both were checked
-//   against reference.py: RTN over every non-negative float, SR / guided on 8M random and edge values, the
-//   division in exact rational arithmetic near every rounding midpoint.
+// - Amax of 16-bit inputs: two magnitudes per max.u16x2 on the raw halves (their bits order like the values).
+// - Scale byte: fl(amax / 6) and fl(y / g) by correctly rounded reciprocals (fl(1/6) and one fl(1/g) per row) in the
+//   range where that division is exact (nvfp4_scale_byte_rcp), __fdiv_rn outside it.
+// - Elements: v = fl(x / t) is one FMUL and two FMAs with the block's correctly rounded reciprocal (Markstein; exact
+//   where t, 1/t and the quotients are far from under/overflow, checked per block, __fdiv_rn otherwise). RTN works
+//   on u = v * 2^-14 (divisor t * 2^14, reciprocal r * 2^-14: same quotient, scaled exactly): saturate, round in fp32
+//   (magic add below 2, Veltkamp split from 1 up), convert pairs to fp16, whose bits 9..11 are the code
+//   (e2m1_rn_grid_x2m14, e2m1_pack8_x2m14; exhaustively checked against reference.py's rounding). SR / guided read
+//   the codes off the float's bits (e2m1_*_bits). All were checked against reference.py: RTN over every
+//   non-negative float, SR / guided on 8M random and edge values, the division in exact arithmetic near every
+//   rounding midpoint.
 // - SR: one philox4x32_10 call per 4 elements (counter = flat element index / 4, SPEC 4), with the seed's key
 //   schedule precomputed on the host (philox4x32_10_scheduled: keys are constant-bank operands of the XORs).
 //   SR / guided skip the per-element tiny-quotient test when a block-level bound on the smallest nonzero |x|
@@ -36,6 +39,7 @@
 
 #include <optional>
 #include <tuple>
+#include <type_traits>
 
 #include "trace_ext/fp4_numerics.cuh"
 #include "trace_ext/host_checks.h"
@@ -44,17 +48,19 @@
 namespace trace_ext {
 namespace {
 
-constexpr int kChunkElems = 8;                               // elements per thread chunk: half an NVFP4 block
-constexpr int kChunksPerThread = 4;                          // independent chunk loads in flight per thread
-constexpr int kWarpChunks = 32 * kChunksPerThread;           // chunks of one warp tile (1024 elements)
+constexpr int kChunkElems = 8;                               // dequantize: elements per thread chunk
+constexpr int kChunksPerThread = 4;                          // dequantize: independent chunks per thread
+constexpr int kWarpChunks = 32 * kChunksPerThread;           // dequantize: chunks of one warp tile (1024 elements)
 constexpr int kFlatThreads = 256;                            // CTA size of the flat kernels
+constexpr int kBlocksPerLane = 2;                            // quantize: whole blocks per lane and tile (loads in flight)
+constexpr int kWarpBlocks = 32 * kBlocksPerLane;             // quantize: blocks of one warp tile (1024 elements)
+constexpr int kFlatTilesPerWarp = 4;                         // quantize: tiles each warp loops over (setup amortized)
 constexpr int kMaxTeam = 512;                                // largest row team of the fused per-row-g kernel
-constexpr int64_t kFusedMaxK = int64_t(kMaxTeam) * kChunksPerThread * kChunkElems;  // 16384: longest row on chip
-constexpr int kMinTeam = 8;
-static_assert(kNvfp4Block == 2 * kChunkElems, "two threads (adjacent lanes) share one 16-element block");
+constexpr int64_t kFusedMaxK = int64_t(kMaxTeam) * kBlocksPerLane * kNvfp4Block;  // 16384: longest row on chip
+constexpr int kMinTeam = 1;
 static_assert(kChunkElems % 8 == 0, "a chunk must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
-static_assert(kMinTeam % 2 == 0, "a row team must pair the two halves of every block in adjacent lanes");
-static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 4 chunks x 8 elements");
+static_assert(kNvfp4Block % 8 == 0, "a block must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
+static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 2 blocks x 16 elements");
 
 struct QuantParams {
   // input
@@ -113,6 +119,23 @@ __device__ __forceinline__ void quantize_elems(const float (&x)[N], float t, flo
                                                const QuantParams& p, uint32_t guide_bits, uint2 guide_codes,
                                                uint32_t (&w)[N / 8]) {
   // ctr0: Philox counter of element 0 (flat element index / 4, SPEC 4)
+  if constexpr (MODE == kRTN && FAST) {
+    // RTN: u = fl(|x| / t) * 2^-14 by the scaled reciprocal division, rounded in fp32, codes read off fp16 bits
+    // (e2m1_rn_grid_x2m14, e2m1_pack8_x2m14); the sign is x's (t > 0, -0.0 included).
+    const float t14 = __fmul_rn(t, 16384.0f), r14 = __fmul_rn(r, 0x1p-14f);
+#pragma unroll
+    for (int k = 0; k < N / 8; ++k) {
+      float q[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float xi = x[8 * k + i];
+        const float grid = e2m1_rn_grid_x2m14(div_rn_with_rcp(fabsf(xi), t14, r14));
+        q[i] = __uint_as_float(__float_as_uint(grid) | (__float_as_uint(xi) & 0x80000000u));
+      }
+      w[k] = e2m1_pack8_x2m14(q);
+    }
+    return;
+  }
 #pragma unroll
   for (int k = 0; k < N / 8; ++k) w[k] = 0u;
   Philox4 rnd;
@@ -185,13 +208,32 @@ __device__ __forceinline__ void dequant_codes(const uint32_t (&w)[N / 8], uint8_
   }
 }
 
+// fl(1/6), correctly rounded.
+constexpr float kRcp6 = 0x1.555556p-3f;
+
+// rg = fl(1 / g) when g lies in [2^-50, 2^50], else 0 (the scale byte then takes the division path).
+__device__ __forceinline__ float rcp_g_in_range(float g) {
+  return (g >= 0x1p-50f && g <= 0x1p50f) ? __frcp_rn(g) : 0.0f;
+}
+
+// s_b = e4m3_rn(fl(fl(amax / 6) / g)) (SPEC 2). When amax is in [2^-47, 2^50] and rg != 0, both divisions go through
+// the correctly rounded reciprocals (div_rn_with_rcp with fl(1/6) and rg): every dividend, divisor and quotient then
+// lies in [2^-100, 2^100], where that division is exact. Otherwise the reference's two __fdiv_rn.
+__device__ __forceinline__ uint8_t nvfp4_scale_byte_rcp(uint32_t amax_bits, float g, float rg) {
+  const float amax = __uint_as_float(amax_bits);
+  if (rg != 0.0f && amax_bits - 0x28000000u <= 0x58800000u - 0x28000000u) {  // bits of 2^-47 .. 2^50
+    return e4m3_rn(div_rn_with_rcp(div_rn_with_rcp(amax, kE2M1Max, kRcp6), g, rg));
+  }
+  return nvfp4_scale_byte(amax, g);
+}
+
 // Everything block fb produces once its 16 x are in one thread's registers and its g is known: the 8 code bytes,
 // the mbits, the fake-quant values and the scale byte. (g_out is written by the kernels, once per row.)
 // guide_bits: the rollout's 16 mantissa bits (compact); guide_codes: its 16 rollout codes (full).
 template <typename T, int MODE, bool FAKE>
 __device__ __forceinline__ void process_block(const QuantParams& p, const float (&x)[kNvfp4Block], uint32_t max_bits,
-                                              float g, uint64_t fb, int64_t row, int64_t kbi, uint32_t guide_bits,
-                                              uint2 guide_codes) {
+                                              float g, float rg, uint64_t fb, int64_t row, int64_t kbi,
+                                              uint32_t guide_bits, uint2 guide_codes) {
   bool finite = max_bits < 0x7F800000u;
   uint8_t s;
   float t;
@@ -200,7 +242,7 @@ __device__ __forceinline__ void process_block(const QuantParams& p, const float 
     t = nvfp4_block_divisor(s, g);
     finite = finite && isfinite(t);  // a rollout NaN scale makes the block NaN
   } else {
-    s = nvfp4_scale_byte(__uint_as_float(max_bits), g);
+    s = nvfp4_scale_byte_rcp(max_bits, g, rg);
     t = nvfp4_block_divisor(s, g);
   }
   uint32_t codes[2] = {0u, 0u};
@@ -250,115 +292,133 @@ __device__ void swizzle_pad_zero(const QuantParams& p, int64_t tid, int64_t nthr
   }
 }
 
-// Raw 16-byte vectors of one chunk (zeros when the chunk does not exist).
+// Raw 16-byte vectors of one whole block (zeros when the block does not exist).
 template <typename T>
-struct ChunkRaw {
-  uint4 v[kChunkElems / ElemTraits<T>::kPerVec];
+struct BlockRaw {
+  static constexpr int kVecs = kNvfp4Block / ElemTraits<T>::kPerVec;
+  uint4 v[kVecs];
 };
 
 template <typename T>
-__device__ __forceinline__ ChunkRaw<T> load_chunk(const T* x, uint64_t c, bool ok) {
-  constexpr int kV = ElemTraits<T>::kPerVec;
-  ChunkRaw<T> raw;
+__device__ __forceinline__ BlockRaw<T> load_block(const T* x, uint64_t fb, bool ok) {
+  BlockRaw<T> raw;
 #pragma unroll
-  for (int v = 0; v < kChunkElems / kV; ++v) {
-    raw.v[v] = ok ? ld_vec(x + c * kChunkElems + v * kV) : make_uint4(0u, 0u, 0u, 0u);
+  for (int v = 0; v < BlockRaw<T>::kVecs; ++v) {
+    raw.v[v] = ok ? ld_vec(x + fb * kNvfp4Block + v * ElemTraits<T>::kPerVec) : make_uint4(0u, 0u, 0u, 0u);
   }
   return raw;
 }
 
-// Lanes 2i, 2i+1 hold chunks a (slot 2q) and b (slot 2q+1) whose blocks are A (halves: a of the even lane, a of the
-// odd lane) and B (halves: b of the even lane, b of the odd lane). One exchange gives the even lane all of A and
-// the odd lane all of B: each lane sends the half it does not keep (even: b, odd: a). Returns the lane's block.
+// max of two pairs of unsigned 16-bit lanes (one instruction on sm_90+).
+__device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// The block's 16 values as floats, and max |x| as float bits (max_abs_bits of those floats): for 16-bit inputs
+// the magnitudes are compared two at a time on the raw halves (their bits order like their magnitudes).
 template <typename T>
-__device__ __forceinline__ void pair_to_block(const ChunkRaw<T>& a, const ChunkRaw<T>& b, bool odd,
-                                              float (&x)[kNvfp4Block]) {
+__device__ __forceinline__ uint32_t unpack_block(const BlockRaw<T>& raw, float (&x)[kNvfp4Block]) {
   constexpr int kV = ElemTraits<T>::kPerVec;
-  constexpr int kVecs = kChunkElems / kV;
 #pragma unroll
-  for (int v = 0; v < kVecs; ++v) {
-    const uint4 send = odd ? a.v[v] : b.v[v];
-    uint4 recv;
-    recv.x = __shfl_xor_sync(0xFFFFFFFFu, send.x, 1);
-    recv.y = __shfl_xor_sync(0xFFFFFFFFu, send.y, 1);
-    recv.z = __shfl_xor_sync(0xFFFFFFFFu, send.z, 1);
-    recv.w = __shfl_xor_sync(0xFFFFFFFFu, send.w, 1);
-    vec_to_float<T>(odd ? recv : a.v[v], x + v * kV);               // first half of the block
-    vec_to_float<T>(odd ? b.v[v] : recv, x + kChunkElems + v * kV);  // second half
+  for (int v = 0; v < BlockRaw<T>::kVecs; ++v) vec_to_float<T>(raw.v[v], x + v * kV);
+  if constexpr (std::is_same_v<T, float>) {
+    return max_abs_bits(x);
+  } else {
+    uint32_t m = 0u;
+#pragma unroll
+    for (int v = 0; v < BlockRaw<T>::kVecs; ++v) {
+      m = max_u16x2(m, raw.v[v].x & 0x7FFF7FFFu);
+      m = max_u16x2(m, raw.v[v].y & 0x7FFF7FFFu);
+      m = max_u16x2(m, raw.v[v].z & 0x7FFF7FFFu);
+      m = max_u16x2(m, raw.v[v].w & 0x7FFF7FFFu);
+    }
+    const uint32_t h = max(m & 0xFFFFu, m >> 16);
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      return h << 16;
+    } else {
+      return __float_as_uint(__half2float(__ushort_as_half((unsigned short)h)));
+    }
   }
 }
 
 // ---- flat kernel: g known per block (given, guided, or the second pass of long rows) -----------------------
-// Warp w loads the kWarpChunks consecutive chunks from w * kWarpChunks; lane l takes chunks l, l + 32, l + 64,
-// l + 96, so every warp-wide load is one contiguous 512 B span (bf16). After the pair exchange (pair_to_block)
-// lane l owns the whole blocks w * 64 + 32 q + l / 2 + 16 (l % 2), q < 2: the warp's code stores are contiguous
-// 256 B spans, and every per-block step (scale, reciprocal, stores) is amortized over 16 elements.
-
+// Work is cut into warp tiles of kWarpBlocks consecutive blocks; warps loop over tiles with a grid stride (the
+// per-thread setup is paid once for several tiles). In a tile, lane l owns blocks l + 32 q (q < kBlocksPerLane) and
+// loads each with its own 16-byte vectors (the warp's two loads of one q cover a contiguous span), so every
+// per-block step (scale, reciprocal, stores) happens once per 16 elements in one thread, and the code, scale and
+// mbits stores of a warp are contiguous.
 template <typename T, int MODE, bool FAKE>
 __global__ void __launch_bounds__(kFlatThreads) nvfp4_quant_flat_kernel(const QuantParams p) {
-  constexpr int kBlocksPerThread = kChunksPerThread / 2;
   const uint64_t total_blocks = (uint64_t)p.rows * p.kb;
-  const uint64_t total_chunks = total_blocks * 2;
+  const uint64_t n_tiles = (total_blocks + kWarpBlocks - 1) / kWarpBlocks;
   const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  const uint64_t c0 = (tid / 32) * kWarpChunks + tid % 32;
-  const bool odd = (tid & 1u) != 0u;
+  const uint64_t n_warps = (uint64_t)gridDim.x * blockDim.x / 32;
+  const uint32_t lane = threadIdx.x % 32;
   const T* xp = reinterpret_cast<const T*>(p.x);
-  ChunkRaw<T> raw[kChunksPerThread];
+  for (uint64_t tile = tid / 32; tile < n_tiles; tile += n_warps) {
+    const uint64_t fb0 = tile * kWarpBlocks + lane;
+    BlockRaw<T> raw[kBlocksPerLane];
 #pragma unroll
-  for (int j = 0; j < kChunksPerThread; ++j) raw[j] = load_chunk<T>(xp, c0 + 32 * j, c0 + 32 * j < total_chunks);
-  // the lane's own blocks after the exchange: (c0 / 2) + 16 (lane % 2) + 32 q. The empty asm keeps fb0 in a
-  // register (ptxas otherwise re-derives the 64-bit index from the thread id at every store).
-  uint64_t fb0 = (c0 >> 1) + (odd ? 16u : 0u);
-  asm("" : "+l"(fb0));
-  uint32_t gbits[kBlocksPerThread];
-  uint2 gcodes[kBlocksPerThread];
+    for (int q = 0; q < kBlocksPerLane; ++q) raw[q] = load_block<T>(xp, fb0 + 32 * q, fb0 + 32 * q < total_blocks);
+    uint32_t gbits[kBlocksPerLane];
+    uint2 gcodes[kBlocksPerLane];
 #pragma unroll
-  for (int q = 0; q < kBlocksPerThread; ++q) {
-    const uint64_t fb = fb0 + 32 * q;
-    gbits[q] = 0u;
-    gcodes[q] = make_uint2(0u, 0u);
-    if constexpr (MODE == kGuidedCompact) {
-      if (fb < total_blocks) gbits[q] = __ldg(reinterpret_cast<const uint16_t*>(p.guide_payload) + fb);
-    } else if constexpr (MODE == kGuidedFull) {
-      if (fb < total_blocks) gcodes[q] = __ldg(reinterpret_cast<const uint2*>(p.guide_payload) + fb);
-    }
-  }
-  // Rows / block columns of the lane's blocks: one division, then a carry (one step when kb >= 32); the g loads
-  // are issued before any block is processed.
-  int64_t rows[kBlocksPerThread], kbis[kBlocksPerThread];
-  float g[kBlocksPerThread];
-  {
-    int64_t row = row_of(fb0, p.kb);
-    int64_t kbi = (int64_t)fb0 - row * p.kb;
-#pragma unroll
-    for (int q = 0; q < kBlocksPerThread; ++q) {
-      rows[q] = row;
-      kbis[q] = kbi;
-      kbi += 32;
-      while (kbi >= p.kb) {
-        kbi -= p.kb;
-        ++row;
+    for (int q = 0; q < kBlocksPerLane; ++q) {
+      const uint64_t fb = fb0 + 32 * q;
+      gbits[q] = 0u;
+      gcodes[q] = make_uint2(0u, 0u);
+      if constexpr (MODE == kGuidedCompact) {
+        if (fb < total_blocks) gbits[q] = __ldg(reinterpret_cast<const uint16_t*>(p.guide_payload) + fb);
+      } else if constexpr (MODE == kGuidedFull) {
+        if (fb < total_blocks) gcodes[q] = __ldg(reinterpret_cast<const uint2*>(p.guide_payload) + fb);
       }
     }
-  }
+    // Rows / block columns of the lane's blocks: one division, then a carry (one step when kb >= 32).
+    int64_t rows[kBlocksPerLane], kbis[kBlocksPerLane];
+    {
+      int64_t row = row_of(fb0, p.kb);
+      int64_t kbi = (int64_t)fb0 - row * p.kb;
 #pragma unroll
-  for (int q = 0; q < kBlocksPerThread; ++q) {
-    g[q] = 0.0f;
-    if (fb0 + 32 * q < total_blocks) {
-      if constexpr (MODE == kGuidedCompact || MODE == kGuidedFull) {
-        g[q] = __ldg(p.guide_g + rows[q]);
+      for (int q = 0; q < kBlocksPerLane; ++q) {
+        rows[q] = row;
+        kbis[q] = kbi;
+        kbi += 32;
+        while (kbi >= p.kb) {
+          kbi -= p.kb;
+          ++row;
+        }
+      }
+    }
+    float g[kBlocksPerLane], rg[kBlocksPerLane];
+#pragma unroll
+    for (int q = 0; q < kBlocksPerLane; ++q) {
+      g[q] = 0.0f;
+      if (fb0 + 32 * q < total_blocks) {
+        if constexpr (MODE == kGuidedCompact || MODE == kGuidedFull) {
+          g[q] = __ldg(p.guide_g + rows[q]);
+        } else {
+          g[q] = __ldg(p.g + rows[q] * p.g_stride);
+        }
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < kBlocksPerLane; ++q) {
+      if constexpr (MODE == kRTN || MODE == kSR) {
+        rg[q] = q > 0 && g[q] == g[q - 1] ? rg[q - 1] : rcp_g_in_range(g[q]);  // one reciprocal per row, mostly
       } else {
-        g[q] = __ldg(p.g + rows[q] * p.g_stride);
+        rg[q] = 0.0f;  // guided: the scale byte is the rollout's
       }
     }
-  }
 #pragma unroll
-  for (int q = 0; q < kBlocksPerThread; ++q) {
-    float x[kNvfp4Block];
-    pair_to_block<T>(raw[2 * q], raw[2 * q + 1], odd, x);  // whole warp: every lane takes part
-    const uint64_t fb = fb0 + 32 * q;
-    if (fb < total_blocks) {
-      process_block<T, MODE, FAKE>(p, x, max_abs_bits(x), g[q], fb, rows[q], kbis[q], gbits[q], gcodes[q]);
+    for (int q = 0; q < kBlocksPerLane; ++q) {
+      const uint64_t fb = fb0 + 32 * q;
+      if (fb < total_blocks) {
+        float x[kNvfp4Block];
+        const uint32_t mb = unpack_block<T>(raw[q], x);
+        process_block<T, MODE, FAKE>(p, x, mb, g[q], rg[q], fb, rows[q], kbis[q], gbits[q], gcodes[q]);
+      }
     }
   }
   // g_out[r]: the g each block of row r used (given or the rollout's), copied once per row.
@@ -371,42 +431,36 @@ __global__ void __launch_bounds__(kFlatThreads) nvfp4_quant_flat_kernel(const Qu
       }
     }
   }
-  if (p.swizzle && p.scales != nullptr) {
-    swizzle_pad_zero(p, (int64_t)blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
-  }
+  if (p.swizzle && p.scales != nullptr) swizzle_pad_zero(p, (int64_t)tid, (int64_t)gridDim.x * blockDim.x);
 }
 
 // ---- fused kernel: per-row g computed in the same launch (rows up to kFusedMaxK) ------------------------------
-// A team (power of two, 8..512 threads) per row: lane l of the team loads chunks l + team j (j < 4) of its row
-// (contiguous warp-wide), the pair exchange gives it the whole blocks l / 2 + (team / 2) (2 q + l % 2), q < 2.
+// A team (power of two, kMinTeam..512 threads) per row: lane l of the team owns the blocks l + team q
+// (q < kBlocksPerLane) of its row and loads them with its own 16-byte vectors (contiguous across the team).
 
 template <typename T, int MODE, bool FAKE>
 __global__ void __launch_bounds__(kMaxTeam) nvfp4_quant_rowg_kernel(const QuantParams p, int team) {
   static_assert(MODE == kRTN || MODE == kSR, "guided rounding never recomputes g");
-  constexpr int kBlocksPerThread = kChunksPerThread / 2;
   __shared__ uint32_t warp_max[kMaxTeam / 32];
   const int rows_per_cta = blockDim.x / team;
   const int lane_in_team = threadIdx.x % team;
-  const bool odd = (lane_in_team & 1) != 0;
   const int64_t row = (int64_t)blockIdx.x * rows_per_cta + threadIdx.x / team;
   const bool row_ok = row < p.rows;
-  const int64_t row_chunks = p.kb * 2;
-  const uint64_t c_row = (uint64_t)(row_ok ? row : 0) * (uint64_t)row_chunks;
+  const uint64_t fb_row = (uint64_t)(row_ok ? row : 0) * (uint64_t)p.kb;
   const T* xp = reinterpret_cast<const T*>(p.x);
 
-  ChunkRaw<T> raw[kChunksPerThread];
+  BlockRaw<T> raw[kBlocksPerLane];
 #pragma unroll
-  for (int j = 0; j < kChunksPerThread; ++j) {
-    const int64_t k = lane_in_team + (int64_t)team * j;
-    raw[j] = load_chunk<T>(xp, c_row + k, row_ok && k < row_chunks);
+  for (int q = 0; q < kBlocksPerLane; ++q) {
+    const int64_t kbi = lane_in_team + (int64_t)team * q;
+    raw[q] = load_block<T>(xp, fb_row + kbi, row_ok && kbi < p.kb);
   }
-  float x[kBlocksPerThread][kNvfp4Block];
-  uint32_t mb[kBlocksPerThread];
+  float x[kBlocksPerLane][kNvfp4Block];
+  uint32_t mb[kBlocksPerLane];
   uint32_t finite_max = 0;
 #pragma unroll
-  for (int q = 0; q < kBlocksPerThread; ++q) {
-    pair_to_block<T>(raw[2 * q], raw[2 * q + 1], odd, x[q]);  // absent blocks are zeros
-    mb[q] = max_abs_bits(x[q]);
+  for (int q = 0; q < kBlocksPerLane; ++q) {
+    mb[q] = unpack_block<T>(raw[q], x[q]);  // absent blocks are zeros
     finite_max = max(finite_max, mb[q] < 0x7F800000u ? mb[q] : max_abs_bits_finite(x[q]));
   }
   // Row reduction of the finite amax: shuffles within a warp (or a sub-warp team), then across the team's warps.
@@ -423,13 +477,14 @@ __global__ void __launch_bounds__(kMaxTeam) nvfp4_quant_rowg_kernel(const QuantP
     for (int w = 0; w < team / 32; ++w) finite_max = max(finite_max, warp_max[first + w]);
   }
   const float g = nvfp4_global_scale(__uint_as_float(finite_max));
+  const float rg = rcp_g_in_range(g);
   if (row_ok && lane_in_team == 0 && p.g_out != nullptr) p.g_out[row] = g;
 
 #pragma unroll
-  for (int q = 0; q < kBlocksPerThread; ++q) {
-    const int64_t kbi = (lane_in_team >> 1) + (int64_t)(team / 2) * (2 * q + (odd ? 1 : 0));
+  for (int q = 0; q < kBlocksPerLane; ++q) {
+    const int64_t kbi = lane_in_team + (int64_t)team * q;
     if (row_ok && kbi < p.kb) {
-      process_block<T, MODE, FAKE>(p, x[q], mb[q], g, c_row / 2 + kbi, row, kbi, 0u, make_uint2(0u, 0u));
+      process_block<T, MODE, FAKE>(p, x[q], mb[q], g, rg, fb_row + kbi, row, kbi, 0u, make_uint2(0u, 0u));
     }
   }
   if (p.swizzle && p.scales != nullptr) {
@@ -530,11 +585,28 @@ void dispatch_dtype(at::ScalarType t, F&& f) {
   }
 }
 
+// Multiprocessors of the current device (cached per device: the attribute query is not free on every call).
+int sm_count() {
+  static int cached[64] = {0};
+  const int dev = c10::cuda::current_device();
+  if (dev < 0 || dev >= 64) return 132;
+  if (cached[dev] == 0) {
+    int n = 0;
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    cached[dev] = n > 0 ? n : 1;
+  }
+  return cached[dev];
+}
+
 template <int MODE, bool FAKE, typename T>
 void launch_flat(const QuantParams& p, cudaStream_t stream, const char* op) {
   auto kernel = nvfp4_quant_flat_kernel<T, MODE, FAKE>;
   require_kernel_image(kernel, op);
-  const int64_t work_threads = div_up(p.rows * p.kb * 2, kWarpChunks) * 32;  // one warp per kWarpChunks chunks
+  // warps loop over tiles: about kFlatTilesPerWarp tiles each, but never fewer warps than the GPU holds
+  const int64_t n_tiles = div_up(p.rows * p.kb, kWarpBlocks);
+  const int64_t resident_warps = int64_t(sm_count()) * 64;
+  const int64_t warps = std::max(div_up(n_tiles, kFlatTilesPerWarp), std::min(n_tiles, resident_warps));
+  const int64_t work_threads = warps * 32;
   int64_t pad_jobs = p.swizzle ? (p.kb_pad / 4) * 512 + (p.rows_pad / 128) * 512 : 0;
   int64_t threads = std::max<int64_t>(work_threads, std::min<int64_t>(pad_jobs, int64_t(1) << 20));
   kernel<<<(unsigned)std::max<int64_t>(1, div_up(threads, kFlatThreads)), kFlatThreads, 0, stream>>>(p);
@@ -557,9 +629,8 @@ void launch_rowg(const QuantParams& p, cudaStream_t stream, const char* op) {
   }
   auto kernel = nvfp4_quant_rowg_kernel<T, MODE, FAKE>;
   require_kernel_image(kernel, op);
-  const int64_t row_chunks = p.kb * 2;
   int team = kMinTeam;
-  while ((int64_t)team * kChunksPerThread < row_chunks) team *= 2;
+  while ((int64_t)team * kBlocksPerLane < p.kb) team *= 2;
   const int cta = std::max(team, kFlatThreads);
   const int64_t rows_per_cta = cta / team;
   kernel<<<(unsigned)div_up(p.rows, rows_per_cta), cta, 0, stream>>>(p, team);

@@ -162,6 +162,40 @@ __device__ __forceinline__ float div_rn_with_rcp(float a, float t, float r) {
   return __fmaf_rn(rem, r, q);
 }
 
+// ---- RTN in the 2^-14-scaled domain (the quantize kernels' fast path) ------------------------------------------
+// With u = v * 2^-14 every E2M1 grid value q becomes q * 2^-14, which is an fp16 number whose bits 9..11 are the
+// 3-bit magnitude code (code 1 = 2^-15 is the fp16 subnormal with mantissa 0x200; codes 2..7 have exponent field
+// 1..3 and mantissa bit 9). So RTN is done in fp32 arithmetic (FMA pipe) and the codes are read off fp16 bits,
+// eight at a time. Dividing by t * 2^14 with the reciprocal r * 2^-14 gives u = fl(x / t) * 2^-14 exactly wherever
+// the unscaled reciprocal division is exact and v >= 2^-102 (smaller quotients round to code 0 either way).
+
+// RTN(v) * 2^-14 from u = v * 2^-14 >= 0: saturate at 6; below 2 (u < 2^-13) round to a multiple of 2^-15 with the
+// magic add (the ulp of 256 is 2^-15, ties to even = even code); from 1 up, round to 2 significant bits with the
+// Veltkamp split (p = u (2^22 + 1), u - ... keeps the top 2 bits, RNE, ties to even). Exhaustively checked: the fp16
+// code of the result equals e2m1_rn_magnitude(v) for every non-negative float v and +inf.
+__device__ __forceinline__ float e2m1_rn_grid_x2m14(float u) {
+  const float a = fminf(u, 6.0f * 0x1p-14f);
+  const float small = __fsub_rn(__fadd_rn(a, 256.0f), 256.0f);
+  const float p = __fmul_rn(a, 4194305.0f);
+  const float big = __fsub_rn(p, __fsub_rn(p, a));
+  return a < 0x1p-13f ? small : big;
+}
+
+// Eight signed grid values q_i * 2^-14 (sign = the element's sign, -0 included) -> one word of eight 4-bit codes,
+// nibble i = element i. The even and the odd elements are packed into fp16 pairs; their high bytes (sign at bit 7,
+// code at bits 1..3, all other bits zero) are gathered with two byte permutes and moved into the nibbles.
+__device__ __forceinline__ uint32_t e2m1_pack8_x2m14(const float (&q)[8]) {
+  const __half2 h02 = __floats2half2_rn(q[0], q[2]), h46 = __floats2half2_rn(q[4], q[6]);
+  const __half2 h13 = __floats2half2_rn(q[1], q[3]), h57 = __floats2half2_rn(q[5], q[7]);
+  const uint32_t even = __byte_perm(*reinterpret_cast<const uint32_t*>(&h02),
+                                    *reinterpret_cast<const uint32_t*>(&h46), 0x7531);  // bytes: q0 q2 q4 q6
+  const uint32_t odd = __byte_perm(*reinterpret_cast<const uint32_t*>(&h13),
+                                   *reinterpret_cast<const uint32_t*>(&h57), 0x7531);   // bytes: q1 q3 q5 q7
+  const uint32_t lo = ((even >> 1) | (even >> 4)) & 0x0F0F0F0Fu;  // code bits 1..3 -> 0..2, sign bit 7 -> 3
+  const uint32_t hi = ((odd << 3) | odd) & 0xF0F0F0F0u;           // code bits 1..3 -> 4..6, sign stays at 7
+  return lo | hi;
+}
+
 // SPEC 5, compact guidance: the bracket end whose mantissa bit (code LSB) equals the rollout's bit.
 __device__ __forceinline__ uint32_t e2m1_guided_compact_magnitude(float a, uint32_t mantissa_bit) {
   E2M1Bracket b = e2m1_bracket(a);
