@@ -271,11 +271,8 @@ void fp4kv_append_cuda(at::Tensor& k_codes, at::Tensor& k_scales, at::Tensor& v_
   p.page_mul = fd_p.mul, p.page_shr = fd_p.shr;
   p.g_k = (float)g_k;
   p.g_v = (float)g_v;
-  static const int rcp_quotient = [] {
-    const char* env = std::getenv("TRACE_EXT_KV_APPEND_IMPL");
-    return (env != nullptr && std::strcmp(env, "old") == 0) ? 0 : 1;
-  }();
-  p.rcp_quotient = rcp_quotient;
+  const char* impl_env = std::getenv("TRACE_EXT_KV_APPEND_IMPL");  // read per call: one process can time both
+  p.rcp_quotient = (impl_env != nullptr && std::strcmp(impl_env, "old") == 0) ? 0 : 1;
   TORCH_CHECK_VALUE(std::isfinite(p.g_k) && p.g_k > 0.0f && std::isfinite(p.g_v) && p.g_v > 0.0f,
                     "trace_ext: g_k and g_v must be finite and > 0, got ", g_k, ", ", g_v);
 
