@@ -28,8 +28,9 @@
 //    loop is unrolled by 2 so both stay in registers), pinned before wgmma.fence (ptxas serializes the wgmma
 //    pipeline when a fragment register is defined between wgmmas of one batch, or when the two sets meet in one
 //    conditional loop body, hence the peeled odd step).
-//  - Epilogue: lanes g and g ^ 1 swap one value per pair (one shuffle) so that each stores two adjacent output
-//    columns of one row as one 4-byte store; Y = acc * fold * (g_a[m] * g_w[n]) as in the SS kernel.
+//  - Epilogue: Y = acc * fold * (g_a[m] * g_w[n]) as in the SS kernel; lanes g and g ^ 1 swap one value per pair
+//    (one shuffle) so that each holds two adjacent output columns of one row, written as bf16x2 into a swizzled
+//    256 x 128 staging tile in the idle ring, then copied to Y in coalesced 16-byte chunks.
 //  - W4A4: the NVFP4 activation is first converted to bf16 q * s * 2^-7 (exact; a temporary [M, K], one small
 //    elementwise kernel, ~1-2% of the GEMM time at the bench shapes), then the RS kernel runs with the W4A4 fold
 //    and g_a in its epilogue: the same exact products and fp32 accumulation as the fused SS path.
@@ -586,39 +587,58 @@ __global__ void __launch_bounds__(kWgThreads, 1) gemm_w4_wgmma_rs_kernel(const G
   cp_async_wait<0>();
 
   // ---- epilogue: acc[4c + 2h + u] = Y[m_begin + 8c + 2t + u][n0 + r0 + 8h]. Lanes g and g ^ 1 swap one value per
-  // pair so that each holds two adjacent columns n of one row m (one 4-byte store): even g keeps u = 0 and stores
-  // columns (g, g + 1) of row 8c + 2t, odd g keeps u = 1 and stores columns (g - 1, g) of row 8c + 2t + 1.
+  // pair so that each holds two adjacent columns n of one row m: even g keeps u = 0 (columns g, g + 1 of row
+  // 8c + 2t), odd g keeps u = 1 (columns g - 1, g of row 8c + 2t + 1). The scaled bf16 pairs go to a 256 x 128
+  // staging tile in the (now idle) ring: row m = 256 bytes, 16-byte chunk q of a row stored at q ^ (m & 7) (the 8
+  // rows of one warp store hit distinct banks); then every thread copies whole 16-byte chunks to Y.
+  __syncthreads();  // both warpgroups' wgmmas (wait_group 0) and fragment reads are done with the ring
   const bool odd = (g & 1) != 0;
   const float fold = p.g_a != nullptr ? kUnfoldW4A4 : kUnfoldW4A16;  // W4A4: the activation carries 2^-7 too
   const float* gw = p.g_w + (int64_t)e * p.gw_stride_e;
   float gwv[2][2];
-  int ncol[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    ncol[h] = n0 + (r0 & ~1) + 8 * h;
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
-      const int nn = ncol[h] + u < p.N ? ncol[h] + u : p.N - 1;
-      gwv[h][u] = gw[(int64_t)nn * p.gw_stride_n];
+      const int n = n0 + (r0 & ~1) + 8 * h + u;
+      gwv[h][u] = gw[(int64_t)(n < p.N ? n : p.N - 1) * p.gw_stride_n];
     }
   }
+  uint8_t* ys = ring;  // [kRsBM][kRsBN] bf16
 #pragma unroll
   for (int c = 0; c < kRsBM / 8; ++c) {
-    const int m = m_begin + 8 * c + 2 * t + (odd ? 1 : 0);
+    const int ml = 8 * c + 2 * t + (odd ? 1 : 0);
+    const int m = m_begin + ml;
+    const float ga = p.g_a != nullptr && m < m_end ? p.g_a[m] : 1.0f;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float own = odd ? acc[4 * c + 2 * h + 1] : acc[4 * c + 2 * h];
       const float give = odd ? acc[4 * c + 2 * h] : acc[4 * c + 2 * h + 1];
       const float other = __shfl_xor_sync(0xffffffffu, give, 4);
       const float lo = odd ? other : own, hi = odd ? own : other;
-      if (m < m_end) {
-        const int n = ncol[h];
-        const float ga = p.g_a != nullptr ? p.g_a[m] : 1.0f;
-        float v[2];
-        v[0] = __fmul_rn(__fmul_rn(lo, fold), __fmul_rn(ga, gwv[h][0]));
-        v[1] = __fmul_rn(__fmul_rn(hi, fold), __fmul_rn(ga, gwv[h][1]));
-        store_bf16_pair(p.y + (int64_t)m * p.N + n, v, n + 1 < p.N, n < p.N, p.N);
-      }
+      const __nv_bfloat162 v = __floats2bfloat162_rn(__fmul_rn(__fmul_rn(lo, fold), __fmul_rn(ga, gwv[h][0])),
+                                                     __fmul_rn(__fmul_rn(hi, fold), __fmul_rn(ga, gwv[h][1])));
+      const int nl = (r0 & ~1) + 8 * h;  // even column of the pair in the tile
+      *reinterpret_cast<__nv_bfloat162*>(ys + ml * (kRsBN * 2) + (((nl >> 3) ^ (ml & 7)) << 4) + (nl & 7) * 2) = v;
+    }
+  }
+  __syncthreads();
+  const bool vec_ok = (p.N & 7) == 0;  // rows of Y 16-byte aligned (the base is)
+#pragma unroll 4
+  for (int i = 0; i < kRsBM * kRsBN / 8 / kWgThreads; ++i) {
+    const int idx = tid + i * kWgThreads;
+    const int ml = idx >> 4, q = idx & 15;  // kRsBN / 8 == 16 chunks per row
+    const int m = m_begin + ml, n = n0 + 8 * q;
+    if (m >= m_end || n >= p.N) continue;
+    const uint4 v = *reinterpret_cast<const uint4*>(ys + ml * (kRsBN * 2) + ((q ^ (ml & 7)) << 4));
+    __nv_bfloat16* dst = p.y + (int64_t)m * p.N + n;
+    if (vec_ok && n + 8 <= p.N) {
+      *reinterpret_cast<uint4*>(dst) = v;
+    } else {
+      const uint32_t w4[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (n + j < p.N) dst[j] = __ushort_as_bfloat16((unsigned short)(w4[j >> 1] >> (16 * (j & 1))));
     }
   }
 #endif
