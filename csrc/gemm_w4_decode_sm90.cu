@@ -440,6 +440,17 @@ void launch_decode(const GemmParams& p, const at::Tensor& like, cudaStream_t str
     // about 2 super-tiles (512 K) per warp: many short CTAs in several waves hide the load latency better than
     // one wave of long ones (measured on the grouped path, same kernel)
     splits = std::max(1, std::min(KT, KT / (2 * KW)));
+    // ring path, M <= 8 (workspace traffic negligible): with fewer than two rounds of resident CTAs (e.g. M = 1,
+    // N = 7168: 448 CTAs for 396 slots, the last 52 run alone), halve the K per CTA down to one super-tile per warp
+    if (kStages > 0 && p.M <= 8) {
+      static int sm_count[kMaxDevices] = {};
+      int sms = dev < kMaxDevices ? sm_count[dev] : 0;
+      if (sms == 0) {
+        C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+        if (dev < kMaxDevices) sm_count[dev] = sms;
+      }
+      while ((int64_t)n_tiles * splits < 2LL * kMinBlocks * sms && 2 * splits * KW <= KT) splits *= 2;
+    }
     if (splits > 1) {
       ws = at::empty({(int64_t)splits * p.M * p.N}, like.options().dtype(at::kFloat));
       tickets = ticket_buffer(like, stream, n_tiles);
