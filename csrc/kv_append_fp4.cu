@@ -21,9 +21,9 @@
 //   (t > 0). Blocks whose t, 1 / t and quotients are far from under/overflow (judged once per block from
 //   t and the amax, as in quant_nvfp4.cu's RTN path) take |v| = div_rn_with_rcp(|x|, t, fl(1 / t)) (the
 //   correctly rounded quotient: one FMUL and two FMAs) and e2m1_rn_magnitude_bits (RNE read off the float's
-//   bits), both from fp4_numerics.cuh and checked there against the reference: branch free, ~12 ops per
-//   element (the previous magic-add rounding with a per-element near-tie test and out-of-line fallback took
-//   ~20 and left the kernel issue-bound). Other blocks (and every block with TRACE_EXT_KV_APPEND_IMPL=old,
+//   bits), both from fp4_numerics.cuh and checked there against the reference: branch free, ~18 ops per
+//   element counted from the source (the previous magic-add rounding with a per-element near-tie test and
+//   out-of-line fallback took ~25; Nsight showed the kernel issue-bound: ALU 69%, issue slots 79%, DRAM 30%). Other blocks (and every block with TRACE_EXT_KV_APPEND_IMPL=old,
 //   for A/B timing) take the previous per-element path, also bit-exact: q = fl(|x| * fl(1 / t)) rounded to
 //   the E2M1 grid with a magic-number add (RNE on a 0.5 / 1 / 2 step grid); an element whose q lies within
 //   2^-18 steps of a rounding tie (where fl(x / t) could round the other way), or any element when 1 / t
