@@ -714,7 +714,8 @@ void launch_wgmma_rs(const GemmParams& p, cudaStream_t stream) {
   check_launch("fp4_linear (wgmma rs)");
 }
 
-// TRACE_EXT_WGMMA_IMPL=old keeps W4A16 on the shared-memory-operand kernel (for A/B timing and tests).
+// TRACE_EXT_WGMMA_IMPL=old keeps W4A16 and W4A4 on the shared-memory-operand kernel (A/B timing and tests; read
+// once per process).
 bool use_rs_kernel() {
   static const bool rs = [] {
     const char* v = std::getenv("TRACE_EXT_WGMMA_IMPL");
@@ -737,7 +738,8 @@ void run_wgmma(const GemmParams& p, cudaStream_t stream) {
   // with g_a and the W4A4 fold in its epilogue
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
-  at::Tensor a16 = at::empty({(int64_t)p.M, (int64_t)p.K}, at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA, dev));
+  at::Tensor a16 =
+      at::empty({(int64_t)p.M, (int64_t)p.K}, at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA, dev));
   const int64_t n32 = (int64_t)p.M * p.K / 32;  // K % 64 == 0 (wgmma_supported)
   if (n32 > 0) {
     static bool checked[kMaxDevices] = {};
