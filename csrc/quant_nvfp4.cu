@@ -9,9 +9,9 @@
 // - g given (per row or one value), guided rounding, and the second pass of long rows: the flat kernel. Warps loop
 //   over tiles of 64 blocks (kFlatTilesPerWarp tiles each, grid stride) so that the per-thread setup is amortized.
 // - g None (per-row scale, activations): a team of threads per row (power of two, 1..512 threads), lane l owning
-//   blocks l + team q (q < 2), loads its row into registers once, reduces the row's finite amax (shuffles, plus
-//   shared memory across warps of a team), derives g and quantizes from the registers: one HBM read of x, one
-//   launch. Rows up to kFusedMaxK = 16384 elements fit (512 threads x 32 elements). Longer rows take a documented
+//   blocks l + team q (q < 4), loads its row into registers once (kept as packed raw vectors), reduces the row's
+//   finite amax (shuffles, plus shared memory across warps of a team), derives g and quantizes from the registers:
+//   one HBM read of x, one launch. Rows up to kFusedMaxK = 32768 elements fit (512 threads x 64). Longer rows take a documented
 //   two-pass path: kernel 1 writes the per-row g (finite amax / 2688), kernel 2 is the flat kernel reading it.
 // - Dequantize: warp tiles of 8-element chunks, one 16-byte store of bf16 / fp16 per chunk, contiguous across the warp.
 // - Every numeric step comes from fp4_numerics.cuh; all float ops are __f*_rn (no contraction, no FTZ).
@@ -56,11 +56,12 @@ constexpr int kBlocksPerLane = 2;                            // quantize: whole 
 constexpr int kWarpBlocks = 32 * kBlocksPerLane;             // quantize: blocks of one warp tile (1024 elements)
 constexpr int kFlatTilesPerWarp = 4;                         // quantize: tiles each warp loops over (setup amortized)
 constexpr int kMaxTeam = 512;                                // largest row team of the fused per-row-g kernel
-constexpr int64_t kFusedMaxK = int64_t(kMaxTeam) * kBlocksPerLane * kNvfp4Block;  // 16384: longest row on chip
+constexpr int kRowBlocksPerLane = 4;                         // fused per-row g: whole blocks per lane of a row team
+constexpr int64_t kFusedMaxK = int64_t(kMaxTeam) * kRowBlocksPerLane * kNvfp4Block;  // 32768: longest row on chip
 constexpr int kMinTeam = 1;
 static_assert(kChunkElems % 8 == 0, "a chunk must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kNvfp4Block % 8 == 0, "a block must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
-static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 2 blocks x 16 elements");
+static_assert(kFusedMaxK == 32768, "fused per-row path: 512 threads x 4 blocks x 16 elements");
 
 struct QuantParams {
   // input
@@ -316,15 +317,18 @@ __device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
   return d;
 }
 
-// The block's 16 values as floats, and max |x| as float bits (max_abs_bits of those floats): for 16-bit inputs
-// the magnitudes are compared two at a time on the raw halves (their bits order like their magnitudes).
+// max |x| of a block as float bits (max_abs_bits of its values): for 16-bit inputs the magnitudes are compared two
+// at a time on the raw halves (their bits order like their magnitudes; NaN / Inf stay above every finite value).
 template <typename T>
-__device__ __forceinline__ uint32_t unpack_block(const BlockRaw<T>& raw, float (&x)[kNvfp4Block]) {
-  constexpr int kV = ElemTraits<T>::kPerVec;
-#pragma unroll
-  for (int v = 0; v < BlockRaw<T>::kVecs; ++v) vec_to_float<T>(raw.v[v], x + v * kV);
+__device__ __forceinline__ uint32_t block_max_abs_bits(const BlockRaw<T>& raw) {
   if constexpr (std::is_same_v<T, float>) {
-    return max_abs_bits(x);
+    uint32_t m = 0u;
+#pragma unroll
+    for (int v = 0; v < BlockRaw<T>::kVecs; ++v) {
+      m = max(m, max(raw.v[v].x & 0x7FFFFFFFu, raw.v[v].y & 0x7FFFFFFFu));
+      m = max(m, max(raw.v[v].z & 0x7FFFFFFFu, raw.v[v].w & 0x7FFFFFFFu));
+    }
+    return m;
   } else {
     uint32_t m = 0u;
 #pragma unroll
@@ -343,6 +347,15 @@ __device__ __forceinline__ uint32_t unpack_block(const BlockRaw<T>& raw, float (
   }
 }
 
+// The block's 16 values as floats (exact); returns block_max_abs_bits.
+template <typename T>
+__device__ __forceinline__ uint32_t unpack_block(const BlockRaw<T>& raw, float (&x)[kNvfp4Block]) {
+  constexpr int kV = ElemTraits<T>::kPerVec;
+#pragma unroll
+  for (int v = 0; v < BlockRaw<T>::kVecs; ++v) vec_to_float<T>(raw.v[v], x + v * kV);
+  return block_max_abs_bits<T>(raw);
+}
+
 // ---- flat kernel: g known per block (given, guided, or the second pass of long rows) -----------------------
 // Work is cut into warp tiles of kWarpBlocks consecutive blocks; warps loop over tiles with a grid stride (the
 // per-thread setup is paid once for several tiles). In a tile, lane l owns blocks l + 32 q (q < kBlocksPerLane) and
@@ -357,6 +370,12 @@ __global__ void __launch_bounds__(kFlatThreads) nvfp4_quant_flat_kernel(const Qu
   const uint64_t n_warps = (uint64_t)gridDim.x * blockDim.x / 32;
   const uint32_t lane = threadIdx.x % 32;
   const T* xp = reinterpret_cast<const T*>(p.x);
+  // (row, block column) of the lane's first block, advanced by the grid stride (stride_rows, stride_kbi) per tile:
+  // two divisions per thread instead of one per tile.
+  const uint64_t stride = n_warps * kWarpBlocks;
+  const int64_t stride_rows = (int64_t)(stride / (uint64_t)p.kb), stride_kbi = (int64_t)(stride % (uint64_t)p.kb);
+  int64_t row0 = row_of((tid / 32) * kWarpBlocks + lane, p.kb);
+  int64_t kbi0 = (int64_t)((tid / 32) * kWarpBlocks + lane) - row0 * p.kb;
   for (uint64_t tile = tid / 32; tile < n_tiles; tile += n_warps) {
     const uint64_t fb0 = tile * kWarpBlocks + lane;
     BlockRaw<T> raw[kBlocksPerLane];
@@ -375,11 +394,10 @@ __global__ void __launch_bounds__(kFlatThreads) nvfp4_quant_flat_kernel(const Qu
         if (fb < total_blocks) gcodes[q] = __ldg(reinterpret_cast<const uint2*>(p.guide_payload) + fb);
       }
     }
-    // Rows / block columns of the lane's blocks: one division, then a carry (one step when kb >= 32).
+    // Rows / block columns of the lane's blocks: a carry from the first (one step when kb >= 32).
     int64_t rows[kBlocksPerLane], kbis[kBlocksPerLane];
     {
-      int64_t row = row_of(fb0, p.kb);
-      int64_t kbi = (int64_t)fb0 - row * p.kb;
+      int64_t row = row0, kbi = kbi0;
 #pragma unroll
       for (int q = 0; q < kBlocksPerLane; ++q) {
         rows[q] = row;
@@ -420,6 +438,12 @@ __global__ void __launch_bounds__(kFlatThreads) nvfp4_quant_flat_kernel(const Qu
         process_block<T, MODE, FAKE>(p, x, mb, g[q], rg[q], fb, rows[q], kbis[q], gbits[q], gcodes[q]);
       }
     }
+    row0 += stride_rows;
+    kbi0 += stride_kbi;
+    if (kbi0 >= p.kb) {
+      kbi0 -= p.kb;
+      ++row0;
+    }
   }
   // g_out[r]: the g each block of row r used (given or the rollout's), copied once per row.
   if (p.g_out != nullptr && p.g_out != p.g) {
@@ -436,7 +460,8 @@ __global__ void __launch_bounds__(kFlatThreads) nvfp4_quant_flat_kernel(const Qu
 
 // ---- fused kernel: per-row g computed in the same launch (rows up to kFusedMaxK) ------------------------------
 // A team (power of two, kMinTeam..512 threads) per row: lane l of the team owns the blocks l + team q
-// (q < kBlocksPerLane) of its row and loads them with its own 16-byte vectors (contiguous across the team).
+// (q < kRowBlocksPerLane) of its row and loads them with its own 16-byte vectors (contiguous across the team). The
+// raw vectors stay packed in registers until their block is quantized (half the registers of floats for 16-bit x).
 
 template <typename T, int MODE, bool FAKE>
 __global__ void __launch_bounds__(kMaxTeam) nvfp4_quant_rowg_kernel(const QuantParams p, int team) {
@@ -449,19 +474,24 @@ __global__ void __launch_bounds__(kMaxTeam) nvfp4_quant_rowg_kernel(const QuantP
   const uint64_t fb_row = (uint64_t)(row_ok ? row : 0) * (uint64_t)p.kb;
   const T* xp = reinterpret_cast<const T*>(p.x);
 
-  BlockRaw<T> raw[kBlocksPerLane];
+  BlockRaw<T> raw[kRowBlocksPerLane];
 #pragma unroll
-  for (int q = 0; q < kBlocksPerLane; ++q) {
+  for (int q = 0; q < kRowBlocksPerLane; ++q) {
     const int64_t kbi = lane_in_team + (int64_t)team * q;
     raw[q] = load_block<T>(xp, fb_row + kbi, row_ok && kbi < p.kb);
   }
-  float x[kBlocksPerLane][kNvfp4Block];
-  uint32_t mb[kBlocksPerLane];
+  uint32_t mb[kRowBlocksPerLane];
   uint32_t finite_max = 0;
 #pragma unroll
-  for (int q = 0; q < kBlocksPerLane; ++q) {
-    mb[q] = unpack_block<T>(raw[q], x[q]);  // absent blocks are zeros
-    finite_max = max(finite_max, mb[q] < 0x7F800000u ? mb[q] : max_abs_bits_finite(x[q]));
+  for (int q = 0; q < kRowBlocksPerLane; ++q) {
+    mb[q] = block_max_abs_bits<T>(raw[q]);  // absent blocks are zeros
+    if (mb[q] < 0x7F800000u) {
+      finite_max = max(finite_max, mb[q]);
+    } else {
+      float x[kNvfp4Block];
+      unpack_block<T>(raw[q], x);
+      finite_max = max(finite_max, max_abs_bits_finite(x));
+    }
   }
   // Row reduction of the finite amax: shuffles within a warp (or a sub-warp team), then across the team's warps.
   const int width = team < 32 ? team : 32;
@@ -481,10 +511,12 @@ __global__ void __launch_bounds__(kMaxTeam) nvfp4_quant_rowg_kernel(const QuantP
   if (row_ok && lane_in_team == 0 && p.g_out != nullptr) p.g_out[row] = g;
 
 #pragma unroll
-  for (int q = 0; q < kBlocksPerLane; ++q) {
+  for (int q = 0; q < kRowBlocksPerLane; ++q) {
     const int64_t kbi = lane_in_team + (int64_t)team * q;
     if (row_ok && kbi < p.kb) {
-      process_block<T, MODE, FAKE>(p, x[q], mb[q], g, rg, fb_row + kbi, row, kbi, 0u, make_uint2(0u, 0u));
+      float x[kNvfp4Block];
+      unpack_block<T>(raw[q], x);
+      process_block<T, MODE, FAKE>(p, x, mb[q], g, rg, fb_row + kbi, row, kbi, 0u, make_uint2(0u, 0u));
     }
   }
   if (p.swizzle && p.scales != nullptr) {
@@ -630,7 +662,7 @@ void launch_rowg(const QuantParams& p, cudaStream_t stream, const char* op) {
   auto kernel = nvfp4_quant_rowg_kernel<T, MODE, FAKE>;
   require_kernel_image(kernel, op);
   int team = kMinTeam;
-  while ((int64_t)team * kBlocksPerLane < p.kb) team *= 2;
+  while ((int64_t)team * kRowBlocksPerLane < p.kb) team *= 2;
   const int cta = std::max(team, kFlatThreads);
   const int64_t rows_per_cta = cta / team;
   kernel<<<(unsigned)div_up(p.rows, rows_per_cta), cta, 0, stream>>>(p, team);
