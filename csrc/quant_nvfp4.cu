@@ -9,9 +9,9 @@
 // - g given (per row or one value), guided rounding, and the second pass of long rows: the flat kernel. Warps loop
 //   over tiles of 64 blocks (kFlatTilesPerWarp tiles each, grid stride) so that the per-thread setup is amortized.
 // - g None (per-row scale, activations): a team of threads per row (power of two, 1..512 threads), lane l owning
-//   blocks l + team q (q < 4), loads its row into registers once (kept as packed raw vectors), reduces the row's
+//   blocks l + team q (q < 2), loads its row into registers once (kept as packed raw vectors), reduces the row's
 //   finite amax (shuffles, plus shared memory across warps of a team), derives g and quantizes from the registers:
-//   one HBM read of x, one launch. Rows up to kFusedMaxK = 32768 elements fit (512 threads x 64). Longer rows take a documented
+//   one HBM read of x, one launch. Rows up to kFusedMaxK = 16384 elements fit (512 threads x 32). Longer rows take a documented
 //   two-pass path: kernel 1 writes the per-row g (finite amax / 2688), kernel 2 is the flat kernel reading it.
 // - Dequantize: warp tiles of 8-element chunks, one 16-byte store of bf16 / fp16 per chunk, contiguous across the warp.
 // - Every numeric step comes from fp4_numerics.cuh; all float ops are __f*_rn (no contraction, no FTZ).
@@ -56,12 +56,12 @@ constexpr int kBlocksPerLane = 2;                            // quantize: whole 
 constexpr int kWarpBlocks = 32 * kBlocksPerLane;             // quantize: blocks of one warp tile (1024 elements)
 constexpr int kFlatTilesPerWarp = 4;                         // quantize: tiles each warp loops over (setup amortized)
 constexpr int kMaxTeam = 512;                                // largest row team of the fused per-row-g kernel
-constexpr int kRowBlocksPerLane = 4;                         // fused per-row g: whole blocks per lane of a row team
-constexpr int64_t kFusedMaxK = int64_t(kMaxTeam) * kRowBlocksPerLane * kNvfp4Block;  // 32768: longest row on chip
+constexpr int kRowBlocksPerLane = 2;                         // fused per-row g: whole blocks per lane of a row team
+constexpr int64_t kFusedMaxK = int64_t(kMaxTeam) * kRowBlocksPerLane * kNvfp4Block;  // 16384: longest row on chip
 constexpr int kMinTeam = 1;
 static_assert(kChunkElems % 8 == 0, "a chunk must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kNvfp4Block % 8 == 0, "a block must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
-static_assert(kFusedMaxK == 32768, "fused per-row path: 512 threads x 4 blocks x 16 elements");
+static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 2 blocks x 16 elements");
 
 struct QuantParams {
   // input
