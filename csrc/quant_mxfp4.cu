@@ -1,17 +1,21 @@
 // MXFP4 quantize / dequantize (SPEC 3, 4), bit-exact against reference.py.
 //
-// Design: memory-bound; a thread owns chunks of 8 elements (a quarter block) and the four quarters of a block sit
-// in adjacent lanes: lane l of a warp takes chunks l + 32 j (j < 4) of the warp's tile, so every warp-wide load /
-// store is contiguous (512 B of bf16 x, 128 B of codes) with 4 chunk loads in flight per thread; the block amax
-// is combined with two shuffles, the E8M0 exponent derived in registers by all four lanes, the first lane
-// stores the scale byte. v = x * 2^-e is one fl multiply (exact unless it
-// underflows, exactly as in the reference). SR: one philox4x32_10 call per 4 elements (SPEC 4 counters).
+// Design: memory-bound, and on the H200 bound by instruction issue, so the quantize kernel counts instructions:
+// a lane owns whole 32-element blocks (bf16: four 16-byte loads; the warp's loads of one block index cover one
+// contiguous span), so the block amax (two magnitudes per max.u16x2 on the raw halves), the E8M0 exponent and the
+// scale byte are per-thread work done once per 32 elements, and a lane stores its 16 code bytes with one 16-byte
+// store (contiguous across the warp). Warps loop over tiles of 32 blocks (grid stride) and issue the next tile's
+// loads before quantizing the current one. v = x * 2^-e is one fl multiply (exact unless it underflows, exactly as
+// in the reference). RTN multiplies by 2^(-e-14) instead and rounds in the scaled fp32 domain with the codes read
+// off fp16 bits (e2m1_rn_grid_x2m14 / e2m1_pack8_x2m14, as the NVFP4 kernel). SR: one philox4x32_10 call per 4
+// elements (SPEC 4 counters). Dequantize: lanes own 8-element chunks, one 16-byte store per chunk.
 // Every numeric step comes from fp4_numerics.cuh.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <tuple>
 
 #include "trace_ext/fp4_numerics.cuh"
@@ -22,11 +26,11 @@ namespace trace_ext {
 namespace {
 
 constexpr int kThreads = 256;          // CTA size
-constexpr int kChunkElems = 8;         // elements per thread chunk: a quarter of an MX block
-constexpr int kChunksPerThread = 4;    // independent chunk loads in flight per thread
+constexpr int kChunkElems = 8;         // dequantize: elements per thread chunk
+constexpr int kChunksPerThread = 4;    // dequantize: independent chunks per thread
 constexpr int kWarpChunks = 32 * kChunksPerThread;
-static_assert(kMxfp4Block == 4 * kChunkElems, "four adjacent lanes share one 32-element block");
-static_assert(kChunkElems * 4 / 8 == 4, "a chunk's codes are exactly one 32-bit store");
+static_assert(kChunkElems * 4 / 8 == 4, "dequantize: a chunk's codes are exactly one 32-bit load");
+static_assert(kMxfp4Block * 4 / 8 == 16, "quantize: a block's codes are exactly one 16-byte store");
 
 struct MxParams {
   const void* x;        // [R, K]
@@ -38,62 +42,93 @@ struct MxParams {
   uint8_t* scales;  // [R, K/32]
 };
 
-// Warp tiling: lane l of warp w takes chunks w * kWarpChunks + l + 32 j (j < 4), so every warp-wide access is
-// contiguous (512 B of bf16 x, 128 B of codes) and the four quarters of an MX block sit in lanes l ^ {0, 1, 2, 3}
-// (their amax is combined with two shuffles; all four lanes then derive the same exponent).
+// Raw 16-byte vectors of one MX block (zeros when it does not exist).
+template <typename T>
+struct MxBlockRaw {
+  static constexpr int kVecs = kMxfp4Block / ElemTraits<T>::kPerVec;
+  uint4 v[kVecs];
+};
+
+template <typename T>
+__device__ __forceinline__ MxBlockRaw<T> load_mx_block(const T* x, uint64_t b, bool ok) {
+  MxBlockRaw<T> raw;
+#pragma unroll
+  for (int i = 0; i < MxBlockRaw<T>::kVecs; ++i) {
+    raw.v[i] = ok ? ld_vec(x + b * kMxfp4Block + i * ElemTraits<T>::kPerVec) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  return raw;
+}
+
+// Codes of one finite MX block with scale exponent e (SPEC 3, 4): 4 words of 8 codes.
+template <int MODE>
+__device__ __forceinline__ uint4 mx_block_codes(const float (&x)[kMxfp4Block], int e, uint64_t b, const MxParams& p) {
+  uint32_t w[4];
+  if constexpr (MODE == kRTN) {
+    const float inv14 = exp2_exact(-e - 14);  // v * 2^-14 in one exact multiply (-e - 14 >= -141)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      float q[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float xi = x[8 * k + i];
+        const float grid = e2m1_rn_grid_x2m14(__fmul_rn(fabsf(xi), inv14));
+        q[i] = __uint_as_float(__float_as_uint(grid) | (__float_as_uint(xi) & 0x80000000u));
+      }
+      w[k] = e2m1_pack8_x2m14(q);
+    }
+  } else {
+    const float inv = exp2_exact(-e);
+    Philox4 rnd;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      w[k] = 0u;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        // SPEC 4 counter: flat element index / 4 = 8 b + (8 k + i) / 4
+        if (i % 4 == 0) rnd = sr_words_scheduled(8 * b + 2 * k + i / 4, p.offset, p.keys);
+        const float v = __fmul_rn(x[8 * k + i], inv);
+        const uint32_t mag = e2m1_sr_magnitude_bits(fminf(fabsf(v), kE2M1Max), rnd.w[i % 4]);
+        w[k] |= (mag | sign_nibble(v)) << (4 * i);
+      }
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Tiles of 32 consecutive blocks: lane l owns block 32 tile + l; warps loop over tiles with a grid stride.
 template <typename T, int MODE>
 __global__ void __launch_bounds__(kThreads) mxfp4_quant_kernel(const MxParams p) {
   constexpr int kV = ElemTraits<T>::kPerVec;
-  const uint64_t total_chunks = (uint64_t)p.total_blocks * 4;
+  const uint64_t total = (uint64_t)p.total_blocks;
+  const uint64_t n_tiles = (total + 31) / 32;
   const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  const uint64_t c0 = (tid / 32) * kWarpChunks + tid % 32;
+  const uint64_t n_warps = (uint64_t)gridDim.x * blockDim.x / 32;
+  const uint32_t lane = threadIdx.x % 32;
   const T* xp = reinterpret_cast<const T*>(p.x);
-  uint4 raw[kChunksPerThread][kChunkElems / kV];
-#pragma unroll
-  for (int j = 0; j < kChunksPerThread; ++j) {
-    const uint64_t c = c0 + 32 * j;
-#pragma unroll
-    for (int v = 0; v < kChunkElems / kV; ++v) {
-      raw[j][v] = c < total_chunks ? ld_vec(xp + c * kChunkElems + v * kV) : make_uint4(0u, 0u, 0u, 0u);
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < kChunksPerThread; ++j) {
-    const uint64_t c = c0 + 32 * j;
-    float x[kChunkElems];
-#pragma unroll
-    for (int v = 0; v < kChunkElems / kV; ++v) vec_to_float<T>(raw[j][v], x + v * kV);
-    uint32_t mb = max_abs_bits(x);
-    // whole warp: the chunk count is a multiple of 4, so the four lanes of a block agree on being in range
-    mb = max(mb, __shfl_xor_sync(0xFFFFFFFFu, mb, 1));
-    mb = max(mb, __shfl_xor_sync(0xFFFFFFFFu, mb, 2));
-    if (c < total_chunks) {
-      uint32_t w = 0u;
+  uint64_t tile = tid / 32;
+  MxBlockRaw<T> cur;
+  if (tile < n_tiles) cur = load_mx_block<T>(xp, tile * 32 + lane, tile * 32 + lane < total);
+  for (; tile < n_tiles; tile += n_warps) {
+    const uint64_t nb = (tile + n_warps) * 32 + lane;
+    MxBlockRaw<T> next;
+    if (tile + n_warps < n_tiles) next = load_mx_block<T>(xp, nb, nb < total);
+    const uint64_t b = tile * 32 + lane;
+    if (b < total) {
+      const uint32_t mb = raw_max_abs_bits<T>(cur.v);
+      uint4 w = make_uint4(0u, 0u, 0u, 0u);
       uint8_t scale = kE8M0NaN;
       if (mb < 0x7F800000u) {
         const int e = mxfp4_scale_exponent(__uint_as_float(mb), p.scale_ceil);
         scale = (uint8_t)(e + 127);
-        const float inv = exp2_exact(-e);
-        Philox4 rnd;
+        float x[kMxfp4Block];
 #pragma unroll
-        for (int i = 0; i < kChunkElems; ++i) {
-          if constexpr (MODE == kSR) {
-            // SPEC 4 counter: flat element index / 4 = 8 * block + 2 * quarter + i / 4 = 2 c + i / 4
-            if (i % 4 == 0) rnd = sr_words_scheduled(2 * c + i / 4, p.offset, p.keys);
-          }
-          const float v = __fmul_rn(x[i], inv);
-          uint32_t mag;
-          if constexpr (MODE == kRTN) {
-            mag = e2m1_rn_magnitude_bits(fabsf(v));
-          } else {
-            mag = e2m1_sr_magnitude_bits(fminf(fabsf(v), kE2M1Max), rnd.w[i % 4]);
-          }
-          w |= (mag | sign_nibble(v)) << (4 * i);
-        }
+        for (int i = 0; i < MxBlockRaw<T>::kVecs; ++i) vec_to_float<T>(cur.v[i], x + i * kV);
+        w = mx_block_codes<MODE>(x, e, b, p);
       }
-      reinterpret_cast<uint32_t*>(p.codes)[c] = w;
-      if ((c & 3u) == 0u) p.scales[c >> 2] = scale;
+      reinterpret_cast<uint4*>(p.codes)[b] = w;
+      p.scales[b] = scale;
     }
+    cur = next;
   }
 }
 
@@ -171,7 +206,10 @@ std::tuple<at::Tensor, at::Tensor> mxfp4_quantize_cuda(const at::Tensor& x, int6
     using T = decltype(tag);
     auto kernel = rounding == kRTN ? mxfp4_quant_kernel<T, kRTN> : mxfp4_quant_kernel<T, kSR>;
     require_kernel_image(kernel, op);
-    kernel<<<(unsigned)div_up(div_up(p.total_blocks * 4, kWarpChunks) * 32, kThreads), kThreads, 0, stream>>>(p);
+    // about four tiles of 32 blocks per warp, but never fewer warps than the GPU holds
+    const int64_t n_tiles = div_up(p.total_blocks, 32);
+    const int64_t warps = std::max(div_up(n_tiles, 4), std::min(n_tiles, int64_t(current_sm_count()) * 64));
+    kernel<<<(unsigned)div_up(warps * 32, kThreads), kThreads, 0, stream>>>(p);
     check_launch(op);
   });
   return {codes, scales};

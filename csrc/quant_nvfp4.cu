@@ -113,6 +113,11 @@ __device__ __forceinline__ uint32_t element_magnitude(float va, uint32_t sign, u
   }
 }
 
+template <int MODE, bool FAST, int N>
+__device__ __forceinline__ void quantize_elems_bits(const float (&x)[N], float t, float r, uint64_t ctr0,
+                                                    const QuantParams& p, uint32_t guide_bits, uint2 guide_codes,
+                                                    uint32_t (&w)[N / 8]);
+
 // Element loop over N elements of one block; FAST: v = fl(x / t) from the block reciprocal (div_rn_with_rcp),
 // else __fdiv_rn.
 template <int MODE, bool FAST, int N>
@@ -135,8 +140,16 @@ __device__ __forceinline__ void quantize_elems(const float (&x)[N], float t, flo
       }
       w[k] = e2m1_pack8_x2m14(q);
     }
-    return;
+  } else {
+    quantize_elems_bits<MODE, FAST, N>(x, t, r, ctr0, p, guide_bits, guide_codes, w);
   }
+}
+
+// The element loop of quantize_elems for SR, guided, and RTN's division path: codes read off the float's bits.
+template <int MODE, bool FAST, int N>
+__device__ __forceinline__ void quantize_elems_bits(const float (&x)[N], float t, float r, uint64_t ctr0,
+                                                    const QuantParams& p, uint32_t guide_bits, uint2 guide_codes,
+                                                    uint32_t (&w)[N / 8]) {
 #pragma unroll
   for (int k = 0; k < N / 8; ++k) w[k] = 0u;
   Philox4 rnd;
@@ -310,41 +323,10 @@ __device__ __forceinline__ BlockRaw<T> load_block(const T* x, uint64_t fb, bool 
   return raw;
 }
 
-// max of two pairs of unsigned 16-bit lanes (one instruction on sm_90+).
-__device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-
-// max |x| of a block as float bits (max_abs_bits of its values): for 16-bit inputs the magnitudes are compared two
-// at a time on the raw halves (their bits order like their magnitudes; NaN / Inf stay above every finite value).
+// max |x| of a block as float bits (raw_max_abs_bits over its vectors).
 template <typename T>
 __device__ __forceinline__ uint32_t block_max_abs_bits(const BlockRaw<T>& raw) {
-  if constexpr (std::is_same_v<T, float>) {
-    uint32_t m = 0u;
-#pragma unroll
-    for (int v = 0; v < BlockRaw<T>::kVecs; ++v) {
-      m = max(m, max(raw.v[v].x & 0x7FFFFFFFu, raw.v[v].y & 0x7FFFFFFFu));
-      m = max(m, max(raw.v[v].z & 0x7FFFFFFFu, raw.v[v].w & 0x7FFFFFFFu));
-    }
-    return m;
-  } else {
-    uint32_t m = 0u;
-#pragma unroll
-    for (int v = 0; v < BlockRaw<T>::kVecs; ++v) {
-      m = max_u16x2(m, raw.v[v].x & 0x7FFF7FFFu);
-      m = max_u16x2(m, raw.v[v].y & 0x7FFF7FFFu);
-      m = max_u16x2(m, raw.v[v].z & 0x7FFF7FFFu);
-      m = max_u16x2(m, raw.v[v].w & 0x7FFF7FFFu);
-    }
-    const uint32_t h = max(m & 0xFFFFu, m >> 16);
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      return h << 16;
-    } else {
-      return __float_as_uint(__half2float(__ushort_as_half((unsigned short)h)));
-    }
-  }
+  return raw_max_abs_bits<T>(raw.v);
 }
 
 // The block's 16 values as floats (exact); returns block_max_abs_bits.
@@ -356,12 +338,70 @@ __device__ __forceinline__ uint32_t unpack_block(const BlockRaw<T>& raw, float (
   return block_max_abs_bits<T>(raw);
 }
 
+// One tile's inputs of one lane: its blocks' raw vectors, their g, and the rollout's guidance for them.
+template <typename T>
+struct FlatTileIn {
+  BlockRaw<T> raw[kBlocksPerLane];
+  float g[kBlocksPerLane];
+  uint32_t gbits[kBlocksPerLane];
+  uint2 gcodes[kBlocksPerLane];
+};
+
+// Rows / block columns of the lane's blocks of a tile from those of its first block (a carry; one step when
+// kb >= 32).
+__device__ __forceinline__ void tile_rows(int64_t row, int64_t kbi, int64_t kb, int64_t (&rows)[kBlocksPerLane],
+                                          int64_t (&kbis)[kBlocksPerLane]) {
+#pragma unroll
+  for (int q = 0; q < kBlocksPerLane; ++q) {
+    rows[q] = row;
+    kbis[q] = kbi;
+    kbi += 32;
+    while (kbi >= kb) {
+      kbi -= kb;
+      ++row;
+    }
+  }
+}
+
+// Issue every load of a tile (x, g, guidance); nothing waits on them here.
+template <typename T, int MODE>
+__device__ __forceinline__ FlatTileIn<T> load_tile(const QuantParams& p, uint64_t fb0, int64_t row0, int64_t kbi0,
+                                                   uint64_t total_blocks) {
+  FlatTileIn<T> in;
+  const T* xp = reinterpret_cast<const T*>(p.x);
+  int64_t rows[kBlocksPerLane], kbis[kBlocksPerLane];
+  tile_rows(row0, kbi0, p.kb, rows, kbis);
+#pragma unroll
+  for (int q = 0; q < kBlocksPerLane; ++q) {
+    const uint64_t fb = fb0 + 32 * q;
+    const bool ok = fb < total_blocks;
+    in.raw[q] = load_block<T>(xp, fb, ok);
+    in.gbits[q] = 0u;
+    in.gcodes[q] = make_uint2(0u, 0u);
+    in.g[q] = 0.0f;
+    if (ok) {
+      if constexpr (MODE == kGuidedCompact) {
+        in.gbits[q] = __ldg(reinterpret_cast<const uint16_t*>(p.guide_payload) + fb);
+      } else if constexpr (MODE == kGuidedFull) {
+        in.gcodes[q] = __ldg(reinterpret_cast<const uint2*>(p.guide_payload) + fb);
+      }
+      if constexpr (MODE == kGuidedCompact || MODE == kGuidedFull) {
+        in.g[q] = __ldg(p.guide_g + rows[q]);
+      } else {
+        in.g[q] = __ldg(p.g + rows[q] * p.g_stride);
+      }
+    }
+  }
+  return in;
+}
+
 // ---- flat kernel: g known per block (given, guided, or the second pass of long rows) -----------------------
 // Work is cut into warp tiles of kWarpBlocks consecutive blocks; warps loop over tiles with a grid stride (the
-// per-thread setup is paid once for several tiles). In a tile, lane l owns blocks l + 32 q (q < kBlocksPerLane) and
-// loads each with its own 16-byte vectors (the warp's two loads of one q cover a contiguous span), so every
-// per-block step (scale, reciprocal, stores) happens once per 16 elements in one thread, and the code, scale and
-// mbits stores of a warp are contiguous.
+// per-thread setup is paid once for several tiles), and the loads of the next tile are issued before the current
+// one is quantized (one tile in flight behind the one being computed). In a tile, lane l owns blocks l + 32 q
+// (q < kBlocksPerLane) and loads each with its own 16-byte vectors (the warp's two loads of one q cover a contiguous
+// span), so every per-block step (scale, reciprocal, stores) happens once per 16 elements in one thread, and the
+// code, scale and mbits stores of a warp are contiguous.
 template <typename T, int MODE, bool FAKE>
 __global__ void __launch_bounds__(kFlatThreads) nvfp4_quant_flat_kernel(const QuantParams p) {
   const uint64_t total_blocks = (uint64_t)p.rows * p.kb;
@@ -369,62 +409,33 @@ __global__ void __launch_bounds__(kFlatThreads) nvfp4_quant_flat_kernel(const Qu
   const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const uint64_t n_warps = (uint64_t)gridDim.x * blockDim.x / 32;
   const uint32_t lane = threadIdx.x % 32;
-  const T* xp = reinterpret_cast<const T*>(p.x);
   // (row, block column) of the lane's first block, advanced by the grid stride (stride_rows, stride_kbi) per tile:
   // two divisions per thread instead of one per tile.
   const uint64_t stride = n_warps * kWarpBlocks;
   const int64_t stride_rows = (int64_t)(stride / (uint64_t)p.kb), stride_kbi = (int64_t)(stride % (uint64_t)p.kb);
-  int64_t row0 = row_of((tid / 32) * kWarpBlocks + lane, p.kb);
-  int64_t kbi0 = (int64_t)((tid / 32) * kWarpBlocks + lane) - row0 * p.kb;
-  for (uint64_t tile = tid / 32; tile < n_tiles; tile += n_warps) {
+  uint64_t tile = tid / 32;
+  int64_t row0 = row_of(tile * kWarpBlocks + lane, p.kb);
+  int64_t kbi0 = (int64_t)(tile * kWarpBlocks + lane) - row0 * p.kb;
+  FlatTileIn<T> cur;
+  if (tile < n_tiles) cur = load_tile<T, MODE>(p, tile * kWarpBlocks + lane, row0, kbi0, total_blocks);
+  for (; tile < n_tiles; tile += n_warps) {
+    int64_t row_next = row0 + stride_rows, kbi_next = kbi0 + stride_kbi;
+    if (kbi_next >= p.kb) {
+      kbi_next -= p.kb;
+      ++row_next;
+    }
+    FlatTileIn<T> next;
+    if (tile + n_warps < n_tiles) {
+      next = load_tile<T, MODE>(p, (tile + n_warps) * kWarpBlocks + lane, row_next, kbi_next, total_blocks);
+    }
     const uint64_t fb0 = tile * kWarpBlocks + lane;
-    BlockRaw<T> raw[kBlocksPerLane];
-#pragma unroll
-    for (int q = 0; q < kBlocksPerLane; ++q) raw[q] = load_block<T>(xp, fb0 + 32 * q, fb0 + 32 * q < total_blocks);
-    uint32_t gbits[kBlocksPerLane];
-    uint2 gcodes[kBlocksPerLane];
-#pragma unroll
-    for (int q = 0; q < kBlocksPerLane; ++q) {
-      const uint64_t fb = fb0 + 32 * q;
-      gbits[q] = 0u;
-      gcodes[q] = make_uint2(0u, 0u);
-      if constexpr (MODE == kGuidedCompact) {
-        if (fb < total_blocks) gbits[q] = __ldg(reinterpret_cast<const uint16_t*>(p.guide_payload) + fb);
-      } else if constexpr (MODE == kGuidedFull) {
-        if (fb < total_blocks) gcodes[q] = __ldg(reinterpret_cast<const uint2*>(p.guide_payload) + fb);
-      }
-    }
-    // Rows / block columns of the lane's blocks: a carry from the first (one step when kb >= 32).
     int64_t rows[kBlocksPerLane], kbis[kBlocksPerLane];
-    {
-      int64_t row = row0, kbi = kbi0;
-#pragma unroll
-      for (int q = 0; q < kBlocksPerLane; ++q) {
-        rows[q] = row;
-        kbis[q] = kbi;
-        kbi += 32;
-        while (kbi >= p.kb) {
-          kbi -= p.kb;
-          ++row;
-        }
-      }
-    }
-    float g[kBlocksPerLane], rg[kBlocksPerLane];
-#pragma unroll
-    for (int q = 0; q < kBlocksPerLane; ++q) {
-      g[q] = 0.0f;
-      if (fb0 + 32 * q < total_blocks) {
-        if constexpr (MODE == kGuidedCompact || MODE == kGuidedFull) {
-          g[q] = __ldg(p.guide_g + rows[q]);
-        } else {
-          g[q] = __ldg(p.g + rows[q] * p.g_stride);
-        }
-      }
-    }
+    tile_rows(row0, kbi0, p.kb, rows, kbis);
+    float rg[kBlocksPerLane];
 #pragma unroll
     for (int q = 0; q < kBlocksPerLane; ++q) {
       if constexpr (MODE == kRTN || MODE == kSR) {
-        rg[q] = q > 0 && g[q] == g[q - 1] ? rg[q - 1] : rcp_g_in_range(g[q]);  // one reciprocal per row, mostly
+        rg[q] = q > 0 && cur.g[q] == cur.g[q - 1] ? rg[q - 1] : rcp_g_in_range(cur.g[q]);  // one per row, mostly
       } else {
         rg[q] = 0.0f;  // guided: the scale byte is the rollout's
       }
@@ -434,16 +445,13 @@ __global__ void __launch_bounds__(kFlatThreads) nvfp4_quant_flat_kernel(const Qu
       const uint64_t fb = fb0 + 32 * q;
       if (fb < total_blocks) {
         float x[kNvfp4Block];
-        const uint32_t mb = unpack_block<T>(raw[q], x);
-        process_block<T, MODE, FAKE>(p, x, mb, g[q], rg[q], fb, rows[q], kbis[q], gbits[q], gcodes[q]);
+        const uint32_t mb = unpack_block<T>(cur.raw[q], x);
+        process_block<T, MODE, FAKE>(p, x, mb, cur.g[q], rg[q], fb, rows[q], kbis[q], cur.gbits[q], cur.gcodes[q]);
       }
     }
-    row0 += stride_rows;
-    kbi0 += stride_kbi;
-    if (kbi0 >= p.kb) {
-      kbi0 -= p.kb;
-      ++row0;
-    }
+    cur = next;
+    row0 = row_next;
+    kbi0 = kbi_next;
   }
   // g_out[r]: the g each block of row r used (given or the rollout's), copied once per row.
   if (p.g_out != nullptr && p.g_out != p.g) {
@@ -617,26 +625,13 @@ void dispatch_dtype(at::ScalarType t, F&& f) {
   }
 }
 
-// Multiprocessors of the current device (cached per device: the attribute query is not free on every call).
-int sm_count() {
-  static int cached[64] = {0};
-  const int dev = c10::cuda::current_device();
-  if (dev < 0 || dev >= 64) return 132;
-  if (cached[dev] == 0) {
-    int n = 0;
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    cached[dev] = n > 0 ? n : 1;
-  }
-  return cached[dev];
-}
-
 template <int MODE, bool FAKE, typename T>
 void launch_flat(const QuantParams& p, cudaStream_t stream, const char* op) {
   auto kernel = nvfp4_quant_flat_kernel<T, MODE, FAKE>;
   require_kernel_image(kernel, op);
   // warps loop over tiles: about kFlatTilesPerWarp tiles each, but never fewer warps than the GPU holds
   const int64_t n_tiles = div_up(p.rows * p.kb, kWarpBlocks);
-  const int64_t resident_warps = int64_t(sm_count()) * 64;
+  const int64_t resident_warps = int64_t(current_sm_count()) * 64;
   const int64_t warps = std::max(div_up(n_tiles, kFlatTilesPerWarp), std::min(n_tiles, resident_warps));
   const int64_t work_threads = warps * 32;
   int64_t pad_jobs = p.swizzle ? (p.kb_pad / 4) * 512 + (p.rows_pad / 128) * 512 : 0;

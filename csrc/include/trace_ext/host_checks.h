@@ -16,6 +16,20 @@
 
 namespace trace_ext {
 
+// Multiprocessors of the current device, cached per device (the attribute query is not free on every call).
+inline int current_sm_count() {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices] = {};
+  const int dev = c10::cuda::current_device();
+  if (dev < 0 || dev >= kMaxDevices) return 132;
+  if (cached[dev] == 0) {
+    int n = 0;
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    cached[dev] = n > 0 ? n : 1;
+  }
+  return cached[dev];
+}
+
 inline void check_cuda(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda(), "trace_ext: ", name, " must be a CUDA tensor, got ", t.device());
 }

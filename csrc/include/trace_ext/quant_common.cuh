@@ -7,6 +7,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <type_traits>
+
 namespace trace_ext {
 
 template <typename T>
@@ -117,6 +119,43 @@ __device__ __forceinline__ uint32_t max_abs_bits(const float (&x)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) m = max(m, __float_as_uint(x[i]) & 0x7FFFFFFFu);
   return m;
+}
+
+// max of two pairs of unsigned 16-bit lanes (one instruction on sm_90+).
+__device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// max |x| over NV raw 16-byte vectors of T, as float bits (what max_abs_bits gives for the same values): 16-bit
+// inputs are compared two at a time on the raw halves (their bits order like their magnitudes; NaN / Inf stay
+// above every finite value).
+template <typename T, int NV>
+__device__ __forceinline__ uint32_t raw_max_abs_bits(const uint4 (&v)[NV]) {
+  uint32_t m = 0u;
+  if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      m = max(m, max(v[i].x & 0x7FFFFFFFu, v[i].y & 0x7FFFFFFFu));
+      m = max(m, max(v[i].z & 0x7FFFFFFFu, v[i].w & 0x7FFFFFFFu));
+    }
+    return m;
+  } else {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      m = max_u16x2(m, v[i].x & 0x7FFF7FFFu);
+      m = max_u16x2(m, v[i].y & 0x7FFF7FFFu);
+      m = max_u16x2(m, v[i].z & 0x7FFF7FFFu);
+      m = max_u16x2(m, v[i].w & 0x7FFF7FFFu);
+    }
+    const uint32_t h = max(m & 0xFFFFu, m >> 16);
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      return h << 16;
+    } else {
+      return __float_as_uint(__half2float(__ushort_as_half((unsigned short)h)));
+    }
+  }
 }
 
 // max over |x| of the finite elements only (slow path for blocks holding a NaN / Inf).
