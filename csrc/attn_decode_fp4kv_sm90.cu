@@ -8,8 +8,14 @@
 // - Grid (split, kv head, sequence). A CTA owns one KV head of one sequence and a contiguous slice of its
 //   tokens, and serves all G query heads of that KV head from one read of K/V: the G heads are the M rows of
 //   an m16n8k16 MMA, so the FLOPs of GQA ride on tensor cores (at G = 8 the CUDA-core FMA rate alone would
-//   be slower than the memory stream). Splits make batch 1 at 128K fill the GPU; a second kernel combines
-//   the per-split (output, LSE) pairs.
+//   be slower than the memory stream). Splits make batch 1 at 128K fill the GPU; the last CTA to finish
+//   a (sequence, KV head) combines the per-split (output, LSE) pairs in the same launch (arrival counter,
+//   threadFenceReduction pattern): the separate combine kernel cost 5.5 us of 74 plus a launch gap at B32 S8K
+//   (TRACE_EXT_KV_DECODE_COMBINE=kernel keeps it for A/B timing).
+// - Split count: the H200 sweeps showed an SM's throughput saturating at 2 resident CTAs and every extra
+//   split costing time (5 splits 83 us vs 4 splits 79 us at B32 S8K; 5 vs 1 split 88 vs 76 us at B64 S4K;
+//   82 vs 32 splits 94 vs 81 us at B1 S128K), so choose_splits takes the fewest splits whose busiest SM
+//   holds no more work than the best split count's (within 5%), instead of filling every CTA slot.
 // - Each of the 4 warps runs its own flash-decoding loop over 16-token tiles (tiles w, w+4, ...) with a
 //   private 4-stage cp.async pipeline: no CTA barrier in the main loop. Page ids for the next tile are
 //   loaded one iteration ahead so the cp.async issue never waits on the block table, and page column / slot
@@ -64,7 +70,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <type_traits>
+#include <vector>
 
 #include "trace_ext/fp4_numerics.cuh"
 #include "trace_ext/host_checks.h"
@@ -136,6 +144,9 @@ struct DecodeParams {
   const uint8_t* v_scales;
   const int32_t* block_table;  // [B, max_pages]
   const int32_t* seq_lens;     // [B]
+  // split-K finish in the decode kernel (num_splits > 1): per (sequence, KV head) arrival counters that cycle
+  // 0 .. num_splits - 1 (atomicInc), so they are back at 0 after every launch; null: the separate combine kernel
+  unsigned int* split_counters;
   int heads_q, heads_kv, group, page_size, max_pages, num_splits;
   float score_scale;  // softmax_scale * g_k * 2^14 * log2(e)
   float out_scale;    // g_v * 2^14
@@ -209,6 +220,36 @@ __device__ __forceinline__ int code_offset(int t, int chunk) {
 
 // ---- the split-KV kernel -------------------------------------------------------------------------------------
 
+// The combine of the splits of one (sequence, query head) at head_dim d: weights 2^(lse_s - max); returns the
+// output and the natural-log LSE. The partials are read through L2 (__ldcg): in the fused finish they were
+// written by other CTAs of the same launch.
+struct Combined {
+  float out, lse;
+};
+template <int D>
+__device__ __forceinline__ Combined combine_splits(const float* o_part, const float* lse_part, int64_t bh, int d,
+                                                   int num_splits) {
+  const float* lp = lse_part + bh * num_splits;
+  float m = -INFINITY;
+  // unrolled so that the independent loads of many splits (up to ~80 at batch 1) are in flight together
+#pragma unroll 8
+  for (int s = 0; s < num_splits; ++s) m = fmaxf(m, __ldcg(lp + s));
+  float l = 0.0f, acc = 0.0f;
+  if (m != -INFINITY) {
+#pragma unroll 8
+    for (int s = 0; s < num_splits; ++s) {
+      const float ls = __ldcg(lp + s);
+      const float op = __ldcg(o_part + (bh * num_splits + s) * D + d);
+      if (ls == -INFINITY) continue;
+      const float f = exp2f(ls - m);
+      l += f;
+      acc += f * op;
+    }
+  }
+  const bool empty = !(l > 0.0f);
+  return {empty ? 0.0f : acc / l, empty ? -INFINITY : (m + log2f(l)) * kLn2};
+}
+
 // The cross-warp merge of a CTA's (m, l, O) from shared memory (sm_o [warps][16][kOStride] with head_dim d at
 // (d / (D/8)) * kOGroup + d % (D/8); sm_m, sm_l [warps][16]) and the store of the output (one split) or of the
 // split's partial result; all threads of the CTA.
@@ -243,6 +284,27 @@ __device__ __forceinline__ void merge_warps(const DecodeParams& p, const float* 
       p.o_part[(bh * p.num_splits + split) * D + d] = val;
       if (d == 0) p.lse_part[bh * p.num_splits + split] = lse2;
     }
+  }
+  if (p.num_splits == 1 || p.split_counters == nullptr) return;
+  // Fused split-K finish (threadFenceReduction pattern): publish the partials, count this split's arrival; the
+  // last CTA of the (sequence, KV head) combines all splits of its G query heads.
+  __shared__ bool last_split;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned int prev = atomicInc(p.split_counters + (int64_t)b * p.heads_kv + kv_head, p.num_splits - 1);
+    last_split = prev == (unsigned int)(p.num_splits - 1);
+  }
+  __syncthreads();
+  if (!last_split) return;
+  __threadfence();
+  for (int idx = threadIdx.x; idx < p.group * D; idx += kThreads) {
+    const int row = idx / D, d = idx % D;
+    const int64_t bh = (int64_t)b * p.heads_q + (int64_t)kv_head * p.group + row;
+    const Combined cmb = combine_splits<D>(p.o_part, p.lse_part, bh, d, p.num_splits);
+    __nv_bfloat16 ob = __float2bfloat16_rn(cmb.out);
+    p.out[bh * D + d] = *reinterpret_cast<uint16_t*>(&ob);
+    if (d == 0) p.lse[bh] = cmb.lse;
   }
 }
 
@@ -960,34 +1022,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksSwap) fp4kv_decode_kernel_
   merge_warps<D>(p, sm_o, sm_m, sm_l, split, kv_head, b);
 }
 
-// Combine the splits of one (sequence, query head): weights 2^(lse_s - max), LSE in natural log.
+// Combine the splits of one (sequence, query head) (TRACE_EXT_KV_DECODE_COMBINE=kernel: the separate pass).
 template <int D>
 __global__ void __launch_bounds__(D) fp4kv_decode_combine_kernel(const float* __restrict__ o_part,
                                                                   const float* __restrict__ lse_part, uint16_t* out,
                                                                   float* lse, int num_splits) {
   const int64_t bh = blockIdx.x;
   const int d = threadIdx.x;
-  const float* lp = lse_part + bh * num_splits;
-  float m = -INFINITY;
-  // unrolled so that the independent loads of many splits (up to ~80 at batch 1) are in flight together
-#pragma unroll 8
-  for (int s = 0; s < num_splits; ++s) m = fmaxf(m, lp[s]);
-  float l = 0.0f, acc = 0.0f;
-  if (m != -INFINITY) {
-#pragma unroll 8
-    for (int s = 0; s < num_splits; ++s) {
-      const float ls = lp[s];
-      const float op = o_part[(bh * num_splits + s) * D + d];
-      if (ls == -INFINITY) continue;
-      const float f = exp2f(ls - m);
-      l += f;
-      acc += f * op;
-    }
-  }
-  const bool empty = !(l > 0.0f);
-  __nv_bfloat16 ob = __float2bfloat16_rn(empty ? 0.0f : acc / l);
+  const Combined cmb = combine_splits<D>(o_part, lse_part, bh, d, num_splits);
+  __nv_bfloat16 ob = __float2bfloat16_rn(cmb.out);
   out[bh * D + d] = *reinterpret_cast<uint16_t*>(&ob);
-  if (d == 0) lse[bh] = empty ? -INFINITY : (m + log2f(l)) * kLn2;
+  if (d == 0) lse[bh] = cmb.lse;
 }
 
 // ---- host ------------------------------------------------------------------------------------------------
@@ -1027,24 +1072,54 @@ int choose_splits(int batch_heads, int64_t max_len, int device) {
     cached_sms[slot] = sms;
   }
   const int sms = cached_sms[slot], per_sm = cached_per_sm[slot];
-  // One (or a whole number of) full waves: every CTA of a split moves the same bytes, so the makespan is set by
-  // the fullest wave. Take the smallest split count whose CTAs fill >= 90% of the resident slots of their
-  // waves (the best fill otherwise), without splits shorter than kMinSplitTokens.
-  const int64_t slots = (int64_t)sms * std::max(per_sm, 1);
-  const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(max_len / kMinSplitTokens, 4 * slots / batch_heads + 1));
-  int64_t best = 1;
-  double best_fill = 0.0;
+  // Makespan model from the H200 split sweeps (bench/results/kv_h200.md, 38bcf7f): an SM's K/V throughput
+  // saturates at 2 resident CTAs (8 warps; 1 CTA runs at ~0.75 of it: B32 S8K 1 split 107 us, 2 splits 80 us,
+  // 4 splits 79 us), so a split count costs ~ k / s / rate(k) (k = CTAs on the busiest SM, each 1/s of a
+  // (sequence, KV head) pair's work), and every split beyond that costs on its own (partial writes, the combine,
+  // more concurrent streams: B32 S8K 4 -> 5 -> 8 splits 79 -> 83 -> 90 us; B64 S4K 1-2 splits 76 us, 5 splits
+  // 88 us; B1 S128K 32 splits 81 us, 82 splits 94 us). Take the smallest split count within 5% of the best
+  // modelled makespan, without splits shorter than kMinSplitTokens.
+  const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(max_len / kMinSplitTokens, 4 * (int64_t)sms));
+  auto cost = [&](int64_t s) {
+    const int64_t k = ((int64_t)batch_heads * s + sms - 1) / sms;
+    return (double)k / (double)s / (k >= 2 && per_sm >= 2 ? 1.0 : 0.75);
+  };
+  double best_cost = cost(1);
+  for (int64_t s = 2; s <= max_splits; ++s) best_cost = std::min(best_cost, cost(s));
   for (int64_t s = 1; s <= max_splits; ++s) {
-    const int64_t ctas = (int64_t)batch_heads * s;
-    const int64_t waves = (ctas + slots - 1) / slots;
-    const double fill = (double)ctas / (double)(waves * slots);
-    if (fill > best_fill + 0.02) {
-      best = s;
-      best_fill = fill;
-    }
-    if (fill >= 0.9) break;
+    if (cost(s) <= 1.05 * best_cost) return (int)s;
   }
-  return (int)best;
+  return 1;
+}
+
+// TRACE_EXT_KV_DECODE_COMBINE=kernel: the splits are combined by the separate combine kernel (read per call);
+// default: the last CTA of each (sequence, KV head) combines them in the decode kernel (no second launch).
+bool fused_combine() {
+  const char* env = std::getenv("TRACE_EXT_KV_DECODE_COMBINE");
+  return !(env != nullptr && std::strcmp(env, "kernel") == 0);
+}
+
+// Arrival counters of the fused split-K finish: zeroed once, kept per (device, stream) (launches on one stream
+// are ordered, so they never share counters concurrently), grown on demand. Every launch leaves them at 0.
+unsigned int* split_counters(int64_t n, const at::Tensor& like) {
+  struct Entry {
+    int device;
+    cudaStream_t stream;
+    at::Tensor buf;
+  };
+  static std::mutex mu;
+  static std::vector<Entry> entries;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const int device = like.get_device();
+  std::lock_guard<std::mutex> lock(mu);
+  for (Entry& e : entries) {
+    if (e.device == device && e.stream == stream) {
+      if (e.buf.numel() < n) e.buf = at::zeros({std::max<int64_t>(n, 2 * e.buf.numel())}, like.options().dtype(at::kInt));
+      return reinterpret_cast<unsigned int*>(e.buf.data_ptr<int32_t>());
+    }
+  }
+  entries.push_back({device, stream, at::zeros({std::max<int64_t>(n, 1024)}, like.options().dtype(at::kInt))});
+  return reinterpret_cast<unsigned int*>(entries.back().buf.data_ptr<int32_t>());
 }
 
 template <int D, int kImpl>
@@ -1069,6 +1144,7 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
     lse_part = at::empty({batch, p.heads_q, splits}, q.options().dtype(at::kFloat));
     p.o_part = o_part.data_ptr<float>();
     p.lse_part = lse_part.data_ptr<float>();
+    p.split_counters = fused_combine() ? split_counters((int64_t)batch * p.heads_kv, q) : nullptr;
   }
   const DecodeKernelFn kernel = decode_kernel<D, kImpl>();
   require_kernel_image(kernel, "fp4kv_decode_attention");
@@ -1076,7 +1152,7 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
   dim3 grid(splits, p.heads_kv, batch);
   kernel<<<grid, kThreads, Geo<D>::kSmem, stream>>>(p);
   check_launch("fp4kv_decode_attention");
-  if (splits > 1) {
+  if (splits > 1 && p.split_counters == nullptr) {
     fp4kv_decode_combine_kernel<D><<<batch * p.heads_q, D, 0, stream>>>(
         o_part.data_ptr<float>(), lse_part.data_ptr<float>(), reinterpret_cast<uint16_t*>(out.data_ptr()),
         lse.data_ptr<float>(), splits);

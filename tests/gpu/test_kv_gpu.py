@@ -171,6 +171,31 @@ def test_decode_split_counts_agree(num_splits):
     assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
 
 
+def test_decode_fused_split_combine_matches_combine_kernel(monkeypatch):
+    """The in-kernel split-K finish (last CTA per (sequence, KV head), self-resetting arrival counters) equals the
+    separate combine kernel (TRACE_EXT_KV_DECODE_COMBINE=kernel), over back-to-back launches with different
+    split counts (a counter left off 0 would pick the wrong last CTA), G = 8 and 16, empty splits and sequences."""
+    lens = [3000, 5, 0, 777]
+    for Hq, D in ((16, 128), (32, 64)):
+        cache, table, seq_lens, *_ = make_cache(lens, 2, D, 16, seed=11)
+        q = torch.randn(len(lens), Hq, D, device=DEV).to(torch.bfloat16)
+        results = {}
+        for mode in ("fused", "kernel"):
+            if mode == "kernel":
+                monkeypatch.setenv("TRACE_EXT_KV_DECODE_COMBINE", "kernel")
+            else:
+                monkeypatch.delenv("TRACE_EXT_KV_DECODE_COMBINE", raising=False)
+            results[mode] = [
+                ops.fp4kv_decode_attention(q, cache, table, seq_lens, 0.1, num_splits=n, backend="cuda")
+                for n in (7, 64, 3, 7, 200)
+            ]
+        for (of, lf), (ok, lk) in zip(results["fused"], results["kernel"]):
+            assert torch.equal(of, ok)
+            torch.testing.assert_close(lf, lk, rtol=0, atol=1e-6)
+        err, err_sdpa, lse_err = errors_vs_reference(*results["fused"][-1], q, cache, table, seq_lens, 0.1)
+        assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
+
+
 def test_decode_with_large_and_tiny_query_rows():
     """Q rows of very different magnitudes (the kernel rescales each row by a power of two) and a zero row."""
     lens = [700]
