@@ -17,6 +17,15 @@
 //    codes and scale bytes), requested 3 k steps ahead: the stage of step kt - 2 is refilled right after the
 //    wgmmas of step kt are issued (the barrier of step kt comes after every thread's wgmma.wait_group 1 of step
 //    kt - 1), so the copies stay off the path from the barrier to the wgmma issue.
+//  - Integer overhead per k step kept small (the first version spent ~420 warp instructions per k step, ~250 of
+//    them on address math: IMAD 24% of the mix, 64-bit row products and zero-fill selects recomputed for all 10
+//    copies, kt % 5, and the fragment reads as generic LD.E through a 64-bit pointer, the hottest stall line).
+//    Now each thread's copy plan is set up once (source pointers advanced by 128 / 32 / 4 bytes per k step, the
+//    activation rows of one thread 32 rows apart: one 64-bit add per copy, destinations as immediate offsets),
+//    the ring slots are shared-window addresses advanced with a wrap, every shared access (fragment loads, cp.async
+//    destinations, epilogue staging) uses ld/st.shared on 32-bit addresses, and only the last tile of an expert / of
+//    M takes the per-row zero-fill path (CTA-uniform branch): ~215 warp instructions per k step, ~115 of them the
+//    conversion below.
 //  - Fragment conversion: thread (warp w, lane 4g + t) of warpgroup wg owns weight rows r0 = 64 wg + 16 w + g and
 //    r0 + 8. Per k step it reads both rows' 32 code bytes (4 LDS.128; the two 16-byte chunks of a row are swapped
 //    on bit 2 of the row, so the 8 rows a warp reads are bank-conflict free) and 4-byte scale words, gathers byte t
@@ -445,14 +454,42 @@ __device__ __forceinline__ int rs_code_off(int r, int c) { return r * 32 + ((c ^
 // register b of k16 step j: b = 0: (r0, k 2t..2t+1), 1: (r0 + 8, k 2t..), 2: (r0, k 2t+8..), 3: (r0 + 8, k 2t+8..),
 // each bf16x2 q * s * 2^-7 (exact, as in dequant32_to_swizzled). Element k of a row is nibble k & 1 of code byte
 // k / 2, so register b of step j comes from byte t of code word 2j (b = 0, 1) or 2j + 1 (b = 2, 3).
-__device__ __forceinline__ void rs_fragments(const uint8_t* stage, int r0, int t, uint32_t fr[16]) {
-  const uint8_t* codes = stage + kRsAct;
-  const uint4 a0 = *reinterpret_cast<const uint4*>(codes + rs_code_off(r0, 0));
-  const uint4 a1 = *reinterpret_cast<const uint4*>(codes + rs_code_off(r0, 1));
-  const uint4 b0 = *reinterpret_cast<const uint4*>(codes + rs_code_off(r0 + 8, 0));
-  const uint4 b1 = *reinterpret_cast<const uint4*>(codes + rs_code_off(r0 + 8, 1));
-  const uint32_t sa = *reinterpret_cast<const uint32_t*>(codes + kRsWCodes + r0 * 4);
-  const uint32_t sb = *reinterpret_cast<const uint32_t*>(codes + kRsWCodes + (r0 + 8) * 4);
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ void sts32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+// cp.async with a shared-window address (no generic -> shared conversion per copy).
+__device__ __forceinline__ void cp_async16_s(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async16_s(uint32_t dst, const void* src, uint32_t src_bytes) {  // zero-fills
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async4_s(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+// ca0 / ca1: shared addresses of code chunks 0 / 1 of row r0 in the stage (those of row r0 + 8 are 256 bytes
+// further: rows r0 and r0 + 8 share bit 2); sc: address of row r0's 4 scale bytes (row r0 + 8: 32 bytes further).
+__device__ __forceinline__ void rs_fragments(uint32_t ca0, uint32_t ca1, uint32_t sc, int t, uint32_t fr[16]) {
+  const uint4 a0 = lds128(ca0);
+  const uint4 a1 = lds128(ca1);
+  const uint4 b0 = lds128(ca0 + 8 * 32);
+  const uint4 b1 = lds128(ca1 + 8 * 32);
+  const uint32_t sa = lds32(sc);
+  const uint32_t sb = lds32(sc + 8 * 4);
   const uint32_t wa[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
   const uint32_t wb[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
   const uint32_t sel = (uint32_t)t | ((uint32_t)(4 + t) << 4);  // byte t of the first word, byte t of the second
@@ -473,38 +510,6 @@ __device__ __forceinline__ void rs_fragments(const uint8_t* stage, int r0, int t
       const uint32_t q = prmt(lo, hi, (uint32_t)(b | ((8 | b) << 4) | ((4 + b) << 8) | ((12 + b) << 12)));
       fr[4 * j + b] = bf16x2_mul((q * 4160u) & 0x81C081C0u, (b & 1) ? sc_b : sc_a);  // 4160 = 2^12 + 2^6
     }
-  }
-}
-
-// Issues the cp.async copies of k step `k0` into one ring stage: the activation rows [m_begin, m_begin + 256)
-// (rows >= m_end zero-filled) swizzled as the B operand, and the raw codes + scale bytes of weight rows
-// [n0, n0 + 128) (rows >= N zero-filled).
-__device__ __forceinline__ void rs_load_stage(const GemmParams& p, uint8_t* st, int m_begin, int m_end,
-                                              const uint8_t* wc, const uint8_t* ws, int n0, int k0) {
-  const int tid = threadIdx.x;
-  const int K = p.K;
-  const __nv_bfloat16* a = reinterpret_cast<const __nv_bfloat16*>(p.a);
-  const int c = tid & 7;
-#pragma unroll
-  for (int it = 0; it < kRsBM * 8 / kWgThreads; ++it) {
-    const int row = (tid >> 3) + it * (kWgThreads / 8);
-    const int m = m_begin + row;
-    const bool ok = m < m_end;
-    cp_async16(st + row * kSwRow + ((c ^ (row & 7)) << 4), ok ? (const void*)(a + (int64_t)m * K + k0 + c * 8) : p.a,
-               ok);
-  }
-  uint8_t* codes = st + kRsAct;
-  {
-    const int row = tid >> 1, cc = tid & 1;
-    const int n = n0 + row;
-    const bool ok = n < p.N;
-    cp_async16(codes + rs_code_off(row, cc), ok ? (const void*)(wc + (int64_t)n * (K / 2) + k0 / 2 + cc * 16) : wc,
-               ok);
-  }
-  if (tid < kRsBN) {
-    const int n = n0 + tid;
-    const bool ok = n < p.N;
-    cp_async4(codes + kRsWCodes + tid * 4, ok ? (const void*)(ws + (int64_t)n * (K / 16) + k0 / 16) : ws, ok);
   }
 }
 
@@ -530,26 +535,75 @@ __global__ void __launch_bounds__(kWgThreads, 1) gemm_w4_wgmma_rs_kernel(const G
 
   const int K = p.K;
   const int n0 = blockIdx.x * kRsBN;
-  const uint8_t* wc = p.w_codes + (int64_t)e * p.N * (K / 2);
-  const uint8_t* ws = p.w_scales + (int64_t)e * p.N * (K / 16);
   const int KT = K / kWgBK;
   const int tid = threadIdx.x;
   const int wg = tid >> 7, warp_in_wg = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int r0 = wg * 64 + warp_in_wg * 16 + g;  // this thread's weight rows in the tile: r0 and r0 + 8
+
+  // ---- per-thread copy plan, set up once; every k step only advances three global pointers and the two ring
+  // slots (shared-window addresses, so that no copy or fragment load goes through a generic pointer).
+  // Activation: thread copies chunk (tid & 7) of rows (tid >> 3) + 32 it, it = 0..7 (8 threads per 128-byte row:
+  // coalesced), to the 128B-swizzled B tile; rows >= m_end (only in the last tile of an expert / of M) are
+  // zero-filled.
+  const int arow = tid >> 3, achunk = tid & 7;
+  const uint8_t* a_ptr = reinterpret_cast<const uint8_t*>(p.a) + ((int64_t)(m_begin + arow) * K + achunk * 8) * 2;
+  const int64_t a_rows32 = (int64_t)32 * K * 2;  // bytes between the rows of consecutive `it`
+  const uint32_t a_dst = (uint32_t)(arow * kSwRow + ((achunk ^ (arow & 7)) << 4));  // + it * 32 rows
+  const int a_valid = m_end - m_begin - arow;  // row it is in range while 32 it < a_valid
+  const bool a_full = m_end - m_begin >= kRsBM;  // CTA-uniform: no per-row checks
+  // Weight codes: 16-byte chunk (tid & 1) of row (tid >> 1); scale word of row tid (tid < kRsBN). Rows >= N read
+  // row 0 with 0 source bytes (zero fill), so the pointers stay in bounds as they advance.
+  const int wrow = tid >> 1;
+  const bool w_ok = n0 + wrow < p.N;
+  const uint8_t* w_ptr = p.w_codes + ((int64_t)e * p.N + (w_ok ? n0 + wrow : 0)) * (K / 2) + (tid & 1) * 16;
+  const uint32_t w_bytes = w_ok ? 16u : 0u;
+  const uint32_t w_dst = (uint32_t)(kRsAct + rs_code_off(wrow, tid & 1));
+  const bool s_ok = n0 + tid < p.N;
+  const uint8_t* s_ptr = p.w_scales + ((int64_t)e * p.N + (s_ok ? n0 + tid : 0)) * (K / 16);
+  const uint32_t s_bytes = s_ok ? 4u : 0u;
+  const uint32_t s_dst = (uint32_t)(kRsAct + kRsWCodes + tid * 4);
+  // Fragment reads of this thread (offsets inside a stage), see rs_fragments.
+  const uint32_t f_c0 = (uint32_t)(kRsAct + rs_code_off(r0, 0)), f_c1 = (uint32_t)(kRsAct + rs_code_off(r0, 1));
+  const uint32_t f_sc = (uint32_t)(kRsAct + kRsWCodes + r0 * 4);
+
+  const uint32_t ring_lo = smem_u32(ring), ring_hi = ring_lo + kRsStages * kRsStage;
+  // Copies one k step into the slot at `st` and advances the pointers to the next k step.
+  auto load = [&](uint32_t st) {
+    if (a_full) {
+      const uint8_t* q = a_ptr;
+#pragma unroll
+      for (int it = 0; it < kRsBM / 32; ++it, q += a_rows32) cp_async16_s(st + a_dst + it * 32 * kSwRow, q);
+    } else {
+      const uint8_t* q = a_ptr;
+#pragma unroll
+      for (int it = 0; it < kRsBM / 32; ++it, q += a_rows32) {
+        const bool ok = 32 * it < a_valid;
+        cp_async16_s(st + a_dst + it * 32 * kSwRow, ok ? (const void*)q : p.a, ok ? 16u : 0u);
+      }
+    }
+    cp_async16_s(st + w_dst, w_ptr, w_bytes);
+    if (tid < kRsBN) cp_async4_s(st + s_dst, s_ptr, s_bytes);
+    a_ptr += kWgBK * 2;
+    w_ptr += kWgBK / 2;
+    s_ptr += kWgBK / 16;
+  };
+  auto next_slot = [&](uint32_t s) { return s + kRsStage == ring_hi ? ring_lo : s + kRsStage; };
 
   float acc[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.f;
   fence_acc(acc, 128);
 
+  uint32_t rd = ring_lo, wr = ring_lo;  // slot of the step being computed / of the next refill
 #pragma unroll
   for (int s = 0; s < kRsStages - 2; ++s) {
-    if (s < KT) rs_load_stage(p, ring + s * kRsStage, m_begin, m_end, wc, ws, n0, s * kWgBK);
+    if (s < KT) load(wr);
     cp_async_commit();
+    wr += kRsStage;
   }
 
   // One barrier per k step. At the barrier of step kt every thread has passed wgmma.wait_group 1 of step kt - 1,
-  // so the wgmmas of step kt - 2 are complete and their stage ((kt + kRsStages - 2) % kRsStages) can be refilled
+  // so the wgmmas of step kt - 2 are complete and their slot (that of step kt + kRsStages - 2) can be refilled
   // (issued right after the wgmmas of step kt).
   // The fragments of step kt are converted while the wgmmas of step kt - 1 run; they live in one of two register
   // sets (the other one is still read by the wgmmas of step kt - 1), hence the 2-way unrolled loop.
@@ -557,23 +611,22 @@ __global__ void __launch_bounds__(kWgThreads, 1) gemm_w4_wgmma_rs_kernel(const G
     cp_async_wait<kRsStages - 3>();
     fence_proxy_async();
     __syncthreads();
-    const uint8_t* st = ring + (kt % kRsStages) * kRsStage;
-    rs_fragments(st, r0, t, fr);
+    rs_fragments(rd + f_c0, rd + f_c1, rd + f_sc, t, fr);
     // pin the conversion before the wgmmas: an instruction defining a fragment register between two wgmmas of
     // the batch makes ptxas serialize the whole wgmma pipeline
 #pragma unroll
     for (int i = 0; i < 16; ++i) asm volatile("" : "+r"(fr[i])::"memory");
-    const uint32_t b_addr = smem_u32(st);
+    const uint64_t desc = sw128_desc(rd);  // K advances 32 bytes (2 in the descriptor's start field) per k16
     wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < kWgBK / 16; ++ks) wgmma_m64n256k16_bf16_rs(acc, fr + 4 * ks, sw128_desc(b_addr + ks * 32));
+    for (int ks = 0; ks < kWgBK / 16; ++ks) wgmma_m64n256k16_bf16_rs(acc, fr + 4 * ks, desc + 2 * ks);
     wgmma_commit();
-    {  // the refill is issued after the wgmmas: it is needed 3 steps later, the wgmmas now
-      const int nk = kt + kRsStages - 2;
-      if (nk < KT) rs_load_stage(p, ring + (nk % kRsStages) * kRsStage, m_begin, m_end, wc, ws, n0, nk * kWgBK);
-      cp_async_commit();
-    }
+    // the refill is issued after the wgmmas: it is needed 3 steps later, the wgmmas now
+    if (kt + kRsStages - 2 < KT) load(wr);
+    cp_async_commit();
     wgmma_wait<1>();
+    rd = next_slot(rd);
+    wr = next_slot(wr);
   };
   uint32_t fr0[16], fr1[16];
   int kt = 0;
@@ -604,7 +657,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) gemm_w4_wgmma_rs_kernel(const G
       gwv[h][u] = gw[(int64_t)(n < p.N ? n : p.N - 1) * p.gw_stride_n];
     }
   }
-  uint8_t* ys = ring;  // [kRsBM][kRsBN] bf16
+  const uint32_t ys = ring_lo;  // [kRsBM][kRsBN] bf16 (shared-window address: no generic 64-bit stores)
 #pragma unroll
   for (int c = 0; c < kRsBM / 8; ++c) {
     const int ml = 8 * c + 2 * t + (odd ? 1 : 0);
@@ -619,7 +672,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) gemm_w4_wgmma_rs_kernel(const G
       const __nv_bfloat162 v = __floats2bfloat162_rn(__fmul_rn(__fmul_rn(lo, fold), __fmul_rn(ga, gwv[h][0])),
                                                      __fmul_rn(__fmul_rn(hi, fold), __fmul_rn(ga, gwv[h][1])));
       const int nl = (r0 & ~1) + 8 * h;  // even column of the pair in the tile
-      *reinterpret_cast<__nv_bfloat162*>(ys + ml * (kRsBN * 2) + (((nl >> 3) ^ (ml & 7)) << 4) + (nl & 7) * 2) = v;
+      sts32(ys + ml * (kRsBN * 2) + (((nl >> 3) ^ (ml & 7)) << 4) + (nl & 7) * 2,
+            *reinterpret_cast<const uint32_t*>(&v));
     }
   }
   __syncthreads();
@@ -630,7 +684,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) gemm_w4_wgmma_rs_kernel(const G
     const int ml = idx >> 4, q = idx & 15;  // kRsBN / 8 == 16 chunks per row
     const int m = m_begin + ml, n = n0 + 8 * q;
     if (m >= m_end || n >= p.N) continue;
-    const uint4 v = *reinterpret_cast<const uint4*>(ys + ml * (kRsBN * 2) + ((q ^ (ml & 7)) << 4));
+    const uint4 v = lds128(ys + ml * (kRsBN * 2) + ((q ^ (ml & 7)) << 4));
     __nv_bfloat16* dst = p.y + (int64_t)m * p.N + n;
     if (vec_ok && n + 8 <= p.N) {
       *reinterpret_cast<uint4*>(dst) = v;
