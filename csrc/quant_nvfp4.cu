@@ -338,70 +338,12 @@ __device__ __forceinline__ uint32_t unpack_block(const BlockRaw<T>& raw, float (
   return block_max_abs_bits<T>(raw);
 }
 
-// One tile's inputs of one lane: its blocks' raw vectors, their g, and the rollout's guidance for them.
-template <typename T>
-struct FlatTileIn {
-  BlockRaw<T> raw[kBlocksPerLane];
-  float g[kBlocksPerLane];
-  uint32_t gbits[kBlocksPerLane];
-  uint2 gcodes[kBlocksPerLane];
-};
-
-// Rows / block columns of the lane's blocks of a tile from those of its first block (a carry; one step when
-// kb >= 32).
-__device__ __forceinline__ void tile_rows(int64_t row, int64_t kbi, int64_t kb, int64_t (&rows)[kBlocksPerLane],
-                                          int64_t (&kbis)[kBlocksPerLane]) {
-#pragma unroll
-  for (int q = 0; q < kBlocksPerLane; ++q) {
-    rows[q] = row;
-    kbis[q] = kbi;
-    kbi += 32;
-    while (kbi >= kb) {
-      kbi -= kb;
-      ++row;
-    }
-  }
-}
-
-// Issue every load of a tile (x, g, guidance); nothing waits on them here.
-template <typename T, int MODE>
-__device__ __forceinline__ FlatTileIn<T> load_tile(const QuantParams& p, uint64_t fb0, int64_t row0, int64_t kbi0,
-                                                   uint64_t total_blocks) {
-  FlatTileIn<T> in;
-  const T* xp = reinterpret_cast<const T*>(p.x);
-  int64_t rows[kBlocksPerLane], kbis[kBlocksPerLane];
-  tile_rows(row0, kbi0, p.kb, rows, kbis);
-#pragma unroll
-  for (int q = 0; q < kBlocksPerLane; ++q) {
-    const uint64_t fb = fb0 + 32 * q;
-    const bool ok = fb < total_blocks;
-    in.raw[q] = load_block<T>(xp, fb, ok);
-    in.gbits[q] = 0u;
-    in.gcodes[q] = make_uint2(0u, 0u);
-    in.g[q] = 0.0f;
-    if (ok) {
-      if constexpr (MODE == kGuidedCompact) {
-        in.gbits[q] = __ldg(reinterpret_cast<const uint16_t*>(p.guide_payload) + fb);
-      } else if constexpr (MODE == kGuidedFull) {
-        in.gcodes[q] = __ldg(reinterpret_cast<const uint2*>(p.guide_payload) + fb);
-      }
-      if constexpr (MODE == kGuidedCompact || MODE == kGuidedFull) {
-        in.g[q] = __ldg(p.guide_g + rows[q]);
-      } else {
-        in.g[q] = __ldg(p.g + rows[q] * p.g_stride);
-      }
-    }
-  }
-  return in;
-}
-
 // ---- flat kernel: g known per block (given, guided, or the second pass of long rows) -----------------------
 // Work is cut into warp tiles of kWarpBlocks consecutive blocks; warps loop over tiles with a grid stride (the
-// per-thread setup is paid once for several tiles), and the loads of the next tile are issued before the current
-// one is quantized (one tile in flight behind the one being computed). In a tile, lane l owns blocks l + 32 q
-// (q < kBlocksPerLane) and loads each with its own 16-byte vectors (the warp's two loads of one q cover a contiguous
-// span), so every per-block step (scale, reciprocal, stores) happens once per 16 elements in one thread, and the
-// code, scale and mbits stores of a warp are contiguous.
+// per-thread setup is paid once for several tiles). In a tile, lane l owns blocks l + 32 q (q < kBlocksPerLane) and
+// loads each with its own 16-byte vectors (the warp's two loads of one q cover a contiguous span), so every
+// per-block step (scale, reciprocal, stores) happens once per 16 elements in one thread, and the code, scale and
+// mbits stores of a warp are contiguous.
 template <typename T, int MODE, bool FAKE>
 __global__ void __launch_bounds__(kFlatThreads) nvfp4_quant_flat_kernel(const QuantParams p) {
   const uint64_t total_blocks = (uint64_t)p.rows * p.kb;
@@ -409,33 +351,57 @@ __global__ void __launch_bounds__(kFlatThreads) nvfp4_quant_flat_kernel(const Qu
   const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const uint64_t n_warps = (uint64_t)gridDim.x * blockDim.x / 32;
   const uint32_t lane = threadIdx.x % 32;
-  // (row, block column) of the lane's first block, advanced by the grid stride (stride_rows, stride_kbi) per tile:
-  // two divisions per thread instead of one per tile.
-  const uint64_t stride = n_warps * kWarpBlocks;
-  const int64_t stride_rows = (int64_t)(stride / (uint64_t)p.kb), stride_kbi = (int64_t)(stride % (uint64_t)p.kb);
-  uint64_t tile = tid / 32;
-  int64_t row0 = row_of(tile * kWarpBlocks + lane, p.kb);
-  int64_t kbi0 = (int64_t)(tile * kWarpBlocks + lane) - row0 * p.kb;
-  FlatTileIn<T> cur;
-  if (tile < n_tiles) cur = load_tile<T, MODE>(p, tile * kWarpBlocks + lane, row0, kbi0, total_blocks);
-  for (; tile < n_tiles; tile += n_warps) {
-    int64_t row_next = row0 + stride_rows, kbi_next = kbi0 + stride_kbi;
-    if (kbi_next >= p.kb) {
-      kbi_next -= p.kb;
-      ++row_next;
-    }
-    FlatTileIn<T> next;
-    if (tile + n_warps < n_tiles) {
-      next = load_tile<T, MODE>(p, (tile + n_warps) * kWarpBlocks + lane, row_next, kbi_next, total_blocks);
-    }
+  const T* xp = reinterpret_cast<const T*>(p.x);
+  for (uint64_t tile = tid / 32; tile < n_tiles; tile += n_warps) {
     const uint64_t fb0 = tile * kWarpBlocks + lane;
+    BlockRaw<T> raw[kBlocksPerLane];
+#pragma unroll
+    for (int q = 0; q < kBlocksPerLane; ++q) raw[q] = load_block<T>(xp, fb0 + 32 * q, fb0 + 32 * q < total_blocks);
+    uint32_t gbits[kBlocksPerLane];
+    uint2 gcodes[kBlocksPerLane];
+#pragma unroll
+    for (int q = 0; q < kBlocksPerLane; ++q) {
+      const uint64_t fb = fb0 + 32 * q;
+      gbits[q] = 0u;
+      gcodes[q] = make_uint2(0u, 0u);
+      if constexpr (MODE == kGuidedCompact) {
+        if (fb < total_blocks) gbits[q] = __ldg(reinterpret_cast<const uint16_t*>(p.guide_payload) + fb);
+      } else if constexpr (MODE == kGuidedFull) {
+        if (fb < total_blocks) gcodes[q] = __ldg(reinterpret_cast<const uint2*>(p.guide_payload) + fb);
+      }
+    }
+    // Rows / block columns of the lane's blocks: one division, then a carry (one step when kb >= 32).
     int64_t rows[kBlocksPerLane], kbis[kBlocksPerLane];
-    tile_rows(row0, kbi0, p.kb, rows, kbis);
-    float rg[kBlocksPerLane];
+    {
+      int64_t row = row_of(fb0, p.kb);
+      int64_t kbi = (int64_t)fb0 - row * p.kb;
+#pragma unroll
+      for (int q = 0; q < kBlocksPerLane; ++q) {
+        rows[q] = row;
+        kbis[q] = kbi;
+        kbi += 32;
+        while (kbi >= p.kb) {
+          kbi -= p.kb;
+          ++row;
+        }
+      }
+    }
+    float g[kBlocksPerLane], rg[kBlocksPerLane];
+#pragma unroll
+    for (int q = 0; q < kBlocksPerLane; ++q) {
+      g[q] = 0.0f;
+      if (fb0 + 32 * q < total_blocks) {
+        if constexpr (MODE == kGuidedCompact || MODE == kGuidedFull) {
+          g[q] = __ldg(p.guide_g + rows[q]);
+        } else {
+          g[q] = __ldg(p.g + rows[q] * p.g_stride);
+        }
+      }
+    }
 #pragma unroll
     for (int q = 0; q < kBlocksPerLane; ++q) {
       if constexpr (MODE == kRTN || MODE == kSR) {
-        rg[q] = q > 0 && cur.g[q] == cur.g[q - 1] ? rg[q - 1] : rcp_g_in_range(cur.g[q]);  // one per row, mostly
+        rg[q] = q > 0 && g[q] == g[q - 1] ? rg[q - 1] : rcp_g_in_range(g[q]);  // one reciprocal per row, mostly
       } else {
         rg[q] = 0.0f;  // guided: the scale byte is the rollout's
       }
@@ -445,13 +411,10 @@ __global__ void __launch_bounds__(kFlatThreads) nvfp4_quant_flat_kernel(const Qu
       const uint64_t fb = fb0 + 32 * q;
       if (fb < total_blocks) {
         float x[kNvfp4Block];
-        const uint32_t mb = unpack_block<T>(cur.raw[q], x);
-        process_block<T, MODE, FAKE>(p, x, mb, cur.g[q], rg[q], fb, rows[q], kbis[q], cur.gbits[q], cur.gcodes[q]);
+        const uint32_t mb = unpack_block<T>(raw[q], x);
+        process_block<T, MODE, FAKE>(p, x, mb, g[q], rg[q], fb, rows[q], kbis[q], gbits[q], gcodes[q]);
       }
     }
-    cur = next;
-    row0 = row_next;
-    kbi0 = kbi_next;
   }
   // g_out[r]: the g each block of row r used (given or the rollout's), copied once per row.
   if (p.g_out != nullptr && p.g_out != p.g) {
