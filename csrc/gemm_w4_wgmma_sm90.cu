@@ -32,7 +32,9 @@
 //    of each code word with prmt (k16 step j, register b: word 2j + (b >> 1), row r0 + 8 (b & 1)), and converts
 //    each byte with one prmt (sign-replicate selectors give the zero bytes), one integer multiply, one AND and one
 //    bf16x2 multiply by s * 2^119 (exact, as below): the 16 A registers of the 4 k16 wgmmas. Scale bytes go two at
-//    a time through the fp8x2 -> f16x2 conversion.
+//    a time through the fp8x2 -> f16x2 conversion, are folded in fp32 and packed two per register (upper halves:
+//    s * 2^119 has at most 4 significant bits, so no rounding); the multiply broadcasts its half with an operand
+//    selector (HMUL2 R.H0_H0 / R.H1_H1), no extra instruction.
 //  - Overlap: the fragments of step kt are converted while the wgmmas of step kt - 1 run; two register sets (the
 //    loop is unrolled by 2 so both stay in registers), pinned before wgmma.fence (ptxas serializes the wgmma
 //    pipeline when a fragment register is defined between wgmmas of one batch, or when the two sets meet in one
@@ -431,19 +433,25 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16_rs(float d[128], const uin
 #endif
 }
 
-// Four E4M3 scale bytes (one word) -> out[j] = bf16x2 of s_j * 2^119, both halves (bit-identical to
-// scale_bf16x2_folded for every non-NaN byte; NaN stays NaN): two bytes per fp8x2 -> f16x2 conversion and one
-// packed f32 -> bf16x2 conversion per scale.
-__device__ __forceinline__ void scales4_bf16x2_folded(uint32_t w, uint32_t out[4]) {
+// Four E4M3 scale bytes (one word) -> out[h] = bf16x2 of (s_2h, s_2h+1) * 2^119 (each half bit-identical to
+// scale_bf16x2_folded for every non-NaN byte; NaN stays NaN): two bytes per fp8x2 -> f16x2 conversion; s * 2^119 has
+// at most 4 significant bits, so its bf16 is the upper half of the fp32 product (one prmt packs two scales).
+__device__ __forceinline__ void scales4_bf16x2_pairs(uint32_t w, uint32_t out[2]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w >> (16 * h)), __NV_E4M3);
     const float f0 = __fmul_rn(__half2float(__ushort_as_half(r.x)), kScaleFold);  // byte 2h
     const float f1 = __fmul_rn(__half2float(__ushort_as_half(r.y)), kScaleFold);  // byte 2h + 1
-    const __nv_bfloat162 b0 = __floats2bfloat162_rn(f0, f0), b1 = __floats2bfloat162_rn(f1, f1);
-    out[2 * h] = *reinterpret_cast<const uint32_t*>(&b0);
-    out[2 * h + 1] = *reinterpret_cast<const uint32_t*>(&b1);
+    out[h] = __byte_perm(__float_as_uint(f0), __float_as_uint(f1), 0x7632);
   }
+}
+
+// a * (half `hsel` of s broadcast to both halves) on bf16x2, exact for our operands as bf16x2_mul; the broadcast
+// is an operand selector of the multiply, not an instruction.
+__device__ __forceinline__ uint32_t bf16x2_mul_bcast(uint32_t a, uint32_t s, int hsel) {
+  const __nv_bfloat162 sv = *reinterpret_cast<const __nv_bfloat162*>(&s);
+  const __nv_bfloat162 b = hsel ? __high2bfloat162(sv) : __low2bfloat162(sv);
+  return bf16x2_mul(a, *reinterpret_cast<const uint32_t*>(&b));
 }
 
 // Byte offset of 16-byte chunk c (0 / 1) of weight row r in a stage's code area: the chunk index is XORed with
@@ -493,12 +501,12 @@ __device__ __forceinline__ void rs_fragments(uint32_t ca0, uint32_t ca1, uint32_
   const uint32_t wa[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
   const uint32_t wb[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
   const uint32_t sel = (uint32_t)t | ((uint32_t)(4 + t) << 4);  // byte t of the first word, byte t of the second
-  uint32_t sca[4], scb[4];
-  scales4_bf16x2_folded(sa, sca);
-  scales4_bf16x2_folded(sb, scb);
+  uint32_t sca[2], scb[2];
+  scales4_bf16x2_pairs(sa, sca);
+  scales4_bf16x2_pairs(sb, scb);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const uint32_t sc_a = sca[j], sc_b = scb[j];
+    const uint32_t sc_a = sca[j >> 1], sc_b = scb[j >> 1];
     // x bytes: (r0, k 2t..2t+1), (r0 + 8, same), (r0, k 2t+8..2t+9), (r0 + 8, same)
     const uint32_t x = prmt(prmt(wa[2 * j], wb[2 * j], sel), prmt(wa[2 * j + 1], wb[2 * j + 1], sel), 0x5410u);
     const uint32_t lo = x & 0x0F0F0F0Fu;
@@ -508,7 +516,7 @@ __device__ __forceinline__ void rs_fragments(uint32_t ca0, uint32_t ca1, uint32_
       // bytes (lo nibble of byte b, 0, hi nibble of byte b, 0): selector bit 3 replicates the (clear) sign bit of
       // a nibble byte, so the odd bytes come out zero without a mask
       const uint32_t q = prmt(lo, hi, (uint32_t)(b | ((8 | b) << 4) | ((4 + b) << 8) | ((12 + b) << 12)));
-      fr[4 * j + b] = bf16x2_mul((q * 4160u) & 0x81C081C0u, (b & 1) ? sc_b : sc_a);  // 4160 = 2^12 + 2^6
+      fr[4 * j + b] = bf16x2_mul_bcast((q * 4160u) & 0x81C081C0u, (b & 1) ? sc_b : sc_a, j & 1);  // 4160: 2^12 + 2^6
     }
   }
 }
