@@ -52,10 +52,7 @@ struct MxBlockRaw {
 template <typename T>
 __device__ __forceinline__ MxBlockRaw<T> load_mx_block(const T* x, uint64_t b, bool ok) {
   MxBlockRaw<T> raw;
-#pragma unroll
-  for (int i = 0; i < MxBlockRaw<T>::kVecs; ++i) {
-    raw.v[i] = ok ? ld_vec(x + b * kMxfp4Block + i * ElemTraits<T>::kPerVec) : make_uint4(0u, 0u, 0u, 0u);
-  }
+  load_vecs<T>(x + b * kMxfp4Block, ok, raw.v);
   return raw;
 }
 

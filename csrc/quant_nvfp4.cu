@@ -316,10 +316,7 @@ struct BlockRaw {
 template <typename T>
 __device__ __forceinline__ BlockRaw<T> load_block(const T* x, uint64_t fb, bool ok) {
   BlockRaw<T> raw;
-#pragma unroll
-  for (int v = 0; v < BlockRaw<T>::kVecs; ++v) {
-    raw.v[v] = ok ? ld_vec(x + fb * kNvfp4Block + v * ElemTraits<T>::kPerVec) : make_uint4(0u, 0u, 0u, 0u);
-  }
+  load_vecs<T>(x + fb * kNvfp4Block, ok, raw.v);
   return raw;
 }
 

@@ -121,6 +121,13 @@ __device__ __forceinline__ uint32_t max_abs_bits(const float (&x)[N]) {
   return m;
 }
 
+// NV consecutive 16-byte vectors of T from base (zeros when !ok): one block's raw input.
+template <typename T, int NV>
+__device__ __forceinline__ void load_vecs(const T* base, bool ok, uint4 (&v)[NV]) {
+#pragma unroll
+  for (int i = 0; i < NV; ++i) v[i] = ok ? ld_vec(base + i * ElemTraits<T>::kPerVec) : make_uint4(0u, 0u, 0u, 0u);
+}
+
 // max of two pairs of unsigned 16-bit lanes (one instruction on sm_90+).
 __device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
   uint32_t d;
