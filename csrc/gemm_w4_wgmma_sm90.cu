@@ -39,9 +39,11 @@
 //    loop is unrolled by 2 so both stay in registers), pinned before wgmma.fence (ptxas serializes the wgmma
 //    pipeline when a fragment register is defined between wgmmas of one batch, or when the two sets meet in one
 //    conditional loop body, hence the peeled odd step).
-//  - Epilogue: Y = acc * fold * (g_a[m] * g_w[n]) as in the SS kernel; lanes g and g ^ 1 swap one value per pair
-//    (one shuffle) so that each holds two adjacent output columns of one row, written as bf16x2 into a swizzled
-//    256 x 128 staging tile in the idle ring, then copied to Y in coalesced 16-byte chunks.
+//  - Epilogue: Y = acc * (g_a[m] * (fold * g_w[n])), the same bits as the SS kernel's (acc * fold) * (g_a * g_w)
+//    (fold is a power of two); each value goes as one bf16 into a swizzled 256 x 128 staging tile in the idle ring
+//    (per thread 4 fixed store addresses + immediates, no shuffles or selects: the first version's pairing
+//    shuffle and its selects made the epilogue ~1500 instructions per warp, during which the tensor cores of the
+//    SM idle at 1 CTA per SM; now ~650 for W4A16 with the copy-out), then copied to Y in coalesced 16-byte chunks.
 //  - W4A4: the NVFP4 activation is first converted to bf16 q * s * 2^-7 (exact; a temporary [M, K], one small
 //    elementwise kernel, ~1-2% of the GEMM time at the bench shapes), then the RS kernel runs with the W4A4 fold
 //    and g_a in its epilogue: the same exact products and fp32 accumulation as the fused SS path.
@@ -70,6 +72,7 @@
 
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "trace_ext/fp4_numerics.cuh"
 #include "trace_ext/gemm_w4_common.cuh"
@@ -475,8 +478,8 @@ __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
   asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
   return v;
 }
-__device__ __forceinline__ void sts32(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+__device__ __forceinline__ void sts16(uint32_t addr, unsigned short v) {
+  asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(addr), "h"(v) : "memory");
 }
 // cp.async with a shared-window address (no generic -> shared conversion per copy).
 __device__ __forceinline__ void cp_async16_s(uint32_t dst, const void* src) {
@@ -647,43 +650,47 @@ __global__ void __launch_bounds__(kWgThreads, 1) gemm_w4_wgmma_rs_kernel(const G
   fence_acc(acc, 128);
   cp_async_wait<0>();
 
-  // ---- epilogue: acc[4c + 2h + u] = Y[m_begin + 8c + 2t + u][n0 + r0 + 8h]. Lanes g and g ^ 1 swap one value per
-  // pair so that each holds two adjacent columns n of one row m: even g keeps u = 0 (columns g, g + 1 of row
-  // 8c + 2t), odd g keeps u = 1 (columns g - 1, g of row 8c + 2t + 1). The scaled bf16 pairs go to a 256 x 128
-  // staging tile in the (now idle) ring: row m = 256 bytes, 16-byte chunk q of a row stored at q ^ (m & 7) (the 8
-  // rows of one warp store hit distinct banks); then every thread copies whole 16-byte chunks to Y.
+  // ---- epilogue: acc[4c + 2h + u] = Y[m_begin + 8c + 2t + u][n0 + r0 + 8h], scaled by fold * g_a[m] * g_w[n]
+  // (fold * g_w folded once per thread: fold is a power of two, so acc * (g_a * (fold * g_w)) has the same bits as
+  // (acc * fold) * (g_a * g_w)), rounded to bf16 and stored as single bf16 values into a 256 x 128 staging tile in
+  // the (now idle) ring: row m = 256 bytes, 16-byte chunk q of a row stored at q ^ (m & 7), so one store of a warp
+  // (4 rows 2t + u, 8 adjacent columns g) hits 4 distinct 16-byte bank groups; the four store addresses of a
+  // thread (u, h) are fixed, c adds 8 rows (an immediate). Then every thread copies whole 16-byte chunks to Y.
   __syncthreads();  // both warpgroups' wgmmas (wait_group 0) and fragment reads are done with the ring
-  const bool odd = (g & 1) != 0;
   const float fold = p.g_a != nullptr ? kUnfoldW4A4 : kUnfoldW4A16;  // W4A4: the activation carries 2^-7 too
   const float* gw = p.g_w + (int64_t)e * p.gw_stride_e;
-  float gwv[2][2];
+  float gwf[2];
+  uint32_t ya[2][2];
+  const uint32_t ys = ring_lo;  // [kRsBM][kRsBN] bf16
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
+    const int n = n0 + r0 + 8 * h;
+    gwf[h] = __fmul_rn(fold, gw[(int64_t)(n < p.N ? n : p.N - 1) * p.gw_stride_n]);
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int n = n0 + (r0 & ~1) + 8 * h + u;
-      gwv[h][u] = gw[(int64_t)(n < p.N ? n : p.N - 1) * p.gw_stride_n];
-    }
+    for (int u = 0; u < 2; ++u)
+      ya[u][h] = ys + (2 * t + u) * (kRsBN * 2) + ((((r0 >> 3) + h) ^ (2 * t + u)) << 4) + g * 2;
   }
-  const uint32_t ys = ring_lo;  // [kRsBM][kRsBN] bf16 (shared-window address: no generic 64-bit stores)
+  auto stage_out = [&](auto with_ga) {
 #pragma unroll
-  for (int c = 0; c < kRsBM / 8; ++c) {
-    const int ml = 8 * c + 2 * t + (odd ? 1 : 0);
-    const int m = m_begin + ml;
-    const float ga = p.g_a != nullptr && m < m_end ? p.g_a[m] : 1.0f;
+    for (int c = 0; c < kRsBM / 8; ++c) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float own = odd ? acc[4 * c + 2 * h + 1] : acc[4 * c + 2 * h];
-      const float give = odd ? acc[4 * c + 2 * h] : acc[4 * c + 2 * h + 1];
-      const float other = __shfl_xor_sync(0xffffffffu, give, 4);
-      const float lo = odd ? other : own, hi = odd ? own : other;
-      const __nv_bfloat162 v = __floats2bfloat162_rn(__fmul_rn(__fmul_rn(lo, fold), __fmul_rn(ga, gwv[h][0])),
-                                                     __fmul_rn(__fmul_rn(hi, fold), __fmul_rn(ga, gwv[h][1])));
-      const int nl = (r0 & ~1) + 8 * h;  // even column of the pair in the tile
-      sts32(ys + ml * (kRsBN * 2) + (((nl >> 3) ^ (ml & 7)) << 4) + (nl & 7) * 2,
-            *reinterpret_cast<const uint32_t*>(&v));
+      for (int u = 0; u < 2; ++u) {
+        float ga = 1.0f;
+        if constexpr (decltype(with_ga)::value) {
+          const int m = m_begin + 8 * c + 2 * t + u;
+          ga = m < m_end ? p.g_a[m] : 1.0f;
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float sc = decltype(with_ga)::value ? __fmul_rn(ga, gwf[h]) : gwf[h];
+          const __nv_bfloat16 v = __float2bfloat16_rn(__fmul_rn(acc[4 * c + 2 * h + u], sc));
+          sts16(ya[u][h] + c * 8 * (kRsBN * 2), __bfloat16_as_ushort(v));
+        }
+      }
     }
-  }
+  };
+  if (p.g_a != nullptr) stage_out(std::true_type{});
+  else stage_out(std::false_type{});
   __syncthreads();
   const bool vec_ok = (p.N & 7) == 0;  // rows of Y 16-byte aligned (the base is)
 #pragma unroll 4
