@@ -3,10 +3,12 @@
 // launch (prefill chunks and single decode tokens alike).
 //
 // Design:
-// - One thread per 16-element NVFP4 block: two 16-byte loads of bf16, one 8-byte store of packed codes and
-//   one scale byte (FlashInfer#3985: thread-per-block with vector loads/stores is what makes NVFP4 KV
-//   quantization reach bandwidth; byte-per-thread layouts reach ~20%). Consecutive threads take consecutive
-//   blocks of a row, so the D/16 threads of a (token, head) row read D*2 contiguous bytes and write D/2
+// - One thread per pair of 16-element NVFP4 blocks of a row (one block when D/16 is odd or a cache base is
+//   not 16-byte aligned): four 16-byte loads of bf16, one 16-byte store of packed codes and one 2-byte store of
+//   scales (FlashInfer#3985: thread-per-block with vector loads/stores is what makes NVFP4 KV quantization reach
+//   bandwidth; byte-per-thread layouts reach ~20%). The per-item index math (row / token divisions, sequence
+//   search, page lookup: ~60 instructions) is shared by the two blocks. Consecutive threads take consecutive
+//   block pairs of a row, so the threads of a (token, head) row read D*2 contiguous bytes and write D/2
 //   contiguous code bytes and D/16 contiguous scale bytes.
 // - The numerics are those of fp4_numerics.cuh (e4m3_rn, nvfp4_block_divisor, nvfp4_scaled,
 //   e2m1_rn_magnitude): bit-identical to reference.nvfp4_quantize with g = the static g of the layer.
@@ -19,11 +21,14 @@
 //   NaN/Inf are the patterns >= 0x7F80), two elements per integer max.
 // - Element codes: the SPEC needs v = fl(x / t) only through e2m1_rn(|v|) and signbit(v) = signbit(x)
 //   (t > 0). Blocks whose t, 1 / t and quotients are far from under/overflow (judged once per block from
-//   t and the amax, as in quant_nvfp4.cu's RTN path) take |v| = div_rn_with_rcp(|x|, t, fl(1 / t)) (the
-//   correctly rounded quotient: one FMUL and two FMAs) and e2m1_rn_magnitude_bits (RNE read off the float's
-//   bits), both from fp4_numerics.cuh and checked there against the reference: branch free, ~18 ops per
-//   element counted from the source (the previous magic-add rounding with a per-element near-tie test and
-//   out-of-line fallback took ~25; Nsight showed the kernel issue-bound: ALU 69%, issue slots 79%, DRAM 30%). Other blocks (and every block with TRACE_EXT_KV_APPEND_IMPL=old,
+//   t and the amax, as in quant_nvfp4.cu's RTN path) take quant_nvfp4.cu's RTN fast path: u = fl(|x| / t) *
+//   2^-14 = div_rn_with_rcp(|x|, t 2^14, fl(1 / t) 2^-14) (the correctly rounded quotient, scaled exactly: one
+//   FMUL and two FMAs), rounded to the E2M1 grid in fp32 (e2m1_rn_grid_x2m14) and eight codes read off fp16
+//   bits at once (e2m1_pack8_x2m14), all from fp4_numerics.cuh and checked there against the reference: branch
+//   free, mostly FMA-pipe work. Counted from the SASS (fast path only, per 16-element block): 372 instructions
+//   with ~115 on the integer ALU pipe, was 471 with ~204 (e2m1_rn_magnitude_bits per element and one block per
+//   thread; Nsight on that version at B8 x 4096: issue slots 73%, DRAM 40%, 84 us). Other blocks (and every
+//   block with TRACE_EXT_KV_APPEND_IMPL=old,
 //   for A/B timing) take the previous per-element path, also bit-exact: q = fl(|x| * fl(1 / t)) rounded to
 //   the E2M1 grid with a magic-number add (RNE on a 0.5 / 1 / 2 step grid); an element whose q lies within
 //   2^-18 steps of a rounding tie (where fl(x / t) could round the other way), or any element when 1 / t
@@ -63,7 +68,7 @@ struct AppendParams {
   int batch, max_pages, page_size, heads, head_dim;
   int tokens;
   // multiply-shift dividers (see FastDiv)
-  uint32_t nb_mul, nb_shr, heads_mul, heads_shr, page_mul, page_shr;
+  uint32_t ni_mul, ni_shr, heads_mul, heads_shr, page_mul, page_shr;  // ni: items (1 or 2 blocks) per row
   // static decode scales
   float g_k, g_v;
   // 1: blocks in range take the reciprocal-quotient element path (default); 0: TRACE_EXT_KV_APPEND_IMPL=old
@@ -124,61 +129,89 @@ __device__ __forceinline__ int sequence_of_token(const int32_t* __restrict__ cu,
   return lo;
 }
 
+// Quantizes one 16-element block (its 8 bf16 words): the E4M3 scale byte and two words of packed codes.
+__device__ __forceinline__ void quantize_block(const uint32_t (&words)[8], float g, bool rcp_quotient,
+                                               uint8_t& scale_out, uint32_t& code_lo, uint32_t& code_hi) {
+  // |x| as bf16 bits orders like an unsigned int; NaN / Inf are exactly the patterns >= 0x7F80
+  uint32_t amax2 = 0u;
+#pragma unroll
+  for (int w = 0; w < 8; ++w) amax2 = __vmaxu2(amax2, words[w] & 0x7FFF7FFFu);
+  const uint32_t amax_bits = max(amax2 & 0xFFFFu, amax2 >> 16);
+  const bool finite = amax_bits < 0x7F80u;
+  const float amax = bf16_bits_to_float(amax_bits);
+
+  uint8_t scale = kE4M3NaN;
+  uint32_t w2[2] = {0u, 0u};
+  if (finite) {
+    scale = nvfp4_scale_byte(amax, g);
+    const float t = nvfp4_block_divisor(scale, g);
+    if (t != 0.0f) {  // t == 0: v = +0 for every element, all codes 0
+      const float r = __frcp_rn(t);
+      if (rcp_quotient && t >= 0x1p-100f && t <= 0x1p100f && __fmul_rn(amax, r) <= 0x1p100f) {
+        // u = fl(|x| / t) * 2^-14 exactly (Markstein with the block reciprocal, divisor and reciprocal scaled by
+        // exact powers of two; RTN needs no exact tiny quotients: every |v| below 0.25 is code 0), rounded to the
+        // E2M1 grid in fp32 and the codes read off fp16 bits, eight at a time (e2m1_rn_grid_x2m14,
+        // e2m1_pack8_x2m14: quant_nvfp4.cu's RTN path); the sign is x's (t > 0, -0.0 included)
+        const float t14 = __fmul_rn(t, 16384.0f), r14 = __fmul_rn(r, 0x1p-14f);
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          float q[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const int e = 8 * k + i;
+            const uint32_t xb = e & 1 ? words[e >> 1] & 0xFFFF0000u : words[e >> 1] << 16;  // x as fp32 bits
+            const float grid = e2m1_rn_grid_x2m14(div_rn_with_rcp(fabsf(__uint_as_float(xb)), t14, r14));
+            q[i] = __uint_as_float(__float_as_uint(grid) | (xb & 0x80000000u));
+          }
+          w2[k] = e2m1_pack8_x2m14(q);
+        }
+      } else {
+        const bool exact = !(r <= 3.0e38f);  // t so small that 1/t overflowed
+#pragma unroll
+        for (int e = 0; e < kBlockElems; ++e) {
+          const float x = bf16_bits_to_float(e & 1 ? words[e >> 1] >> 16 : words[e >> 1] & 0xFFFFu);
+          w2[e >> 3] |= e2m1_code(x, t, r, exact) << (4 * (e & 7));
+        }
+      }
+    }
+  }
+  scale_out = scale;
+  code_lo = w2[0];
+  code_hi = w2[1];
+}
+
+// kPer consecutive blocks of one (token, head) row per item: the row / token / sequence / page arithmetic is
+// done once per kPer blocks, and the codes and scales go out in one kPer * 8-byte and one kPer-byte store.
+template <int kPer>
 __global__ void __launch_bounds__(kAppendThreads) fp4kv_append_kernel(const AppendParams p) {
+  static_assert(kPer == 1 || kPer == 2, "one or two blocks per item");
   const int nb = p.head_dim / kBlockElems;  // blocks per row
-  const int per_tensor = p.tokens * p.heads * nb;
+  const int ni = nb / kPer;                 // items per row
+  const int per_tensor = p.tokens * p.heads * ni;
   const int total = 2 * per_tensor;  // < 2^31, checked on the host
   for (int64_t item64 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; item64 < total;
        item64 += (int64_t)gridDim.x * blockDim.x) {
     const int item = (int)item64;
     const bool is_v = item >= per_tensor;
     const int i = is_v ? item - per_tensor : item;
-    const int row = fast_div(i, p.nb_mul, p.nb_shr);  // token * H + head
-    const int blk = i - row * nb;
+    const int row = fast_div(i, p.ni_mul, p.ni_shr);  // token * H + head
+    const int blk = (i - row * ni) * kPer;            // first block of the item
     const int token = fast_div(row, p.heads_mul, p.heads_shr);
     const int head = row - token * p.heads;
 
-    const uint16_t* src = (is_v ? p.v_new : p.k_new) + (int64_t)row * p.head_dim + blk * kBlockElems;
-    const uint4 lo = __ldg(reinterpret_cast<const uint4*>(src));
-    const uint4 hi = __ldg(reinterpret_cast<const uint4*>(src) + 1);
-    const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    // |x| as bf16 bits orders like an unsigned int; NaN / Inf are exactly the patterns >= 0x7F80
-    uint32_t amax2 = 0u;
+    const uint4* src = reinterpret_cast<const uint4*>((is_v ? p.v_new : p.k_new) + (int64_t)row * p.head_dim +
+                                                      blk * kBlockElems);
+    uint4 raw[2 * kPer];
 #pragma unroll
-    for (int w = 0; w < 8; ++w) amax2 = __vmaxu2(amax2, words[w] & 0x7FFF7FFFu);
-    const uint32_t amax_bits = max(amax2 & 0xFFFFu, amax2 >> 16);
-    const bool finite = amax_bits < 0x7F80u;
-    const float amax = bf16_bits_to_float(amax_bits);
-
+    for (int j = 0; j < 2 * kPer; ++j) raw[j] = __ldg(src + j);
     const float g = is_v ? p.g_v : p.g_k;
-    uint8_t scale = kE4M3NaN;
-    uint2 packed = make_uint2(0u, 0u);
-    if (finite) {
-      scale = nvfp4_scale_byte(amax, g);
-      const float t = nvfp4_block_divisor(scale, g);
-      uint32_t w2[2] = {0u, 0u};
-      if (t != 0.0f) {  // t == 0: v = +0 for every element, all codes 0
-        const float r = __frcp_rn(t);
-        if (p.rcp_quotient && t >= 0x1p-100f && t <= 0x1p100f && __fmul_rn(amax, r) <= 0x1p100f) {
-          // |v| = fl(|x| / t) exactly (Markstein with the block reciprocal); RTN needs no exact tiny quotients
-          // (every |v| below 0.25 is code 0), so no per-element range test (fp4_numerics.cuh, quant_nvfp4.cu)
+    uint8_t scale[kPer];
+    uint32_t code[2 * kPer];
 #pragma unroll
-          for (int e = 0; e < kBlockElems; ++e) {
-            const uint32_t bits = e & 1 ? words[e >> 1] >> 16 : words[e >> 1] & 0xFFFFu;
-            const float ax = bf16_bits_to_float(bits & 0x7FFFu);
-            const uint32_t mag = e2m1_rn_magnitude_bits(div_rn_with_rcp(ax, t, r));
-            w2[e >> 3] |= (mag | ((bits >> 12) & 8u)) << (4 * (e & 7));
-          }
-        } else {
-          const bool exact = !(r <= 3.0e38f);  // t so small that 1/t overflowed
-#pragma unroll
-          for (int e = 0; e < kBlockElems; ++e) {
-            const float x = bf16_bits_to_float(e & 1 ? words[e >> 1] >> 16 : words[e >> 1] & 0xFFFFu);
-            w2[e >> 3] |= e2m1_code(x, t, r, exact) << (4 * (e & 7));
-          }
-        }
-      }
-      packed = make_uint2(w2[0], w2[1]);
+    for (int j = 0; j < kPer; ++j) {
+      const uint4 lo = raw[2 * j], hi = raw[2 * j + 1];
+      const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      quantize_block(words, g, p.rcp_quotient != 0, scale[j], code[2 * j], code[2 * j + 1]);
     }
 
     const int b = sequence_of_token(p.cu_seqlens, p.batch, token);
@@ -186,10 +219,15 @@ __global__ void __launch_bounds__(kAppendThreads) fp4kv_append_kernel(const Appe
     const int col = fast_div(pos, p.page_mul, p.page_shr);
     const int64_t page = __ldg(p.block_table + (int64_t)b * p.max_pages + col);
     const int64_t cache_row = (page * p.page_size + (pos - col * p.page_size)) * p.heads + head;
-    uint8_t* codes = is_v ? p.v_codes : p.k_codes;
-    uint8_t* scales = is_v ? p.v_scales : p.k_scales;
-    *reinterpret_cast<uint2*>(codes + cache_row * (p.head_dim / 2) + blk * (kBlockElems / 2)) = packed;
-    scales[cache_row * nb + blk] = scale;
+    uint8_t* codes = (is_v ? p.v_codes : p.k_codes) + cache_row * (p.head_dim / 2) + blk * (kBlockElems / 2);
+    uint8_t* scales = (is_v ? p.v_scales : p.k_scales) + cache_row * nb + blk;
+    if constexpr (kPer == 2) {  // 16- and 2-byte aligned: nb even, bases checked on the host
+      *reinterpret_cast<uint4*>(codes) = make_uint4(code[0], code[1], code[2], code[3]);
+      *reinterpret_cast<uint16_t*>(scales) = (uint16_t)(scale[0] | (scale[1] << 8));
+    } else {
+      *reinterpret_cast<uint2*>(codes) = make_uint2(code[0], code[1]);
+      *scales = scale[0];
+    }
   }
 }
 
@@ -244,7 +282,16 @@ void fp4kv_append_cuda(at::Tensor& k_codes, at::Tensor& k_scales, at::Tensor& v_
   TORCH_CHECK_VALUE(block_table.size(1) * P < (int64_t(1) << 31), "trace_ext: fp4kv_append: positions must fit int32");
 
   c10::cuda::CUDAGuard guard(k_codes.device());
-  require_kernel_image(fp4kv_append_kernel, op);
+  // two blocks per thread when a row has an even number of blocks and the cache bases allow the 16-byte code and
+  // 2-byte scale stores (always, for torch allocations and head dims 64 / 128)
+  const int64_t nb = D / kNvfp4Block;
+  const bool pair = nb % 2 == 0 && reinterpret_cast<uintptr_t>(k_codes.data_ptr()) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(v_codes.data_ptr()) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(k_scales.data_ptr()) % 2 == 0 &&
+                    reinterpret_cast<uintptr_t>(v_scales.data_ptr()) % 2 == 0;
+  const int per = pair ? 2 : 1;
+  auto kernel = pair ? fp4kv_append_kernel<2> : fp4kv_append_kernel<1>;
+  require_kernel_image(kernel, op);
   // the kernel reads bf16 rows with 16-byte loads: an offset view gets an aligned copy
   const at::Tensor k_src = reinterpret_cast<uintptr_t>(k_new.data_ptr()) % 16 ? k_new.clone() : k_new;
   const at::Tensor v_src = reinterpret_cast<uintptr_t>(v_new.data_ptr()) % 16 ? v_new.clone() : v_new;
@@ -264,9 +311,9 @@ void fp4kv_append_cuda(at::Tensor& k_codes, at::Tensor& k_scales, at::Tensor& v_
   p.heads = (int)H;
   p.head_dim = (int)D;
   p.tokens = (int)T;
-  const FastDiv fd_nb = FastDiv::make((uint32_t)(D / kNvfp4Block)), fd_h = FastDiv::make((uint32_t)H),
+  const FastDiv fd_ni = FastDiv::make((uint32_t)(nb / per)), fd_h = FastDiv::make((uint32_t)H),
                 fd_p = FastDiv::make((uint32_t)P);
-  p.nb_mul = fd_nb.mul, p.nb_shr = fd_nb.shr;
+  p.ni_mul = fd_ni.mul, p.ni_shr = fd_ni.shr;
   p.heads_mul = fd_h.mul, p.heads_shr = fd_h.shr;
   p.page_mul = fd_p.mul, p.page_shr = fd_p.shr;
   p.g_k = (float)g_k;
@@ -276,12 +323,12 @@ void fp4kv_append_cuda(at::Tensor& k_codes, at::Tensor& k_scales, at::Tensor& v_
   TORCH_CHECK_VALUE(std::isfinite(p.g_k) && p.g_k > 0.0f && std::isfinite(p.g_v) && p.g_v > 0.0f,
                     "trace_ext: g_k and g_v must be finite and > 0, got ", g_k, ", ", g_v);
 
-  const int64_t items = 2 * T * H * (D / kNvfp4Block);
+  const int64_t items = 2 * T * H * (nb / per);
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, k_codes.get_device());
   const int64_t want = (items + kAppendThreads - 1) / kAppendThreads;
   const int grid = (int)std::min<int64_t>(want, (int64_t)sms * 16);
-  fp4kv_append_kernel<<<grid, kAppendThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);
+  kernel<<<grid, kAppendThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);
   check_launch(op);
 }
 
