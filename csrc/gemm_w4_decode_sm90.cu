@@ -9,25 +9,38 @@
 //  - The MMA's k slots are permuted (sum order is free): lane (g, t) covers elements 16t + 4ks + {0..3} of each
 //    64-wide K step, so its 16 weight elements per row are ONE NVFP4 block (one scale per row per step) and its
 //    16 activation elements are contiguous (two 16-byte loads of bf16, one 8-byte load of FP4 codes).
-//  - Packed layout: per (16-row block, 256-K super-tile) 2304 bytes, 72 per lane (4 x 16 B codes + 8 B scales).
-//    Default path: every warp streams its super-tiles through its own cp.async ring in shared memory (3-4 slots
-//    of 2304 B, 2-3 super-tiles in flight per warp), each lane copying and reading back only its own 72 bytes,
-//    so cp.async.wait_group orders the copy before the reads without a barrier. Loads in flight hold no
-//    registers, so 80 registers and 3 CTAs (24 warps, ~110 KB of weight loads in flight) fit per SM; the
-//    counters of the register-prefetch path (124-138 registers, 1-2 CTAs per SM) showed DRAM at 16-37 % of
-//    peak, latency bound. TRACE_EXT_DECODE_IMPL=old keeps that path (next super-tile's weights in registers,
-//    activation fragments one 64-K step ahead) selectable for comparison.
+//  - Packed layout: per (16-row block, 256-K super-tile) 2304 bytes, 72 per lane (4 x 16 B codes + 8 B scales),
+//    blocks nb-major, so the flat tile index j = nb * KT + kt is also the byte order of a dense weight.
+//  - Dense (default): flat per-warp streams. One resident wave (3 CTAs of 8 warps per SM up to 16 rows, 2 for
+//    32); warp w of W streams tiles [T w / W, T (w + 1) / W) of all T tiles, i.e. one contiguous byte range, equal
+//    shares (+-1 tile) for any N, K, through its own cp.async ring (4 slots: 3 tiles = 6.9 KB ahead per warp,
+//    166 KB per SM; 32 rows: 6 slots, 16 warps). A 16-row block covered by one warp is stored by it; a block
+//    shared by several warps gets one fp32 partial per warp, and after its whole stream each warp arrives (one
+//    acq_rel atomic per shared block, self-resetting tickets); the last adds the partials in warp order, i.e. K
+//    order (deterministic). Why: counters of the ring path at de2a673 (M = 1, 14336 x 4096: 896 CTAs of 2 tiles
+//    per warp, 25.6 us, DRAM 27.6 %, issue 32 %) showed each warp loading its whole share at once and then
+//    waiting a full DRAM latency (no steady-state overlap), 2.26 waves of CTAs, and the split-K epilogue
+//    (__threadfence = MEMBAR.SC + ERRBAR + L1 invalidate in every thread, CTA barriers, ticket round trips) among
+//    the top stalls; the stream kernel has no CTA barrier, one launch wave and its arrivals at the very end.
+//  - Grouped, and dense with TRACE_EXT_DECODE_IMPL=ring: every warp streams its super-tiles through its own cp.async
+//    ring in shared memory (3-4 slots of 2304 B, 2-3 super-tiles in flight per warp), each lane copying and
+//    reading back only its own 72 bytes, so cp.async.wait_group orders the copy before the reads without a
+//    barrier. Loads in flight hold no registers, so 80 registers and 3 CTAs per SM fit; the counters of the
+//    register-prefetch path (124-138 registers, 1-2 CTAs per SM) showed DRAM at 16-37 % of peak, latency bound.
+//    TRACE_EXT_DECODE_IMPL=old keeps that path (next super-tile's weights in registers, activation fragments one
+//    64-K step ahead) selectable for comparison.
 //  - Codes are re-encoded offline so FP4 -> bf16 costs 1 AND (pair 0), a shift + AND (pairs 1, 2) and 3 shifts +
 //    3 ANDs/ORs (pair 3) per 8 elements; values come out as q * 2^-126 and one bf16x2 multiply by (s * 2^119)
 //    gives the exact q * s * 2^-7 (see gemm_w4_sm90.cu).
-//  - Parallelism: a CTA is 8 warps = (8 / KW) warp columns of NB 16-row blocks x KW warps splitting K (sums
-//    combined through shared memory in warp order, deterministic); activation fragments are reused NB times in
-//    registers and 8 / KW times through L1. Dense problems also split K over gridDim.y CTAs (about 512 K per
-//    warp); partial sums go to an fp32 workspace and the last CTA of each N tile (atomic ticket, self-resetting)
-//    adds them in split order (deterministic) and runs the epilogue. Grouped problems run one CTA per (N tile,
-//    expert): with at least as many rows as experts, blockIdx.z is the expert and empty ones exit at once; with
-//    fewer (gridDim.z = M < E) each CTA finds the blockIdx.z-th expert with rows (one ballot pass over offsets)
-//    so that the empty experts launch nothing. Experts with more than 8 * MT8 rows loop over row chunks.
+//  - Parallelism (ring / old paths): a CTA is 8 warps = (8 / KW) warp columns of NB 16-row blocks x KW warps
+//    splitting K (sums combined through shared memory in warp order, deterministic); activation fragments are
+//    reused NB times in registers and 8 / KW times through L1. Dense problems (ring path) also split K over
+//    gridDim.y CTAs (about 512 K per warp); partial sums go to an fp32 workspace and the last CTA of each N tile
+//    (atomic ticket, self-resetting) adds them in split order (deterministic) and runs the epilogue. Grouped
+//    problems run one CTA per (N tile, expert): with at least as many rows as experts, blockIdx.z is the expert
+//    and empty ones exit at once; with fewer (gridDim.z = M < E) each CTA finds the blockIdx.z-th expert with rows
+//    (one ballot pass over offsets) so that the empty experts launch nothing. Experts with more than 8 * MT8 rows
+//    loop over row chunks.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -389,6 +402,227 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
   }
 }
 
+// ---- dense: flat per-warp weight streams (default dense path) -------------------------------------------------
+// The packed tiles of a dense weight are stored nb-major ((nb * KT + kt) * kTileBytes), so the flat tile index
+// j = nb * KT + kt is also the byte order. Warp w of the grid (W warps, one resident wave) streams tiles
+// [T * w / W, T * (w + 1) / W) of the T = n_blocks * KT tiles: one contiguous byte range per warp, equal shares
+// (+-1 tile) whatever N and K are, and the warp's cp.async ring stays full across 16-row block boundaries. A
+// block covered by one warp is finished by it; a block shared by several warps gets one fp32 partial per warp
+// (fragment layout, slot 2w + (warp started before the block)), and the last of them to arrive (one ticket per
+// block, self-resetting) adds them in warp order, i.e. in K order (deterministic). Arrivals come after the whole
+// stream (one fence per warp, no CTA barrier anywhere), so the fence never drains a ring that is still needed.
+__device__ __forceinline__ int stream_warp_of(int64_t j, int64_t T, int W) {  // the warp whose range holds tile j
+  return (int)(((j + 1) * W - 1) / T);
+}
+__device__ __forceinline__ int64_t stream_first_tile(int w, int64_t T, int W) { return T * w / W; }
+
+template <int MT8, bool kAFp4, int kStages, int kMinBlocks>
+__global__ void __launch_bounds__(kDecThreads, kMinBlocks)
+    gemm_w4_decode_stream_kernel(const GemmParams p, float* __restrict__ ws, int* __restrict__ tickets, int n_warps) {
+  static_assert(kStages >= 2, "a cp.async ring needs at least 2 slots");
+  constexpr int kFrag = MT8 * 4;  // fp32 accumulators per lane
+  extern __shared__ __align__(16) uint8_t dec_ring[];  // [warp][kStages][kTileBytes]
+  const int warp_id = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int K = p.K, N = p.N, M = p.M;
+  const int KT = K / kSuperK;
+  const int n_blocks = N / 16;
+  const int64_t T = (int64_t)n_blocks * KT;
+  const int W = n_warps;  // <= T, so that every warp owns at least one tile (the ticket counts rely on it)
+  const int w = blockIdx.x * kDecWarps + warp_id;
+  if (w >= W) return;  // warp-uniform; no barrier below
+  const int j0 = (int)stream_first_tile(w, T, W), j1 = (int)stream_first_tile(w + 1, T, W);  // T < 2^31
+  const float fold = kAFp4 ? kUnfoldW4A4 : kUnfoldW4A16;
+  const uint8_t* const wsrc = p.w_packed + (int)lane * 16;  // this lane's 16-byte column of every tile
+  uint8_t* const ring = dec_ring + warp_id * kStages * kTileBytes;
+
+  // tile j -> ring slot (j - j0) % kStages; each lane copies and reads back only its own 72 bytes, so
+  // cp.async.wait_group alone orders copy before read (no barrier)
+  int j_issue = j0;
+  int slot_issue = 0;
+  auto issue_next = [&]() {
+    if (j_issue < j1) {
+      const uint8_t* src = wsrc + (int64_t)j_issue * kTileBytes;
+      uint8_t* dst = ring + slot_issue * kTileBytes + lane * 16;
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) cp_async16(dst + kk * 512, src + kk * 512, true);
+      cp_async8(ring + slot_issue * kTileBytes + kCodeBytes + lane * 8,
+                p.w_packed + (int64_t)j_issue * kTileBytes + kCodeBytes + lane * 8, true);
+    }
+    cp_async_commit();  // possibly empty: one group per tile for wait_group
+    ++j_issue;
+    slot_issue = slot_issue + 1 == kStages ? 0 : slot_issue + 1;
+  };
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) issue_next();
+
+  float acc[MT8][4];
+#pragma unroll
+  for (int i = 0; i < MT8; ++i)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
+
+  // y = bf16(sum * fold * g_a[m] * g_w[n]) for the lane's fragment of block nb
+  auto store_y = [&](int nb, const float (&v)[MT8][4]) {
+#pragma unroll
+    for (int i = 0; i < MT8; ++i)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int n = nb * 16 + g + (c >> 1) * 8, m = 8 * i + 2 * t + (c & 1);
+        if (m >= M) continue;
+        const float ga = p.g_a != nullptr ? p.g_a[m] : 1.0f;
+        const float y = __fmul_rn(__fmul_rn(v[i][c], fold), __fmul_rn(ga, p.g_w[(int64_t)n * p.gw_stride_n]));
+        p.y[(int64_t)m * N + n] = __float2bfloat16_rn(y);
+      }
+  };
+
+  int nb = j0 / KT, kt = j0 - nb * KT;
+  const int kt_first = kt;          // first k tile of the warp's first block
+  int pending0 = -1, pending1 = -1;  // blocks whose partial this warp wrote (slot 0: first block, 1: last block)
+  int slot_rd = 0;
+  for (int j = j0; j < j1; ++j) {
+    auto load_a = [&](int kk, uint32_t (&bq)[MT8][8]) {
+      const int k = kt * kSuperK + kk * 64 + 16 * t;
+#pragma unroll
+      for (int i = 0; i < MT8; ++i) {
+        const int m = 8 * i + g;
+        if (m < M) {
+          if constexpr (!kAFp4) {
+            const uint4* src =
+                reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(p.a) + (int64_t)m * K + k);
+            const uint4 x0 = __ldg(src), x1 = __ldg(src + 1);
+            bq[i][0] = x0.x; bq[i][1] = x0.y; bq[i][2] = x0.z; bq[i][3] = x0.w;
+            bq[i][4] = x1.x; bq[i][5] = x1.y; bq[i][6] = x1.z; bq[i][7] = x1.w;
+          } else {
+            const uint8_t* ac = reinterpret_cast<const uint8_t*>(p.a) + (int64_t)m * (K / 2) + k / 2;
+            const uint2 c = __ldg(reinterpret_cast<const uint2*>(ac));
+            const uint32_t sc = scale_bf16x2_folded(__ldg(p.a_scales + (int64_t)m * (K / 16) + k / 16));
+            const uint32_t cw[2] = {c.x, c.y};
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj)
+              bq[i][jj] = bf16x2_mul(fp4x2_to_bf16x2_biased((cw[jj >> 2] >> (8 * (jj & 3))) & 0xFFu), sc);
+          }
+        } else {
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) bq[i][jj] = 0u;
+        }
+      }
+    };
+    // up to 8 rows of bf16: the tile's activation fragments (4 x 8 registers) are loaded before the wait for its
+    // weights, so that their latency (L1 / L2 hits) overlaps it
+    constexpr bool kHoistA = MT8 == 1 && !kAFp4;
+    uint32_t bqh[kHoistA ? 4 : 1][MT8][8];
+    if constexpr (kHoistA) {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) load_a(kk, bqh[kk]);
+    }
+    asm volatile("" ::: "memory");  // the reads of the slot refilled here (previous tile) stay before it
+    issue_next();
+    cp_async_wait<kStages - 1>();   // the group of tile j is complete
+    asm volatile("" ::: "memory");  // and the reads below stay after the wait
+    const uint8_t* const srd = ring + slot_rd * kTileBytes;
+    slot_rd = slot_rd + 1 == kStages ? 0 : slot_rd + 1;
+    const uint2 sv = *reinterpret_cast<const uint2*>(srd + kCodeBytes + lane * 8);
+
+    constexpr int kKkUnroll = MT8 >= 4 ? 1 : 4 / MT8;  // 16 / 32 rows: 2 / 1 64-K steps per trip (no spills)
+#pragma unroll kKkUnroll
+    for (int kk = 0; kk < 4; ++kk) {
+      uint32_t bq[MT8][8];
+      if constexpr (kHoistA) {
+#pragma unroll
+        for (int i = 0; i < MT8; ++i)
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) bq[i][jj] = bqh[kk][i][jj];
+      } else {
+        load_a(kk, bq);
+      }
+      const uint32_t sw = kk < 2 ? sv.x : sv.y;
+      const uint32_t s_lo = scale_bf16x2_folded((uint8_t)((sw >> (16 * (kk & 1))) & 0xFF));
+      const uint32_t s_hi = scale_bf16x2_folded((uint8_t)((sw >> (16 * (kk & 1) + 8)) & 0xFF));
+      const uint4 wq = *reinterpret_cast<const uint4*>(srd + kk * 512 + lane * 16);
+      uint32_t rg[8], rh[8];  // rows g and g+8: pairs 0..7 of the 16-element block
+      decode_word(wq.x, rg);
+      decode_word(wq.y, rg + 4);
+      decode_word(wq.z, rh);
+      decode_word(wq.w, rh + 4);
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        rg[jj] = bf16x2_mul(rg[jj], s_lo);
+        rh[jj] = bf16x2_mul(rh[jj], s_hi);
+      }
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+        const uint32_t af[4] = {rg[2 * ks], rh[2 * ks], rg[2 * ks + 1], rh[2 * ks + 1]};
+#pragma unroll
+        for (int i = 0; i < MT8; ++i) {
+          const uint32_t bf[2] = {bq[i][2 * ks], bq[i][2 * ks + 1]};
+          mma_bf16_16816(acc[i], af, bf);
+        }
+      }
+    }
+
+    // ---- end of a block segment: the whole block -> Y; part of it -> partial slot
+    if (kt == KT - 1 || j == j1 - 1) {
+      const bool first_seg = nb * KT <= j0;  // the warp's first block
+      if (kt == KT - 1 && (!first_seg || kt_first == 0)) {
+        store_y(nb, acc);
+      } else {
+        float* dst = ws + ((int64_t)w * 2 + (first_seg ? 0 : 1)) * (kFrag * 32) + lane;
+#pragma unroll
+        for (int i = 0; i < MT8; ++i)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) __stcg(dst + (i * 4 + c) * 32, acc[i][c]);
+        if (first_seg) pending0 = nb; else pending1 = nb;
+      }
+#pragma unroll
+      for (int i = 0; i < MT8; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
+      ++nb;
+      kt = 0;
+    } else {
+      ++kt;
+    }
+  }
+  cp_async_wait<0>();  // no copy outlives the kernel's shared memory
+
+  // ---- shared blocks: arrive (after all of this warp's partial stores), the last warp reduces in warp order
+  if (pending0 < 0 && pending1 < 0) return;
+  __syncwarp();
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int b = q == 0 ? pending0 : pending1;
+    if (b < 0) continue;
+    const int wf = stream_warp_of((int64_t)b * KT, T, W), wl = stream_warp_of((int64_t)b * KT + KT - 1, T, W);
+    int last = 0;
+    if (lane == 0) {
+      int ticket;
+      // release: this warp's partial stores (ordered before lane 0 by the warp barrier) before the ticket
+      asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;\n" : "=r"(ticket) : "l"(tickets + b) : "memory");
+      last = ticket == wl - wf;
+      if (last) tickets[b] = 0;  // self-reset for the next launch on this stream
+    }
+    last = __shfl_sync(0xffffffffu, last, 0);
+    if (!last) continue;
+    // acquire (lane 0's acq_rel atomic, then the warp barrier): the other warps' partials are visible in L2
+    __syncwarp();
+    float v[MT8][4];
+#pragma unroll
+    for (int i = 0; i < MT8; ++i)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) v[i][c] = 0.f;
+    for (int ww = wf; ww <= wl; ++ww) {
+      const int slot = stream_first_tile(ww, T, W) < (int64_t)b * KT ? 1 : 0;  // started in an earlier block
+      const float* src = ws + ((int64_t)ww * 2 + slot) * (kFrag * 32) + lane;
+#pragma unroll
+      for (int i = 0; i < MT8; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) v[i][c] = __fadd_rn(v[i][c], __ldcg(src + (i * 4 + c) * 32));
+    }
+    store_y(b, v);
+  }
+}
+
 bool decode_supported(const GemmParams& p) {
   return p.w_packed != nullptr && p.N % 16 == 0 && p.K % kSuperK == 0 && p.K > 0;
 }
@@ -406,6 +640,48 @@ int* ticket_buffer(const at::Tensor& like, cudaStream_t stream, int n) {
     buf = at::zeros({std::max<int64_t>(n, 4096)}, like.options().dtype(at::kInt));  // on the current stream
   }
   return buf.data_ptr<int>();
+}
+
+int sm_count(int dev) {
+  static int counts[kMaxDevices] = {};
+  int sms = dev < kMaxDevices ? counts[dev] : 0;
+  if (sms == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    if (dev < kMaxDevices) counts[dev] = sms;
+  }
+  return sms;
+}
+
+// Dense flat-stream launch: one resident wave (kMinBlocks CTAs per SM), at most one warp per 2 tiles, and never
+// more streaming warps than tiles.
+template <int MT8, bool kAFp4, int kStages, int kMinBlocks>
+void launch_decode_stream(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
+  auto kernel = gemm_w4_decode_stream_kernel<MT8, kAFp4, kStages, kMinBlocks>;
+  constexpr int kSmem = kDecWarps * kStages * kTileBytes;  // the warps' cp.async rings, no static shared memory
+  static_assert(kMinBlocks * (kSmem + 1024) <= 228 * 1024,
+                "decode stream rings of kMinBlocks CTAs (+1 KB driver reserve each) must fit one SM's shared memory");
+  static bool attr_set[kMaxDevices] = {};
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev >= kMaxDevices || !attr_set[dev]) {
+    require_kernel_image(kernel, "fp4_linear (decode)");
+    if (kSmem > 48 * 1024)
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        (int)cudaSharedmemCarveoutMaxShared));
+    if (dev < kMaxDevices) attr_set[dev] = true;
+  }
+  const int n_blocks = p.N / 16;
+  const int64_t T = (int64_t)n_blocks * (p.K / kSuperK);
+  TORCH_CHECK(T < (int64_t{1} << 31), "trace_ext: weight too large for the decode GEMM (2^31 packed tiles)");
+  constexpr int kMinTilesPerWarp = 2;
+  const int64_t warps = std::max<int64_t>(
+      1, std::min<int64_t>((int64_t)kMinBlocks * sm_count(dev) * kDecWarps, T / kMinTilesPerWarp));
+  const int ctas = (int)((warps + kDecWarps - 1) / kDecWarps);
+  at::Tensor ws = at::empty({warps * 2 * MT8 * 4 * 32}, like.options().dtype(at::kFloat));  // 2 partials / warp
+  int* tickets = ticket_buffer(like, stream, n_blocks);
+  kernel<<<ctas, kDecThreads, kSmem, stream>>>(p, ws.data_ptr<float>(), tickets, (int)warps);
+  check_launch("fp4_linear (decode)");
 }
 
 template <int MT8, int NB, bool kAFp4, int KW, int kStages, int kMinBlocks>
@@ -443,12 +719,7 @@ void launch_decode(const GemmParams& p, const at::Tensor& like, cudaStream_t str
     // ring path, M <= 8 (workspace traffic negligible): with fewer than two rounds of resident CTAs (e.g. M = 1,
     // N = 7168: 448 CTAs for 396 slots, the last 52 run alone), halve the K per CTA down to one super-tile per warp
     if (kStages > 0 && p.M <= 8) {
-      static int sm_count[kMaxDevices] = {};
-      int sms = dev < kMaxDevices ? sm_count[dev] : 0;
-      if (sms == 0) {
-        C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-        if (dev < kMaxDevices) sm_count[dev] = sms;
-      }
+      const int sms = sm_count(dev);
       while ((int64_t)n_tiles * splits < 2LL * kMinBlocks * sms && 2 * splits * KW <= KT) splits *= 2;
     }
     if (splits > 1) {
@@ -467,13 +738,17 @@ void launch_decode(const GemmParams& p, const at::Tensor& like, cudaStream_t str
 }
 
 // TRACE_EXT_DECODE_IMPL=old selects the configurations of commit 0847752 (register double buffers, 2 resident
-// CTAs per SM, experts always ranked) so that one GPU run can time both; read once per process.
-bool decode_impl_old() {
-  static const bool old = [] {
+// CTAs per SM, experts always ranked); =ring the per-warp cp.async rings of de2a673 for dense problems too (split
+// K over CTAs, tickets per N tile); default: dense problems run the flat-stream kernel, grouped ones the rings.
+// Read once per process, so that one GPU run can time all three.
+enum class DecodeImpl { kStream, kRing, kOld };
+DecodeImpl decode_impl() {
+  static const DecodeImpl impl = [] {
     const char* v = std::getenv("TRACE_EXT_DECODE_IMPL");
-    return v != nullptr && std::string(v) == "old";
+    const std::string s = v != nullptr ? v : "";
+    return s == "old" ? DecodeImpl::kOld : s == "ring" ? DecodeImpl::kRing : DecodeImpl::kStream;
   }();
-  return old;
+  return impl;
 }
 
 template <bool kAFp4>
@@ -487,13 +762,12 @@ void run_decode_old(const GemmParams& p, int64_t rows_hint, const at::Tensor& li
   }
 }
 
-// Default configurations: weights through per-warp cp.async rings (2 super-tiles = 4.6 KB ahead per warp, held
-// in shared memory, not registers), so that 3 CTAs per SM fit (80 registers, 24 warps, ~110 KB of weight
-// loads in flight per SM; counters of 0847752: 124 / 138 registers, 2 / 1 CTAs per SM, DRAM 16-37 % of peak).
-// M > 16: 32 rows per chunk, one 16-row block per warp, K split over 2 warps (activations reused through L1 by
-// the 4 warp columns), 3 tiles ahead, 2 CTAs per SM.
+// cp.async-ring configurations: weights through per-warp rings (2 super-tiles = 4.6 KB ahead per warp, held in
+// shared memory, not registers), so that 3 CTAs per SM fit (80 registers, 24 warps). M > 16: 32 rows per chunk,
+// one 16-row block per warp, K split over 2 warps (activations reused through L1 by the 4 warp columns), 3 tiles
+// ahead, 2 CTAs per SM.
 template <bool kAFp4>
-void run_decode_new(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream) {
+void run_decode_ring(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream) {
   if (p.offsets != nullptr) {
     // grouped (rows_hint = rows per expert on average): a row chunk a little larger than the average, so that
     // few experts loop over a second chunk (which streams their weights again): 8 rows up to 2 per expert on
@@ -516,9 +790,28 @@ void run_decode_new(const GemmParams& p, int64_t rows_hint, const at::Tensor& li
   }
 }
 
+// Default: dense problems as flat per-warp streams (3 tiles = 6.9 KB ahead per warp, 24 warps per SM up to
+// 16 rows; 5 tiles ahead, 16 warps per SM for 32 rows); grouped problems through the rings.
+template <bool kAFp4>
+void run_decode_new(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream) {
+  if (p.offsets != nullptr || decode_impl() == DecodeImpl::kRing) {
+    run_decode_ring<kAFp4>(p, rows_hint, like, stream);
+    return;
+  }
+  if (p.M <= 0) return;
+  TORCH_CHECK(p.M <= 32, "trace_ext: dense decode GEMM takes at most 32 rows");
+  if (p.M <= 8) {
+    launch_decode_stream<1, kAFp4, 4, 3>(p, like, stream);
+  } else if (p.M <= 16) {
+    launch_decode_stream<2, kAFp4, 4, 3>(p, like, stream);
+  } else {
+    launch_decode_stream<4, kAFp4, 6, 2>(p, like, stream);
+  }
+}
+
 void run_decode(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream) {
   const bool a4 = p.a_scales != nullptr;
-  if (decode_impl_old()) {
+  if (decode_impl() == DecodeImpl::kOld) {
     if (a4) run_decode_old<true>(p, rows_hint, like, stream); else run_decode_old<false>(p, rows_hint, like, stream);
   } else {
     if (a4) run_decode_new<true>(p, rows_hint, like, stream); else run_decode_new<false>(p, rows_hint, like, stream);
