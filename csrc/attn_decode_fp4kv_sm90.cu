@@ -184,6 +184,15 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// 2^x for the softmax weights of the main loops: MUFU.EX2 alone (exp2f adds a compare and two multiplies per call
+// to produce subnormal results). Results below 2^-126 flush to 0, which changes nothing: P is rounded to fp16
+// (smallest subnormal 2^-24) before the MMA, and l_run's relative change is below 2^-100.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
   __half2 r = __hmul2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
   return *reinterpret_cast<uint32_t*>(&r);
@@ -612,7 +621,7 @@ __global__ void __launch_bounds__(kThreads, kQSmem ? kMinBlocks : kMinBlocksQReg
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float m_ref = m_run[e >> 1] == -INFINITY ? 0.0f : m_run[e >> 1];
-        const float pe = exp2f(s[nt][e] - m_ref);
+        const float pe = exp2_ftz(s[nt][e] - m_ref);
         s[nt][e] = pe;
         psum[e >> 1] += pe;
       }
@@ -928,7 +937,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksSwap) fp4kv_decode_kernel_
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float m_ref = m_run[e & 1] == -INFINITY ? 0.0f : m_run[e & 1];
-      s[e] = exp2f(s[e] - m_ref);
+      s[e] = exp2_ftz(s[e] - m_ref);
     }
     l_run[0] += s[0] + s[2];  // this lane's tokens only; summed over r after the loop
     l_run[1] += s[1] + s[3];
@@ -1079,6 +1088,10 @@ int choose_splits(int batch_heads, int64_t max_len, int device) {
   // more concurrent streams: B32 S8K 4 -> 5 -> 8 splits 79 -> 83 -> 90 us; B64 S4K 1-2 splits 76 us, 5 splits
   // 88 us; B1 S128K 32 splits 81 us, 82 splits 94 us). Take the smallest split count within 5% of the best
   // modelled makespan, without splits shorter than kMinSplitTokens.
+  // (the scan is a few hundred steps: the last answer per device is kept, decode repeats its shapes every layer)
+  static int64_t memo_bh[64] = {0}, memo_len[64] = {0};
+  static int memo_splits[64] = {0};
+  if (memo_splits[slot] > 0 && memo_bh[slot] == batch_heads && memo_len[slot] == max_len) return memo_splits[slot];
   const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(max_len / kMinSplitTokens, 4 * (int64_t)sms));
   auto cost = [&](int64_t s) {
     const int64_t k = ((int64_t)batch_heads * s + sms - 1) / sms;
@@ -1086,10 +1099,12 @@ int choose_splits(int batch_heads, int64_t max_len, int device) {
   };
   double best_cost = cost(1);
   for (int64_t s = 2; s <= max_splits; ++s) best_cost = std::min(best_cost, cost(s));
-  for (int64_t s = 1; s <= max_splits; ++s) {
-    if (cost(s) <= 1.05 * best_cost) return (int)s;
-  }
-  return 1;
+  int splits = 1;
+  while (splits < max_splits && cost(splits) > 1.05 * best_cost) ++splits;
+  memo_bh[slot] = batch_heads;
+  memo_len[slot] = max_len;
+  memo_splits[slot] = splits;
+  return splits;
 }
 
 // TRACE_EXT_KV_DECODE_COMBINE=kernel: the splits are combined by the separate combine kernel (read per call);
