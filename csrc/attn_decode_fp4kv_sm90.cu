@@ -48,16 +48,26 @@
 //   warp, DRAM 44%. The Q fragments (D/4 registers per thread, identical in the 4 warps) therefore live in
 //   shared memory behind the cp.async stages ([k-step][lane] uint4: one conflict-free 16-byte load per k-step
 //   and tile, feeding both n8 tiles), which brings the kernel to 127 registers and 4 CTAs = 16 warps per SM
-//   (the split heuristic reads the occupancy, so it picks splits for 4 CTAs per SM). The Q region lies inside
+//   (the split heuristic only asks the occupancy for >= 2 CTAs per SM). The Q region lies inside
 //   the footprint of the cross-warp combine, so the dynamic shared memory per CTA is unchanged.
 //   TRACE_EXT_KV_DECODE_IMPL=old selects the register-resident variant for A/B timing (the same arithmetic
-//   per split, every MMA chain keeps its k-step order; the automatic split count follows each variant's
-//   occupancy, so outputs agree bit for bit only at equal num_splits).
+//   per split, every MMA chain keeps its k-step order; outputs agree bit for bit at equal num_splits).
 // - G <= 8 (every benchmarked model shape: G = 4, 8) runs a swapped-operand kernel (fp4kv_decode_kernel_g8,
 //   notes at its definition): tokens and head_dim are the MMA rows and the heads the N = 8 columns, so no MMA
 //   row is padding: half the MMAs, D/4 accumulators per thread, Q back in registers, ~100 registers, 5 CTAs
 //   per SM. Same code expansion, same score / softmax / output formulas. TRACE_EXT_KV_DECODE_IMPL=qsmem forces
 //   the M = 16 kernel above for any G.
+// - Measured (H200, 38bcf7f, g8 kernel, 5 splits): B32 S8K 68 us in the kernel + 5.5 us combine, 83 us per
+//   call. Nsight: 96 registers, 5 CTAs = 20 warps per SM theoretical, 16 achieved (640 CTAs for 660 slots),
+//   issue slots 58%, ALU 56% (top pipe), 6.3 cycles per issued instruction per warp (stalls: fixed-latency
+//   dependencies 25%, not selected 20%, pipe throttle 14%, memory 8%), DRAM 47%, L2 64%. Per 16-token tile a
+//   warp issues ~560 instructions: ~250 nibble expansion (per 8 codes 7 LOP/SHF, 4 PRMT, 4 HMUL2), 16 HMMA,
+//   ~110 cp.async issue + page walk (lane constants rematerialized from the thread id each tile), ~70
+//   softmax. But split sweeps give the same time with 8 and 16 warps per SM (2 vs 4 splits: 80 vs 79 us),
+//   so a memory-side limit is likely as well: per tile a warp reads 64-byte code rows 256 bytes apart (the
+//   other KV heads' CTAs read the rest of each line) and 8-byte scale pieces (one 32-byte sector each), 96
+//   sector requests per 2304 bytes. Next steps: the 4 warps of a CTA on 4 KV heads of the same tokens (one
+//   contiguous page block per tile, 16-byte scale copies), and fewer loader instructions per tile.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
@@ -1123,18 +1133,18 @@ unsigned int* split_counters(int64_t n, const at::Tensor& like) {
     at::Tensor buf;
   };
   static std::mutex mu;
-  static std::vector<Entry> entries;
+  static auto* entries = new std::vector<Entry>();  // never destroyed: no CUDA frees during process exit
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const int device = like.get_device();
   std::lock_guard<std::mutex> lock(mu);
-  for (Entry& e : entries) {
+  for (Entry& e : *entries) {
     if (e.device == device && e.stream == stream) {
       if (e.buf.numel() < n) e.buf = at::zeros({std::max<int64_t>(n, 2 * e.buf.numel())}, like.options().dtype(at::kInt));
       return reinterpret_cast<unsigned int*>(e.buf.data_ptr<int32_t>());
     }
   }
-  entries.push_back({device, stream, at::zeros({std::max<int64_t>(n, 1024)}, like.options().dtype(at::kInt))});
-  return reinterpret_cast<unsigned int*>(entries.back().buf.data_ptr<int32_t>());
+  entries->push_back({device, stream, at::zeros({std::max<int64_t>(n, 1024)}, like.options().dtype(at::kInt))});
+  return reinterpret_cast<unsigned int*>(entries->back().buf.data_ptr<int32_t>());
 }
 
 template <int D, int kImpl>
