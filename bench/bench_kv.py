@@ -40,8 +40,9 @@ BW_TARGET = 75.0
 APPEND_TARGET = 70.0
 PAGE_SWEEP = {"B32 Hq32 Hkv4 S8K": (1, 64, 256)}
 SPLIT_SWEEP = {
-    "B32 Hq32 Hkv4 S8K": (1, 2, 4, 8),
+    "B32 Hq32 Hkv4 S8K": (1, 2, 3, 4, 8),
     "B64 Hq32 Hkv4 S4K": (1, 2, 6),
+    "B8 Hq32 Hkv8 S32K": (4, 8, 10),
     "B1 Hq32 Hkv8 S128K": (16, 32, 64, 132),
 }
 
