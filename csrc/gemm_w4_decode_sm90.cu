@@ -11,22 +11,26 @@
 //    16 activation elements are contiguous (two 16-byte loads of bf16, one 8-byte load of FP4 codes).
 //  - Packed layout: per (16-row block, 256-K super-tile) 2304 bytes, 72 per lane (4 x 16 B codes + 8 B scales),
 //    blocks nb-major, so the flat tile index j = nb * KT + kt is also the byte order of a dense weight.
-//  - Dense (default): flat per-warp streams. One resident wave (3 CTAs of 8 warps per SM up to 16 rows, 2 for
-//    32); warp w of W streams tiles [T w / W, T (w + 1) / W) of all T tiles, i.e. one contiguous byte range, equal
-//    shares (+-1 tile) for any N, K, through its own cp.async ring (4 slots: 3 tiles = 6.9 KB ahead per warp,
-//    166 KB per SM; 32 rows: 6 slots, 16 warps). A 16-row block covered by one warp is stored by it; a block
-//    shared by several warps gets one fp32 partial per warp, and after its whole stream each warp arrives (one
-//    acq_rel atomic per shared block, self-resetting tickets); the last adds the partials in warp order, i.e. K
-//    order (deterministic). Why: counters of the ring path at de2a673 (M = 1, 14336 x 4096: 896 CTAs of 2 tiles
-//    per warp, 25.6 us, DRAM 27.6 %, issue 32 %) showed each warp loading its whole share at once and then
-//    waiting a full DRAM latency (no steady-state overlap), 2.26 waves of CTAs, and the split-K epilogue
-//    (__threadfence = MEMBAR.SC + ERRBAR + L1 invalidate in every thread, CTA barriers, ticket round trips) among
-//    the top stalls; the stream kernel has no CTA barrier, one launch wave and its arrivals at the very end.
-//  - Grouped, and dense with TRACE_EXT_DECODE_IMPL=ring: every warp streams its super-tiles through its own cp.async
-//    ring in shared memory (3-4 slots of 2304 B, 2-3 super-tiles in flight per warp), each lane copying and
-//    reading back only its own 72 bytes, so cp.async.wait_group orders the copy before the reads without a
-//    barrier. Loads in flight hold no registers, so 80 registers and 3 CTAs per SM fit; the counters of the
-//    register-prefetch path (124-138 registers, 1-2 CTAs per SM) showed DRAM at 16-37 % of peak, latency bound.
+//  - Default: flat per-warp streams. One resident wave (3 CTAs of 8 warps per SM up to 16 rows per unit, 2 for
+//    32); the work is units x 16-row blocks x 256-K tiles (dense: one unit; grouped: one unit per (expert with
+//    rows, chunk of 8 / 16 / 32 rows), numbered by one block-wide scan of offsets, so empty experts cost nothing);
+//    warp w of W streams tiles [T w / W, T (w + 1) / W) of all T tiles: one contiguous byte range per warp (per
+//    expert), equal shares (+-1 tile) for any N, K and routing, through its own cp.async ring (4 slots: 3 tiles =
+//    6.9 KB ahead per warp, 166 KB per SM; 32 rows: 6 slots, 16 warps). A 16-row block covered by one warp is
+//    stored by it; a block shared by several warps gets one fp32 partial per warp, and after its whole stream
+//    each warp arrives (one acq_rel atomic per shared block, self-resetting tickets); the last adds the partials
+//    in warp order, i.e. K order (deterministic). Why: counters of the ring path at de2a673 (M = 1, 14336 x 4096:
+//    896 CTAs of 2 tiles per warp, 25.6 us, DRAM 27.6 %, issue 32 %) showed each warp loading its whole share at
+//    once and then waiting a full DRAM latency (no steady-state overlap), 2.26 waves of CTAs, and the split-K
+//    epilogue (__threadfence = MEMBAR.SC + ERRBAR + L1 invalidate in every thread, CTA barriers, ticket round
+//    trips) among the top stalls; grouped CTAs (one per N tile and expert, 2 tiles per warp) had the same short
+//    streams. The stream kernel has no CTA barrier after its prologue, one launch wave and its arrivals at the end.
+//  - TRACE_EXT_DECODE_IMPL=ring (the path of de2a673, dense and grouped): every warp streams its super-tiles
+//    through its own cp.async ring in shared memory (3-4 slots of 2304 B, 2-3 super-tiles in flight per warp),
+//    each lane copying and reading back only its own 72 bytes, so cp.async.wait_group orders the copy before the
+//    reads without a barrier (the stream kernel does the same). Loads in flight hold no registers, so 80
+//    registers and 3 CTAs per SM fit; the counters of the register-prefetch path (124-138 registers, 1-2 CTAs per
+//    SM) showed DRAM at 16-37 % of peak, latency bound.
 //    TRACE_EXT_DECODE_IMPL=old keeps that path (next super-tile's weights in registers, activation fragments one
 //    64-K step ahead) selectable for comparison.
 //  - Codes are re-encoded offline so FP4 -> bf16 costs 1 AND (pair 0), a shift + AND (pairs 1, 2) and 3 shifts +
@@ -416,38 +420,107 @@ __device__ __forceinline__ int stream_warp_of(int64_t j, int64_t T, int W) {  //
 }
 __device__ __forceinline__ int64_t stream_first_tile(int w, int64_t T, int W) { return T * w / W; }
 
-template <int MT8, bool kAFp4, int kStages, int kMinBlocks>
+template <int MT8, bool kAFp4, int kStages, int kMinBlocks, bool kGrouped>
 __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
     gemm_w4_decode_stream_kernel(const GemmParams p, float* __restrict__ ws, int* __restrict__ tickets, int n_warps) {
   static_assert(kStages >= 2, "a cp.async ring needs at least 2 slots");
   constexpr int kFrag = MT8 * 4;  // fp32 accumulators per lane
-  extern __shared__ __align__(16) uint8_t dec_ring[];  // [warp][kStages][kTileBytes]
+  constexpr int R = 8 * MT8;      // rows of a unit (grouped: an expert with more rows is several units)
+  // [warp][kStages][kTileBytes] rings, then (grouped) s_pref[E + 1]: units of the experts before e
+  extern __shared__ __align__(16) uint8_t dec_ring[];
+  int* const s_pref = reinterpret_cast<int*>(dec_ring + kDecWarps * kStages * kTileBytes);
   const int warp_id = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int K = p.K, N = p.N, M = p.M;
+  const int K = p.K, N = p.N;
   const int KT = K / kSuperK;
   const int n_blocks = N / 16;
-  const int64_t T = (int64_t)n_blocks * KT;
-  const int W = n_warps;  // <= T, so that every warp owns at least one tile (the ticket counts rely on it)
+  const int Tu = n_blocks * KT;  // tiles of one unit (< 2^31, checked on the host)
+  const int64_t exp_bytes = (int64_t)Tu * kTileBytes;  // one expert's packed weight
+  int n_units = 1;
+  if constexpr (kGrouped) {
+    // units = (expert with rows, chunk of R rows), numbered expert by expert: one block-wide scan of offsets
+    __shared__ int s_wsum[kDecWarps];
+    int base = 0;
+    for (int c0 = 0; c0 < p.E; c0 += kDecThreads) {
+      const int e = c0 + threadIdx.x;
+      int cnt = 0;
+      if (e < p.E) {
+        const int lo = min(max(p.offsets[e], 0), p.M);
+        cnt = (min(max(p.offsets[e + 1], lo), p.M) - lo + R - 1) / R;
+      }
+      int inc = cnt;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, inc, d);
+        if (lane >= d) inc += v;
+      }
+      if (lane == 31) s_wsum[warp_id] = inc;
+      __syncthreads();
+      int before = base, total = base;
+#pragma unroll
+      for (int q = 0; q < kDecWarps; ++q) {
+        before += q < warp_id ? s_wsum[q] : 0;
+        total += s_wsum[q];
+      }
+      if (e < p.E) s_pref[e] = before + inc - cnt;
+      __syncthreads();
+      base = total;
+    }
+    if (threadIdx.x == 0) s_pref[p.E] = base;
+    __syncthreads();
+    n_units = base;
+  }
+  // unit u -> its expert (grouped: the last expert e with s_pref[e] <= u, which has rows)
+  auto unit_expert = [&](int u) {
+    if constexpr (!kGrouped) {
+      return 0;
+    } else {
+      int lo = 0, hi = p.E - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (s_pref[mid] <= u) lo = mid; else hi = mid - 1;
+      }
+      return lo;
+    }
+  };
+  auto unit_rows = [&](int u, int e, int& r_lo, int& r_hi) {
+    if constexpr (!kGrouped) {
+      r_lo = 0;
+      r_hi = p.M;
+    } else {
+      const int m0 = min(max(p.offsets[e], 0), p.M), m1 = min(max(p.offsets[e + 1], m0), p.M);
+      r_lo = m0 + (u - s_pref[e]) * R;
+      r_hi = min(m1, r_lo + R);
+    }
+  };
+  const int64_t T = (int64_t)n_units * Tu;
+  // at most one warp per 2 tiles, never more warps than tiles (the ticket counts rely on every warp owning one)
+  const int W = (int)min((int64_t)n_warps, max((int64_t)1, T / 2));
   const int w = blockIdx.x * kDecWarps + warp_id;
-  if (w >= W) return;  // warp-uniform; no barrier below
+  if (T == 0 || w >= W) return;  // warp-uniform; no barrier below
   const int j0 = (int)stream_first_tile(w, T, W), j1 = (int)stream_first_tile(w + 1, T, W);  // T < 2^31
   const float fold = kAFp4 ? kUnfoldW4A4 : kUnfoldW4A16;
-  const uint8_t* const wsrc = p.w_packed + (int)lane * 16;  // this lane's 16-byte column of every tile
   uint8_t* const ring = dec_ring + warp_id * kStages * kTileBytes;
 
   // tile j -> ring slot (j - j0) % kStages; each lane copies and reads back only its own 72 bytes, so
   // cp.async.wait_group alone orders copy before read (no barrier)
+  // issue cursor: tile loc_i of unit u_i (weights of expert unit_expert(u_i) at wb_i)
   int j_issue = j0;
   int slot_issue = 0;
+  int u_i = j0 / Tu, loc_i = j0 - u_i * Tu;
+  const uint8_t* wb_i = p.w_packed + (kGrouped ? unit_expert(u_i) * exp_bytes : 0);
   auto issue_next = [&]() {
     if (j_issue < j1) {
-      const uint8_t* src = wsrc + (int64_t)j_issue * kTileBytes;
-      uint8_t* dst = ring + slot_issue * kTileBytes + lane * 16;
+      const uint8_t* src = wb_i + (int64_t)loc_i * kTileBytes;
+      uint8_t* dst = ring + slot_issue * kTileBytes;
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) cp_async16(dst + kk * 512, src + kk * 512, true);
-      cp_async8(ring + slot_issue * kTileBytes + kCodeBytes + lane * 8,
-                p.w_packed + (int64_t)j_issue * kTileBytes + kCodeBytes + lane * 8, true);
+      for (int kk = 0; kk < 4; ++kk) cp_async16(dst + kk * 512 + lane * 16, src + kk * 512 + lane * 16, true);
+      cp_async8(dst + kCodeBytes + lane * 8, src + kCodeBytes + lane * 8, true);
+      if (++loc_i == Tu) {  // next unit
+        loc_i = 0;
+        ++u_i;
+        if (kGrouped && j_issue + 1 < j1) wb_i = p.w_packed + unit_expert(u_i) * exp_bytes;
+      }
     }
     cp_async_commit();  // possibly empty: one group per tile for wait_group
     ++j_issue;
@@ -462,21 +535,30 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
 #pragma unroll
     for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
 
-  // y = bf16(sum * fold * g_a[m] * g_w[n]) for the lane's fragment of block nb
-  auto store_y = [&](int nb, const float (&v)[MT8][4]) {
+  // y = bf16(sum * fold * g_a[m] * g_w[e, n]) for the lane's fragment of global block b (unit b / n_blocks)
+  auto store_y = [&](int b, const float (&v)[MT8][4]) {
+    const int u = b / n_blocks, nbl = b - u * n_blocks;
+    const int e = unit_expert(u);
+    int r_lo, r_hi;
+    unit_rows(u, e, r_lo, r_hi);
+    const float* gw = p.g_w + (int64_t)e * p.gw_stride_e;
 #pragma unroll
     for (int i = 0; i < MT8; ++i)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const int n = nb * 16 + g + (c >> 1) * 8, m = 8 * i + 2 * t + (c & 1);
-        if (m >= M) continue;
+        const int n = nbl * 16 + g + (c >> 1) * 8, m = r_lo + 8 * i + 2 * t + (c & 1);
+        if (m >= r_hi) continue;
         const float ga = p.g_a != nullptr ? p.g_a[m] : 1.0f;
-        const float y = __fmul_rn(__fmul_rn(v[i][c], fold), __fmul_rn(ga, p.g_w[(int64_t)n * p.gw_stride_n]));
+        const float y = __fmul_rn(__fmul_rn(v[i][c], fold), __fmul_rn(ga, gw[(int64_t)n * p.gw_stride_n]));
         p.y[(int64_t)m * N + n] = __float2bfloat16_rn(y);
       }
   };
 
+  // compute cursor: global block nb (= unit * n_blocks + block in the unit), k tile kt; rows of its unit
   int nb = j0 / KT, kt = j0 - nb * KT;
+  int nbl = nb % n_blocks, u_c = nb / n_blocks;
+  int r_lo, r_hi;
+  unit_rows(u_c, unit_expert(u_c), r_lo, r_hi);
   const int kt_first = kt;          // first k tile of the warp's first block
   int pending0 = -1, pending1 = -1;  // blocks whose partial this warp wrote (slot 0: first block, 1: last block)
   int slot_rd = 0;
@@ -485,8 +567,8 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
       const int k = kt * kSuperK + kk * 64 + 16 * t;
 #pragma unroll
       for (int i = 0; i < MT8; ++i) {
-        const int m = 8 * i + g;
-        if (m < M) {
+        const int m = r_lo + 8 * i + g;
+        if (m < r_hi) {
           if constexpr (!kAFp4) {
             const uint4* src =
                 reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(p.a) + (int64_t)m * K + k);
@@ -510,7 +592,7 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
     };
     // up to 8 rows of bf16: the tile's activation fragments (4 x 8 registers) are loaded before the wait for its
     // weights, so that their latency (L1 / L2 hits) overlaps it
-    constexpr bool kHoistA = MT8 == 1 && !kAFp4;
+    constexpr bool kHoistA = MT8 == 1 && !kAFp4 && !kGrouped;  // (grouped: no registers left)
     uint32_t bqh[kHoistA ? 4 : 1][MT8][8];
     if constexpr (kHoistA) {
 #pragma unroll
@@ -580,6 +662,11 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
         for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
       ++nb;
       kt = 0;
+      if (++nbl == n_blocks) {  // next unit
+        nbl = 0;
+        ++u_c;
+        if (kGrouped && j + 1 < j1) unit_rows(u_c, unit_expert(u_c), r_lo, r_hi);
+      }
     } else {
       ++kt;
     }
@@ -652,35 +739,39 @@ int sm_count(int dev) {
   return sms;
 }
 
-// Dense flat-stream launch: one resident wave (kMinBlocks CTAs per SM), at most one warp per 2 tiles, and never
-// more streaming warps than tiles.
-template <int MT8, bool kAFp4, int kStages, int kMinBlocks>
+// Flat-stream launch: one resident wave (kMinBlocks CTAs per SM); the kernel uses at most one warp per 2 tiles
+// (grouped: the tile count is only known on the device, from offsets).
+template <int MT8, bool kAFp4, int kStages, int kMinBlocks, bool kGrouped>
 void launch_decode_stream(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
-  auto kernel = gemm_w4_decode_stream_kernel<MT8, kAFp4, kStages, kMinBlocks>;
-  constexpr int kSmem = kDecWarps * kStages * kTileBytes;  // the warps' cp.async rings, no static shared memory
-  static_assert(kMinBlocks * (kSmem + 1024) <= 228 * 1024,
+  auto kernel = gemm_w4_decode_stream_kernel<MT8, kAFp4, kStages, kMinBlocks, kGrouped>;
+  constexpr int kRing = kDecWarps * kStages * kTileBytes;  // the warps' cp.async rings
+  // dense: no other shared memory; grouped: + s_pref[E + 1] (0.5 KB at E = 128) and 32 B of scan sums
+  static_assert(kMinBlocks * (kRing + 1024) <= 228 * 1024,
                 "decode stream rings of kMinBlocks CTAs (+1 KB driver reserve each) must fit one SM's shared memory");
+  constexpr int kSmemMax = kRing + (kGrouped ? ((kMaxExperts + 1) * 4 + 15) / 16 * 16 : 0);
+  TORCH_CHECK(!kGrouped || p.E <= kMaxExperts, "trace_ext: decode GEMM takes at most ", kMaxExperts, " experts");
+  const int smem = kRing + (kGrouped ? ((p.E + 1) * 4 + 15) / 16 * 16 : 0);
   static bool attr_set[kMaxDevices] = {};
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   if (dev >= kMaxDevices || !attr_set[dev]) {
     require_kernel_image(kernel, "fp4_linear (decode)");
-    if (kSmem > 48 * 1024)
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemMax));
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                         (int)cudaSharedmemCarveoutMaxShared));
     if (dev < kMaxDevices) attr_set[dev] = true;
   }
   const int n_blocks = p.N / 16;
-  const int64_t T = (int64_t)n_blocks * (p.K / kSuperK);
-  TORCH_CHECK(T < (int64_t{1} << 31), "trace_ext: weight too large for the decode GEMM (2^31 packed tiles)");
-  constexpr int kMinTilesPerWarp = 2;
+  const int64_t Tu = (int64_t)n_blocks * (p.K / kSuperK);
+  // units: dense 1; grouped at most one per expert with rows plus one per further 8 * MT8 rows
+  const int64_t max_units = kGrouped ? std::min<int64_t>(p.E, p.M) + p.M / (8 * MT8) + 1 : 1;
+  TORCH_CHECK(max_units * Tu < (int64_t{1} << 31), "trace_ext: weight too large for the decode GEMM (2^31 tiles)");
   const int64_t warps = std::max<int64_t>(
-      1, std::min<int64_t>((int64_t)kMinBlocks * sm_count(dev) * kDecWarps, T / kMinTilesPerWarp));
+      1, std::min<int64_t>((int64_t)kMinBlocks * sm_count(dev) * kDecWarps, std::max<int64_t>(1, max_units * Tu / 2)));
   const int ctas = (int)((warps + kDecWarps - 1) / kDecWarps);
   at::Tensor ws = at::empty({warps * 2 * MT8 * 4 * 32}, like.options().dtype(at::kFloat));  // 2 partials / warp
-  int* tickets = ticket_buffer(like, stream, n_blocks);
-  kernel<<<ctas, kDecThreads, kSmem, stream>>>(p, ws.data_ptr<float>(), tickets, (int)warps);
+  int* tickets = ticket_buffer(like, stream, (int)(max_units * n_blocks));
+  kernel<<<ctas, kDecThreads, smem, stream>>>(p, ws.data_ptr<float>(), tickets, (int)warps);
   check_launch("fp4_linear (decode)");
 }
 
@@ -738,8 +829,8 @@ void launch_decode(const GemmParams& p, const at::Tensor& like, cudaStream_t str
 }
 
 // TRACE_EXT_DECODE_IMPL=old selects the configurations of commit 0847752 (register double buffers, 2 resident
-// CTAs per SM, experts always ranked); =ring the per-warp cp.async rings of de2a673 for dense problems too (split
-// K over CTAs, tickets per N tile); default: dense problems run the flat-stream kernel, grouped ones the rings.
+// CTAs per SM, experts always ranked); =ring the per-warp cp.async rings of de2a673 (dense: split K over CTAs,
+// tickets per N tile; grouped: CTAs per (N tile, expert)); default: the flat-stream kernel.
 // Read once per process, so that one GPU run can time all three.
 enum class DecodeImpl { kStream, kRing, kOld };
 DecodeImpl decode_impl() {
@@ -790,22 +881,33 @@ void run_decode_ring(const GemmParams& p, int64_t rows_hint, const at::Tensor& l
   }
 }
 
-// Default: dense problems as flat per-warp streams (3 tiles = 6.9 KB ahead per warp, 24 warps per SM up to
-// 16 rows; 5 tiles ahead, 16 warps per SM for 32 rows); grouped problems through the rings.
+// Default: flat per-warp streams (3 tiles = 6.9 KB ahead per warp, 24 warps per SM up to 16 rows per unit;
+// 5 tiles ahead, 16 warps per SM for 32 rows), dense and grouped.
 template <bool kAFp4>
 void run_decode_new(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream) {
-  if (p.offsets != nullptr || decode_impl() == DecodeImpl::kRing) {
+  if (decode_impl() == DecodeImpl::kRing) {
     run_decode_ring<kAFp4>(p, rows_hint, like, stream);
     return;
   }
   if (p.M <= 0) return;
+  if (p.offsets != nullptr) {
+    // grouped: rows per unit a little above the average rows per expert (rows_hint), as on the ring path
+    if (rows_hint <= 2) {
+      launch_decode_stream<1, kAFp4, 4, 3, true>(p, like, stream);
+    } else if (rows_hint <= 8) {
+      launch_decode_stream<2, kAFp4, 4, 3, true>(p, like, stream);
+    } else {
+      launch_decode_stream<4, kAFp4, 6, 2, true>(p, like, stream);
+    }
+    return;
+  }
   TORCH_CHECK(p.M <= 32, "trace_ext: dense decode GEMM takes at most 32 rows");
   if (p.M <= 8) {
-    launch_decode_stream<1, kAFp4, 4, 3>(p, like, stream);
+    launch_decode_stream<1, kAFp4, 4, 3, false>(p, like, stream);
   } else if (p.M <= 16) {
-    launch_decode_stream<2, kAFp4, 4, 3>(p, like, stream);
+    launch_decode_stream<2, kAFp4, 4, 3, false>(p, like, stream);
   } else {
-    launch_decode_stream<4, kAFp4, 6, 2>(p, like, stream);
+    launch_decode_stream<4, kAFp4, 6, 2, false>(p, like, stream);
   }
 }
 
