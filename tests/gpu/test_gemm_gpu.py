@@ -183,13 +183,16 @@ def test_grouped_olmoe_and_deepseek(mode):
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 def test_grouped_all_tokens_on_one_expert_and_empty(mode):
-    """Protects the edge distributions: every row on one (middle / last) expert; all experts empty."""
+    """Protects the edge distributions: every row on one (middle / last) expert, raw and prepared weights (prepared
+    small M runs the decode kernel, whose experts with more rows than one 8/16/32-row chunk become several units);
+    all experts empty."""
     E, N, K = 16, 1536, 2048
     w = _quant_w(N, K, E)
-    for M, e in ((1, 7), (300, 7), (4096, 15), (33, 0)):
+    for M, e in ((1, 7), (9, 3), (40, 7), (300, 7), (4096, 15), (33, 0)):
         counts = [0] * E
         counts[e] = M
-        _grouped_case(E, N, K, counts, mode, w=w, what=f"one-expert {mode} M={M} e={e}")
+        for prepared in (False, True):
+            _grouped_case(E, N, K, counts, mode, w=w, prepared=prepared, what=f"one-expert {mode} M={M} e={e} prep={prepared}")
     offsets = torch.zeros(E + 1, dtype=torch.int32, device=DEV)
     y = O.fp4_grouped_linear(torch.empty(0, K, device=DEV, dtype=torch.bfloat16), w, offsets, backend="cuda")
     assert y.shape == (0, N)
