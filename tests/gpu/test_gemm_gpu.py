@@ -192,7 +192,8 @@ def test_grouped_all_tokens_on_one_expert_and_empty(mode):
         counts = [0] * E
         counts[e] = M
         for prepared in (False, True):
-            _grouped_case(E, N, K, counts, mode, w=w, prepared=prepared, what=f"one-expert {mode} M={M} e={e} prep={prepared}")
+            what = f"one-expert {mode} M={M} e={e} prep={prepared}"
+            _grouped_case(E, N, K, counts, mode, w=w, prepared=prepared, what=what)
     offsets = torch.zeros(E + 1, dtype=torch.int32, device=DEV)
     y = O.fp4_grouped_linear(torch.empty(0, K, device=DEV, dtype=torch.bfloat16), w, offsets, backend="cuda")
     assert y.shape == (0, N)
