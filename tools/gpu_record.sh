@@ -10,7 +10,7 @@ make gpu-build > /dev/null 2>&1 || { tail -40 $T/build.log; exit 1; }
 make gpu-test 2>&1 | grep -E "^===|passed|failed|error" | grep -v "^$"
 retry() {  # retry FILE VAR=VALUE: rerun one test file with a fallback switch; keep the switch when it passes
   local file=$1 kv=$2
-  if awk -v f="=== $file" '$0==f{on=1;next} /^===/{on=0} on' $T/tests.log | grep -qE "failed|error"; then
+  if awk -v f="=== $file" '$0==f{on=1;next} /^===/{on=0} on' $T/tests.log | grep -qE "[0-9]+ (failed|errors?)"; then
     echo "=== $file failed: retry with $kv"
     if env "$kv" python3 -m pytest "$file" -q -p no:cacheprovider 2>&1 | tee -a $T/tests_retry.log | tail -1 | grep -q " passed"; then
       export "$kv"; echo "$kv" >> $T/switches.txt; echo "    passes with $kv"
