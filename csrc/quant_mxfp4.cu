@@ -44,17 +44,7 @@ struct MxParams {
 
 // Raw 16-byte vectors of one MX block (zeros when it does not exist).
 template <typename T>
-struct MxBlockRaw {
-  static constexpr int kVecs = kMxfp4Block / ElemTraits<T>::kPerVec;
-  uint4 v[kVecs];
-};
-
-template <typename T>
-__device__ __forceinline__ MxBlockRaw<T> load_mx_block(const T* x, uint64_t b, bool ok) {
-  MxBlockRaw<T> raw;
-  load_vecs<T>(x + b * kMxfp4Block, ok, raw.v);
-  return raw;
-}
+using MxBlockRaw = RawBlock<T, kMxfp4Block>;
 
 // Codes of one finite MX block with scale exponent e (SPEC 3, 4): 4 words of 8 codes.
 template <int MODE>
@@ -104,11 +94,11 @@ __global__ void __launch_bounds__(kThreads) mxfp4_quant_kernel(const MxParams p)
   const T* xp = reinterpret_cast<const T*>(p.x);
   uint64_t tile = tid / 32;
   MxBlockRaw<T> cur;
-  if (tile < n_tiles) cur = load_mx_block<T>(xp, tile * 32 + lane, tile * 32 + lane < total);
+  if (tile < n_tiles) cur = load_raw_block<T, kMxfp4Block>(xp, tile * 32 + lane, tile * 32 + lane < total);
   for (; tile < n_tiles; tile += n_warps) {
     const uint64_t nb = (tile + n_warps) * 32 + lane;
     MxBlockRaw<T> next;
-    if (tile + n_warps < n_tiles) next = load_mx_block<T>(xp, nb, nb < total);
+    if (tile + n_warps < n_tiles) next = load_raw_block<T, kMxfp4Block>(xp, nb, nb < total);
     const uint64_t b = tile * 32 + lane;
     if (b < total) {
       const uint32_t mb = raw_max_abs_bits<T>(cur.v);

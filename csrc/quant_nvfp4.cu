@@ -306,18 +306,13 @@ __device__ void swizzle_pad_zero(const QuantParams& p, int64_t tid, int64_t nthr
   }
 }
 
-// Raw 16-byte vectors of one whole block (zeros when the block does not exist).
+// Raw 16-byte vectors of one whole NVFP4 block (zeros when the block does not exist).
 template <typename T>
-struct BlockRaw {
-  static constexpr int kVecs = kNvfp4Block / ElemTraits<T>::kPerVec;
-  uint4 v[kVecs];
-};
+using BlockRaw = RawBlock<T, kNvfp4Block>;
 
 template <typename T>
 __device__ __forceinline__ BlockRaw<T> load_block(const T* x, uint64_t fb, bool ok) {
-  BlockRaw<T> raw;
-  load_vecs<T>(x + fb * kNvfp4Block, ok, raw.v);
-  return raw;
+  return load_raw_block<T, kNvfp4Block>(x, fb, ok);
 }
 
 // max |x| of a block as float bits (raw_max_abs_bits over its vectors).

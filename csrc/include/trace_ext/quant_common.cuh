@@ -121,11 +121,22 @@ __device__ __forceinline__ uint32_t max_abs_bits(const float (&x)[N]) {
   return m;
 }
 
-// NV consecutive 16-byte vectors of T from base (zeros when !ok): one block's raw input.
-template <typename T, int NV>
-__device__ __forceinline__ void load_vecs(const T* base, bool ok, uint4 (&v)[NV]) {
+// The raw 16-byte vectors of one scale block of kElems elements of T (a lane's whole block in registers).
+template <typename T, int kElems>
+struct RawBlock {
+  static constexpr int kVecs = kElems / ElemTraits<T>::kPerVec;
+  uint4 v[kVecs];
+};
+
+// Block `index` of a row-major array of kElems-element blocks (zeros when !ok).
+template <typename T, int kElems>
+__device__ __forceinline__ RawBlock<T, kElems> load_raw_block(const T* x, uint64_t index, bool ok) {
+  RawBlock<T, kElems> raw;
 #pragma unroll
-  for (int i = 0; i < NV; ++i) v[i] = ok ? ld_vec(base + i * ElemTraits<T>::kPerVec) : make_uint4(0u, 0u, 0u, 0u);
+  for (int i = 0; i < RawBlock<T, kElems>::kVecs; ++i) {
+    raw.v[i] = ok ? ld_vec(x + index * kElems + i * ElemTraits<T>::kPerVec) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  return raw;
 }
 
 // max of two pairs of unsigned 16-bit lanes (one instruction on sm_90+).
