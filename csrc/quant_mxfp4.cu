@@ -153,19 +153,6 @@ __global__ void __launch_bounds__(kThreads) mxfp4_dequant_kernel(const uint8_t* 
   }
 }
 
-int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-template <typename F>
-void dispatch_dtype(at::ScalarType t, F&& f) {
-  if (t == at::kFloat) {
-    f(float{});
-  } else if (t == at::kBFloat16) {
-    f(__nv_bfloat16{});
-  } else {
-    f(__half{});
-  }
-}
-
 std::tuple<at::Tensor, at::Tensor> mxfp4_quantize_cuda(const at::Tensor& x, int64_t rounding, int64_t seed,
                                                        int64_t offset, bool scale_ceil) {
   const char* op = "mxfp4_quantize";
@@ -189,7 +176,7 @@ std::tuple<at::Tensor, at::Tensor> mxfp4_quantize_cuda(const at::Tensor& x, int6
   MxParams p{xv.data_ptr(), R * (K / kMxfp4Block), (uint64_t)seed, (uint64_t)offset, scale_ceil,
              philox_key_schedule((uint64_t)seed), codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>()};
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  dispatch_dtype(x.scalar_type(), [&](auto tag) {
+  dispatch_float_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     auto kernel = rounding == kRTN ? mxfp4_quant_kernel<T, kRTN> : mxfp4_quant_kernel<T, kSR>;
     require_kernel_image(kernel, op);
@@ -222,7 +209,7 @@ at::Tensor mxfp4_dequantize_cuda(const at::Tensor& codes, const at::Tensor& scal
   const int64_t total = R * (K / kMxfp4Block);
   const at::Tensor codes_v = aligned_for_vectors(codes, 16);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  dispatch_dtype(dtype, [&](auto tag) {
+  dispatch_float_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     auto kernel = mxfp4_dequant_kernel<T>;
     require_kernel_image(kernel, op);

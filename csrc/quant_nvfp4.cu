@@ -555,9 +555,8 @@ __global__ void __launch_bounds__(kFlatThreads) nvfp4_dequant_kernel(const uint8
     }
   }
 }
-// ---- host side -----------------------------------------------------------------------------------------------
 
-int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// ---- host side -----------------------------------------------------------------------------------------------
 
 void check_float_x(const at::Tensor& x, int64_t block, const char* op) {
   check_cuda(x, "x");
@@ -569,16 +568,6 @@ void check_float_x(const at::Tensor& x, int64_t block, const char* op) {
   check_contiguous(x, "x");
 }
 
-template <typename F>
-void dispatch_dtype(at::ScalarType t, F&& f) {
-  if (t == at::kFloat) {
-    f(float{});
-  } else if (t == at::kBFloat16) {
-    f(__nv_bfloat16{});
-  } else {
-    f(__half{});
-  }
-}
 
 template <int MODE, bool FAKE, typename T>
 void launch_flat(const QuantParams& p, cudaStream_t stream, const char* op) {
@@ -740,7 +729,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nvfp4_quantize_cuda(
   p.rows_pad = rows_pad;
   p.kb_pad = kb_pad;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  dispatch_dtype(x.scalar_type(), [&](auto tag) {
+  dispatch_float_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     launch_quant<false, T>(p, rounding, pr.rowg, stream, op);
   });
@@ -776,7 +765,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nvfp4_fake_quantize_c
   p.rows_pad = R;
   p.kb_pad = kb;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  dispatch_dtype(x.scalar_type(), [&](auto tag) {
+  dispatch_float_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     launch_quant<true, T>(p, rounding, pr.rowg, stream, op);
   });
@@ -810,7 +799,7 @@ at::Tensor nvfp4_dequantize_cuda(const at::Tensor& codes_in, const at::Tensor& s
   const at::Tensor codes_v = aligned_for_vectors(codes, 16);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t work_threads = div_up(R * kb * 2, kWarpChunks) * 32;
-  dispatch_dtype(dtype, [&](auto tag) {
+  dispatch_float_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     auto kernel = nvfp4_dequant_kernel<T>;
     require_kernel_image(kernel, op);

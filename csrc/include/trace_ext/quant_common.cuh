@@ -195,6 +195,20 @@ template <typename TensorT>
 inline TensorT aligned_for_vectors(const TensorT& t, int64_t bytes) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0 ? t : t.clone();
 }
+
+inline int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Calls f with a value of the element type the quantizers take (float32, bfloat16 or float16; checked by the caller).
+template <typename ScalarTypeT, typename F>
+void dispatch_float_dtype(ScalarTypeT t, F&& f) {
+  if (t == ScalarTypeT::Float) {
+    f(float{});
+  } else if (t == ScalarTypeT::BFloat16) {
+    f(__nv_bfloat16{});
+  } else {
+    f(__half{});
+  }
+}
 #endif
 
 }  // namespace trace_ext
