@@ -160,14 +160,20 @@ def perturbed_pair(rows=64, K=512, eps=2e-3):
     return x_roll, x_train
 
 
-def test_guided_full_never_worse_than_rtn():
-    # protects: |q_guided - q_rollout| <= |q_rtn - q_rollout| elementwise (full mode), both under the rollout's scales
+def guided_pair(mode):
+    """A rollout / trainer pair: the rollout's quantization, the trainer's guided one, and the rollout's per-element
+    divisor t (scale times g)."""
     x_roll, x_train = perturbed_pair()
     q_roll = R.nvfp4_quantize(x_roll)
-    rec = R.guidance_from_quantized(q_roll, "full")
-    qg = R.nvfp4_quantize(x_train, rounding="guided", guidance=rec)
-    # RTN of the trainer's x under the rollout's scale: the trainer side of naive QAT with shared scales
+    qg = R.nvfp4_quantize(x_train, rounding="guided", guidance=R.guidance_from_quantized(q_roll, mode))
     t = (F.e4m3_to_float(q_roll.scales) * q_roll.g[:, None]).repeat_interleave(16, 1)
+    return x_roll, x_train, q_roll, qg, t
+
+
+def test_guided_full_never_worse_than_rtn():
+    # protects: |q_guided - q_rollout| <= |q_rtn - q_rollout| elementwise (full mode), both under the rollout's scales
+    x_roll, x_train, q_roll, qg, t = guided_pair("full")
+    # RTN of the trainer's x under the rollout's scale: the trainer side of naive QAT with shared scales
     rtn = F.e2m1_to_float(F.e2m1_rn(x_train / t))
     r = F.e2m1_to_float(codes_of(q_roll))
     gq = F.e2m1_to_float(codes_of(qg))
@@ -176,11 +182,7 @@ def test_guided_full_never_worse_than_rtn():
 
 
 def test_guided_compact_matches_rollout_when_value_stays_in_interval():
-    x_roll, x_train = perturbed_pair()
-    q_roll = R.nvfp4_quantize(x_roll)
-    rec = R.guidance_from_quantized(q_roll, "compact")
-    qg = R.nvfp4_quantize(x_train, rounding="guided", guidance=rec)
-    t = (F.e4m3_to_float(q_roll.scales) * q_roll.g[:, None]).repeat_interleave(16, 1)
+    x_roll, x_train, q_roll, qg, t = guided_pair("compact")
     a_roll = (x_roll / t).abs().clamp(max=6)
     a_train = (x_train / t).abs().clamp(max=6)
     lo_r, hi_r, _, _ = F.e2m1_bracket(a_roll)
