@@ -53,19 +53,22 @@ gpu-bench:
 	for b in $(or $(BENCHES),bench/bench_quant.py bench/bench_gemm.py bench/bench_kv.py); do \
 	  [ -f $$b ] && BENCH_OUT=$(GPU_TMP) PYTHONUNBUFFERED=1 python3 $$b 2>&1 | tee -a $(GPU_TMP)/bench.log; done; true
 
-# Nsight Compute counters of the hot kernels (bench/profile_kernels.py), one text report per case group
+# Nsight Compute on the hot kernels of bench/profile_kernels.py (clocks left alone; only trace_ext's kernels)
+NCU          := ncu --clock-control none --kernel-name-base mangled -k regex:trace_ext
+PROFILE_ALL  := quant gemm kv
 NCU_SECTIONS := SpeedOfLight LaunchStats Occupancy WarpStateStats SchedulerStats ComputeWorkloadAnalysis MemoryWorkloadAnalysis
+# section counters, one text report per case group
 gpu-profile:
-	for c in $(or $(PROFILE_CASES),quant gemm kv); do \
-	  echo "=== ncu $$c"; ncu --clock-control none --kernel-name-base mangled -k regex:trace_ext \
-	    $(foreach s,$(NCU_SECTIONS),--section $(s)) python3 bench/profile_kernels.py $$c > $(GPU_TMP)/ncu_$$c.txt 2>&1; \
+	for c in $(or $(PROFILE_CASES),$(PROFILE_ALL)); do \
+	  echo "=== ncu $$c"; $(NCU) $(foreach s,$(NCU_SECTIONS),--section $(s)) \
+	    python3 bench/profile_kernels.py $$c > $(GPU_TMP)/ncu_$$c.txt 2>&1; \
 	  echo "rc=$$?"; grep -c "Section: GPU Speed Of Light" $(GPU_TMP)/ncu_$$c.txt; \
 	done
 
 # per-SASS-instruction execution counts and stall samples (source page as CSV) of the same kernels
 gpu-sass:
-	for c in $(or $(PROFILE_CASES),quant gemm kv); do \
-	  echo "=== ncu source $$c"; ncu --clock-control none --kernel-name-base mangled -k regex:trace_ext \
+	for c in $(or $(PROFILE_CASES),$(PROFILE_ALL)); do \
+	  echo "=== ncu source $$c"; $(NCU) \
 	    --section SourceCounters --section InstructionStats -f -o $(GPU_TMP)/rep_$$c python3 bench/profile_kernels.py $$c > $(GPU_TMP)/ncu_src_$$c.log 2>&1; \
 	  echo "rc=$$?"; ncu -i $(GPU_TMP)/rep_$$c.ncu-rep --page source --csv --print-source sass > $(GPU_TMP)/sass_$$c.csv 2>&1; \
 	  echo "rc=$$?"; ls -la $(GPU_TMP)/sass_$$c.csv; \
