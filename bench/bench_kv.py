@@ -112,9 +112,9 @@ def decode_rows(copy_gbs, gen):
     return rows, sweep
 
 
-def append_row(copy_gbs, gen):
-    op = torch.ops.trace_ext.fp4kv_append
-    B, Hkv, chunk = 8, 8, 4096
+def append_inputs(gen, B=8, Hkv=8, chunk=4096):
+    """Arguments of fp4kv_append for a prefill chunk of `chunk` tokens per sequence into an empty paged cache (room
+    for two chunks per sequence, pages shuffled), written at token 1000: a second chunk, not page aligned."""
     T = B * chunk
     pages_per_seq = math.ceil(2 * chunk / PAGE)
     num_pages = B * pages_per_seq
@@ -128,9 +128,17 @@ def append_row(copy_gbs, gen):
     k = torch.randn(T, Hkv, D, device="cuda", generator=gen).to(torch.bfloat16)
     v = torch.randn(T, Hkv, D, device="cuda", generator=gen).to(torch.bfloat16)
     cu = torch.arange(0, T + 1, chunk, dtype=torch.int32, device="cuda")
-    start = torch.full((B,), 1000, dtype=torch.int32, device="cuda")  # a second chunk: not page aligned
+    start = torch.full((B,), 1000, dtype=torch.int32, device="cuda")
+    return (kc, ks, vc, vs, k, v, table, cu, start, 0.01, 0.02)
+
+
+def append_row(copy_gbs, gen):
+    op = torch.ops.trace_ext.fp4kv_append
+    B, Hkv, chunk = 8, 8, 4096
+    T = B * chunk
+    args = append_inputs(gen, B, Hkv, chunk)
     nbytes = 2 * T * Hkv * D * 2 + 2 * T * Hkv * (D // 2 + D // 16)
-    ms = do_bench_cold(lambda: op(kc, ks, vc, vs, k, v, table, cu, start, 0.01, 0.02))
+    ms = do_bench_cold(lambda: op(*args))
     gbs = nbytes / (ms * 1e-3) / 1e9
     pct = 100.0 * gbs / copy_gbs
     return {

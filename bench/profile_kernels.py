@@ -58,7 +58,7 @@ def gemm_cases():
 
 def kv_cases():
     sys.path.insert(0, "bench")
-    from bench_kv import D, random_cache  # noqa: PLC0415
+    from bench_kv import D, append_inputs, random_cache  # noqa: PLC0415
 
     gen = torch.Generator(device=DEV).manual_seed(0)
     op = torch.ops.trace_ext
@@ -67,17 +67,8 @@ def kv_cases():
     q = torch.randn(B, Hq, D, device=DEV, generator=gen).to(torch.bfloat16)
     yield "kv decode B32 Hq32 Hkv4 S8K", lambda: op.fp4kv_decode_attention(
         q, kc, ks, vc, vs, table, seq_lens, 1 / math.sqrt(D), 0.01, 0.02, 0)
-    T = 8 * 4096
-    k = torch.randn(T, 8, D, device=DEV, generator=gen).to(torch.bfloat16)
-    v = torch.randn(T, 8, D, device=DEV, generator=gen).to(torch.bfloat16)
-    pages = 8 * math.ceil(2 * 4096 / 16)
-    kc2 = torch.zeros(pages, 16, 8, D // 2, dtype=torch.uint8, device=DEV)
-    vc2, ks2 = torch.zeros_like(kc2), torch.zeros(pages, 16, 8, D // 16, dtype=torch.uint8, device=DEV)
-    vs2 = torch.zeros_like(ks2)
-    table2 = torch.randperm(pages, device=DEV, generator=gen).reshape(8, -1).to(torch.int32)
-    cu = torch.arange(0, T + 1, 4096, dtype=torch.int32, device=DEV)
-    start = torch.full((8,), 1000, dtype=torch.int32, device=DEV)
-    yield "kv append B8 x 4096", lambda: op.fp4kv_append(kc2, ks2, vc2, vs2, k, v, table2, cu, start, 0.01, 0.02)
+    args = append_inputs(gen)
+    yield "kv append B8 x 4096", lambda: op.fp4kv_append(*args)
 
 
 CASES = {"quant": quant_cases, "gemm": gemm_cases, "kv": kv_cases}
