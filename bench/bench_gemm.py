@@ -118,6 +118,15 @@ def bench_dense_decode(copy_bw, rows):
         torch.cuda.empty_cache()
 
 
+def routed_offsets(T, E, k, gen):
+    """offsets[E + 1] (int32, on the GPU) of T tokens routed top-k over E experts by random router scores."""
+    ids = torch.topk(torch.randn(T, E, device=DEV, generator=gen), k, dim=-1).indices
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    offsets = torch.zeros(E + 1, dtype=torch.int32, device=DEV)
+    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    return offsets
+
+
 def bench_grouped_decode(copy_bw, rows):
     E, k = 128, 8
     gen = torch.Generator(device=DEV).manual_seed(0)
@@ -129,12 +138,8 @@ def bench_grouped_decode(copy_bw, rows):
             sets.append((O.prepare_fp4_weight(q), ref.nvfp4_dequantize(q, torch.bfloat16).transpose(-2, -1)))
             del x
         for T in (1, 16, 64, 256):
-            scores = torch.randn(T, E, device=DEV, generator=gen)
-            ids = torch.topk(scores, k, dim=-1).indices
-            counts = torch.bincount(ids.reshape(-1), minlength=E)
-            active = int((counts > 0).sum())
-            offsets = torch.zeros(E + 1, dtype=torch.int32, device=DEV)
-            offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+            offsets = routed_offsets(T, E, k, gen)
+            active = int((offsets[1:] > offsets[:-1]).sum())
             M = T * k
             a = torch.randn(M, K, device=DEV).bfloat16()
             nw = _rot([s[0] for s in sets])

@@ -36,6 +36,9 @@ def quant_cases():
 
 
 def gemm_cases():
+    sys.path.insert(0, "bench")
+    from bench_gemm import routed_offsets  # noqa: PLC0415
+
     q = ref.nvfp4_quantize(torch.randn(14336, 4096, device=DEV) * 0.02, scope="tensor")
     w = O.prepare_fp4_weight(q)
     a1 = torch.randn(1, 4096, device=DEV).bfloat16()
@@ -48,10 +51,7 @@ def gemm_cases():
     qg = ref.nvfp4_quantize(torch.randn(E, N, K, device=DEV) * 0.02, scope="matrix")
     wg = O.prepare_fp4_weight(qg)
     gen = torch.Generator(device=DEV).manual_seed(0)
-    ids = torch.topk(torch.randn(T, E, device=DEV, generator=gen), k, dim=-1).indices
-    counts = torch.bincount(ids.reshape(-1), minlength=E)
-    offsets = torch.zeros(E + 1, dtype=torch.int32, device=DEV)
-    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    offsets = routed_offsets(T, E, k, gen)
     a = torch.randn(T * k, K, device=DEV).bfloat16()
     yield "grouped decode qwen3 gate_up T=16", lambda: O.fp4_grouped_linear(a, wg, offsets, backend="cuda")
 
