@@ -150,5 +150,22 @@ __device__ __forceinline__ void find_group_tile(const int* s_off, int E, int M, 
   }
 }
 
+// CTA prologue of the tiled kernels (kThreads threads): M tile blockIdx.y of `bm` rows -> s_tile[0..2] = expert,
+// m_begin, m_end (dense: expert 0; grouped: offsets[0..E] staged in s_off, the tile found by find_group_tile,
+// expert -1 past the last tile), visible to the whole CTA on return.
+template <int kThreads>
+__device__ __forceinline__ void load_group_tile(const GemmParams& p, int bm, int* s_off, int* s_tile) {
+  if (p.offsets != nullptr) {
+    for (int i = threadIdx.x; i <= p.E; i += kThreads) s_off[i] = p.offsets[i];
+    __syncthreads();
+  }
+  if (threadIdx.x < 32) {
+    int e = 0, mb = blockIdx.y * bm, me = p.M;
+    if (p.offsets != nullptr) find_group_tile(s_off, p.E, p.M, bm, blockIdx.y, &e, &mb, &me);
+    if (threadIdx.x == 0) { s_tile[0] = e; s_tile[1] = mb; s_tile[2] = me; }
+  }
+  __syncthreads();
+}
+
 }  // namespace gemm_w4
 }  // namespace trace_ext
