@@ -191,18 +191,7 @@ std::tuple<at::Tensor, at::Tensor> mxfp4_quantize_cuda(const at::Tensor& x, int6
 
 at::Tensor mxfp4_dequantize_cuda(const at::Tensor& codes, const at::Tensor& scales, at::ScalarType dtype) {
   const char* op = "mxfp4_dequantize";
-  check_cuda(codes, "codes");
-  check_same_device(scales, codes, "scales", "codes");
-  check_dtype(codes, at::kByte, "codes");
-  check_dtype(scales, at::kByte, "scales");
-  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "trace_ext.", op,
-                   ": dtype must be float32, bfloat16 or float16, got ", dtype);
-  TORCH_CHECK_VALUE(codes.dim() == 2 && codes.size(1) % (kMxfp4Block / 2) == 0, "trace_ext.", op,
-                    ": codes must have shape [R, K/2] with K a multiple of 32, got ", codes.sizes());
-  const int64_t R = codes.size(0), K = codes.size(1) * 2;
-  check_shape(scales, {R, K / kMxfp4Block}, "scales");
-  check_contiguous(codes, "codes");
-  check_contiguous(scales, "scales");
+  const int64_t K = check_dequantize_args(codes, scales, dtype, kMxfp4Block, op), R = codes.size(0);
   const c10::cuda::CUDAGuard guard(codes.device());
   at::Tensor y = at::empty({R, K}, codes.options().dtype(dtype));
   if (R == 0 || K == 0) return y;

@@ -772,26 +772,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nvfp4_fake_quantize_c
   return {y, mbits, scales, g_out};
 }
 
-at::Tensor nvfp4_dequantize_cuda(const at::Tensor& codes_in, const at::Tensor& scales, const at::Tensor& g,
+at::Tensor nvfp4_dequantize_cuda(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& g,
                                  at::ScalarType dtype) {
-  const at::Tensor& codes = codes_in;
   const char* op = "nvfp4_dequantize";
-  check_cuda(codes, "codes");
-  check_same_device(scales, codes, "scales", "codes");
+  const int64_t K = check_dequantize_args(codes, scales, dtype, kNvfp4Block, op), R = codes.size(0);
+  const int64_t kb = K / kNvfp4Block;
   check_same_device(g, codes, "g", "codes");
-  check_dtype(codes, at::kByte, "codes");
-  check_dtype(scales, at::kByte, "scales");
   check_dtype(g, at::kFloat, "g");
-  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "trace_ext.", op,
-                   ": dtype must be float32, bfloat16 or float16, got ", dtype);
-  TORCH_CHECK_VALUE(codes.dim() == 2 && codes.size(1) % (kNvfp4Block / 2) == 0, "trace_ext.", op,
-                    ": codes must have shape [R, K/2] with K a multiple of 16, got ", codes.sizes());
-  const int64_t R = codes.size(0), K = codes.size(1) * 2, kb = K / kNvfp4Block;
-  check_shape(scales, {R, kb}, "scales");
   TORCH_CHECK_VALUE(g.numel() == 1 || (g.dim() == 1 && g.size(0) == R), "trace_ext.", op, ": g must have shape [", R,
                     "] or [1], got ", g.sizes());
-  check_contiguous(codes, "codes");
-  check_contiguous(scales, "scales");
   check_contiguous(g, "g");
   const c10::cuda::CUDAGuard guard(codes.device());
   at::Tensor y = at::empty({R, K}, codes.options().dtype(dtype));

@@ -1,6 +1,7 @@
 // Vector load / store helpers shared by the memory-bound quantization kernels (quant_nvfp4.cu,
 // quant_mxfp4.cu): 16-byte global accesses, element conversion to float32 (exact for bf16 / fp16) and back
-// (round to nearest even, as torch's .to(dtype)).
+// (round to nearest even, as torch's .to(dtype)); on the host, the launch arithmetic, dtype dispatch and argument
+// checks the quantizer entries share.
 #pragma once
 
 #include <cstdint>
@@ -8,6 +9,10 @@
 #include <cuda_fp16.h>
 
 #include <type_traits>
+
+#ifndef __CUDACC_RTC__
+#include "trace_ext/host_checks.h"
+#endif
 
 namespace trace_ext {
 
@@ -197,6 +202,26 @@ inline TensorT aligned_for_vectors(const TensorT& t, int64_t bytes) {
 }
 
 inline int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Checks shared by the dequantize entries (SPEC 10): codes and scales uint8 on one CUDA device and contiguous,
+// codes [R, K/2] with K a multiple of `block`, scales [R, K/block], dtype float32 / bfloat16 / float16. Returns K.
+template <typename TensorT, typename ScalarTypeT>
+int64_t check_dequantize_args(const TensorT& codes, const TensorT& scales, ScalarTypeT dtype, int64_t block,
+                              const char* op) {
+  check_cuda(codes, "codes");
+  check_same_device(scales, codes, "scales", "codes");
+  check_dtype(codes, ScalarTypeT::Byte, "codes");
+  check_dtype(scales, ScalarTypeT::Byte, "scales");
+  TORCH_CHECK_TYPE(dtype == ScalarTypeT::Float || dtype == ScalarTypeT::BFloat16 || dtype == ScalarTypeT::Half,
+                   "trace_ext.", op, ": dtype must be float32, bfloat16 or float16, got ", dtype);
+  TORCH_CHECK_VALUE(codes.dim() == 2 && codes.size(1) % (block / 2) == 0, "trace_ext.", op,
+                    ": codes must have shape [R, K/2] with K a multiple of ", block, ", got ", codes.sizes());
+  const int64_t K = codes.size(1) * 2;
+  check_shape(scales, {codes.size(0), K / block}, "scales");
+  check_contiguous(codes, "codes");
+  check_contiguous(scales, "scales");
+  return K;
+}
 
 // Calls f with a value of the element type the quantizers take (float32, bfloat16 or float16; checked by the caller).
 template <typename ScalarTypeT, typename F>
