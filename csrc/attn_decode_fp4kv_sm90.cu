@@ -227,6 +227,10 @@ __device__ __forceinline__ uint32_t e2m1_lo_nibbles_to_f16_hibytes(uint32_t w) {
 constexpr uint32_t kPairLo = 0x1404u;
 constexpr uint32_t kPairHi = 0x3424u;
 __device__ __forceinline__ uint32_t f16x2_from_hibytes(uint32_t x, uint32_t sel) { return __byte_perm(x, 0u, sel); }
+// fp16x2 of two expanded codes (f16x2_from_hibytes(x, sel)) times their half2 block scale: q * s_b * 2^-14, exact.
+__device__ __forceinline__ uint32_t dequant_pair(uint32_t x, uint32_t sel, uint32_t scale2) {
+  return hmul2(f16x2_from_hibytes(x, sel), scale2);
+}
 
 // Byte offset of 16-byte chunk `chunk` of code row `t` inside a code tile (XOR swizzle, see design note).
 template <int D>
@@ -399,6 +403,90 @@ struct WarpLoader {
   }
 };
 
+// ---- pieces shared by the two split-KV kernels ------------------------------------------------------------
+
+// This CTA's split: tokens [start, end), and the number of 16-token tiles this warp owns (tiles warp,
+// warp + kWarps, ... of the split).
+struct SplitTiles {
+  int start, end, my_tiles;
+};
+__device__ __forceinline__ SplitTiles split_tiles(const DecodeParams& p, int split, int b, int warp) {
+  const int len = __ldg(p.seq_lens + b);
+  const int per_split = (len + p.num_splits - 1) / p.num_splits;
+  const int chunk_len = (per_split + kCtaTokens - 1) / kCtaTokens * kCtaTokens;
+  const int start = split * chunk_len;
+  const int end = min(len, start + chunk_len);
+  const int n_tiles = end > start ? (end - start + kTile - 1) / kTile : 0;
+  const int my_tiles = n_tiles > warp ? (n_tiles - warp + kWarps - 1) / kWarps : 0;
+  return {start, end, my_tiles};
+}
+
+// K code words of tokens 8 nt + r (this thread's quarter row) and their block scales, half2 (s, s) per word.
+template <int D>
+__device__ __forceinline__ void load_k(const uint8_t* st, const int (&k_off)[2], const int (&ks_off)[2],
+                                       uint32_t (&w)[2][Geo<D>::kKWords], uint32_t (&sc)[2][Geo<D>::kKWords]) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    if constexpr (D == 128) {
+      const uint4 u = *reinterpret_cast<const uint4*>(st + k_off[nt]);
+      w[nt][0] = u.x, w[nt][1] = u.y, w[nt][2] = u.z, w[nt][3] = u.w;
+      const uint32_t s2 = e4m3x2_to_half2(*reinterpret_cast<const uint16_t*>(st + ks_off[nt]));
+      sc[nt][0] = sc[nt][1] = __byte_perm(s2, 0u, 0x1010);
+      sc[nt][2] = sc[nt][3] = __byte_perm(s2, 0u, 0x3232);
+    } else {
+      const uint2 u = *reinterpret_cast<const uint2*>(st + k_off[nt]);
+      w[nt][0] = u.x, w[nt][1] = u.y;
+      const uint32_t s2 = e4m3x2_to_half2(st[ks_off[nt]]);
+      sc[nt][0] = sc[nt][1] = __byte_perm(s2, 0u, 0x1010);
+    }
+  }
+}
+
+// V code words of tokens 2c, 2c+1, 2c+8, 2c+9 (this thread's block of head_dim) and the block scales of the token
+// pairs (2c, 2c+1) and (2c+8, 2c+9) as half2.
+template <int D>
+__device__ __forceinline__ void load_v(const uint8_t* st, const int (&v_off)[4], const int (&vs_off)[4],
+                                       uint32_t (&vw)[4][Geo<D>::kVWords], uint32_t (&vs2)[2]) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint8_t* src = st + v_off[k];
+    if constexpr (Geo<D>::kVWords == 2) {
+      const uint2 u = *reinterpret_cast<const uint2*>(src);
+      vw[k][0] = u.x, vw[k][1] = u.y;
+    } else {
+      vw[k][0] = *reinterpret_cast<const uint32_t*>(src);
+    }
+  }
+#pragma unroll
+  for (int pr = 0; pr < 2; ++pr) {
+    vs2[pr] = e4m3x2_to_half2((uint32_t)st[vs_off[2 * pr]] | ((uint32_t)st[vs_off[2 * pr + 1]] << 8));
+  }
+}
+
+// Bytes (2 half, 2 half + 1) of V word wi of both tokens of pair pr, interleaved ([t0.b, t1.b, t0.b', t1.b']) and
+// expanded: hb = the high nibbles, lb = the low nibbles, as fp16 high bytes.
+template <int D>
+__device__ __forceinline__ void expand_v_pairs(const uint32_t (&vw)[4][Geo<D>::kVWords], int wi, int half,
+                                               uint32_t (&hb)[2], uint32_t (&lb)[2]) {
+  const uint32_t sel = half == 0 ? 0x5140u : 0x7362u;
+#pragma unroll
+  for (int pr = 0; pr < 2; ++pr) {
+    const uint32_t z = __byte_perm(vw[2 * pr][wi], vw[2 * pr + 1][wi], sel);
+    hb[pr] = e2m1_hi_nibbles_to_f16_hibytes(z);
+    lb[pr] = e2m1_lo_nibbles_to_f16_hibytes(z);
+  }
+}
+
+// The cross-warp combine's shared memory (over the stages): O [warps][16][kOStride], m and l [warps][16].
+struct CombineSmem {
+  float *o, *m, *l;
+};
+__device__ __forceinline__ CombineSmem combine_smem(uint8_t* smem) {
+  float* o = reinterpret_cast<float*>(smem);
+  float* m = o + kWarps * kMaxGroup * kOStride;
+  return {o, m, m + kWarps * kMaxGroup};
+}
+
 // kQSmem: the Q fragments live in shared memory ([k-step][lane], one 16-byte load per k-step, reloaded every tile)
 // instead of D/4 registers, so the kernel fits 128 registers and 4 CTAs (16 warps) per SM; false keeps them in
 // registers (157 registers, 3 CTAs per SM), selectable with TRACE_EXT_KV_DECODE_IMPL=old.
@@ -412,13 +500,8 @@ __global__ void __launch_bounds__(kThreads, kQSmem ? kMinBlocks : kMinBlocksQReg
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = lane / 4, c = lane % 4;  // MMA fragment row / column group
 
-  const int len = __ldg(p.seq_lens + b);
-  const int per_split = (len + p.num_splits - 1) / p.num_splits;
-  const int chunk_len = (per_split + kCtaTokens - 1) / kCtaTokens * kCtaTokens;
-  const int start = split * chunk_len;
-  const int end = min(len, start + chunk_len);
-  const int n_tiles = end > start ? (end - start + kTile - 1) / kTile : 0;
-  const int my_tiles = n_tiles > warp ? (n_tiles - warp + kWarps - 1) / kWarps : 0;
+  const SplitTiles sp = split_tiles(p, split, b, warp);
+  const int start = sp.start, end = sp.end, my_tiles = sp.my_tiles;
 
   float o[G::kONTiles][4];
 #pragma unroll
@@ -544,21 +627,8 @@ __global__ void __launch_bounds__(kThreads, kQSmem ? kMinBlocks : kMinBlocksQReg
     uint32_t w[2][G::kKWords];
     uint32_t sc[2][G::kKWords];  // half2 (s, s) per word
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-      if constexpr (D == 128) {
-        const uint4 u = *reinterpret_cast<const uint4*>(st + k_off[nt]);
-        w[nt][0] = u.x, w[nt][1] = u.y, w[nt][2] = u.z, w[nt][3] = u.w;
-        const uint32_t s2 = e4m3x2_to_half2(*reinterpret_cast<const uint16_t*>(st + ks_off[nt]));
-        sc[nt][0] = sc[nt][1] = __byte_perm(s2, 0u, 0x1010);
-        sc[nt][2] = sc[nt][3] = __byte_perm(s2, 0u, 0x3232);
-      } else {
-        const uint2 u = *reinterpret_cast<const uint2*>(st + k_off[nt]);
-        w[nt][0] = u.x, w[nt][1] = u.y;
-        const uint32_t s2 = e4m3x2_to_half2(st[ks_off[nt]]);
-        sc[nt][0] = sc[nt][1] = __byte_perm(s2, 0u, 0x1010);
-      }
-    }
+    for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+    load_k<D>(st, k_off, ks_off, w, sc);
 #pragma unroll
     for (int wi = 0; wi < G::kKWords; ++wi) {
       uint32_t qlo[4], qhi[4];  // Q fragments of k-steps 2 wi and 2 wi + 1
@@ -576,10 +646,8 @@ __global__ void __launch_bounds__(kThreads, kQSmem ? kMinBlocks : kMinBlocksQReg
         const uint32_t hb = e2m1_hi_nibbles_to_f16_hibytes(w[nt][wi]);  // nibbles 1, 3, 5, 7
         const uint32_t lb = e2m1_lo_nibbles_to_f16_hibytes(w[nt][wi]);  // nibbles 0, 2, 4, 6
         // k-step 2 wi: b0b1 = (n0, n2), b2b3 = (n1, n3); k-step 2 wi + 1: (n4, n6), (n5, n7)
-        mma_f16(s[nt], qlo, hmul2(f16x2_from_hibytes(lb, kPairLo), sc[nt][wi]),
-                hmul2(f16x2_from_hibytes(hb, kPairLo), sc[nt][wi]));
-        mma_f16(s[nt], qhi, hmul2(f16x2_from_hibytes(lb, kPairHi), sc[nt][wi]),
-                hmul2(f16x2_from_hibytes(hb, kPairHi), sc[nt][wi]));
+        mma_f16(s[nt], qlo, dequant_pair(lb, kPairLo, sc[nt][wi]), dequant_pair(hb, kPairLo, sc[nt][wi]));
+        mma_f16(s[nt], qhi, dequant_pair(lb, kPairHi, sc[nt][wi]), dequant_pair(hb, kPairHi, sc[nt][wi]));
       }
     }
 
@@ -654,43 +722,19 @@ __global__ void __launch_bounds__(kThreads, kQSmem ? kMinBlocks : kMinBlocksQReg
     {
       uint32_t vw[4][G::kVWords];
       uint32_t vs2[2];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const uint8_t* src = st + v_off[k];
-        if constexpr (G::kVWords == 2) {
-          const uint2 u = *reinterpret_cast<const uint2*>(src);
-          vw[k][0] = u.x, vw[k][1] = u.y;
-        } else {
-          vw[k][0] = *reinterpret_cast<const uint32_t*>(src);
-        }
-      }
-#pragma unroll
-      for (int pr = 0; pr < 2; ++pr) {
-        vs2[pr] = e4m3x2_to_half2((uint32_t)st[vs_off[2 * pr]] | ((uint32_t)st[vs_off[2 * pr + 1]] << 8));
-      }
+      load_v<D>(st, v_off, vs_off, vw, vs2);
 #pragma unroll
       for (int wi = 0; wi < G::kVWords; ++wi) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          // bytes (2 half, 2 half + 1) of both tokens of each pair, interleaved: [t0.b, t1.b, t0.b', t1.b']
-          const uint32_t sel = half == 0 ? 0x5140u : 0x7362u;
           uint32_t hb[2], lb[2];
-#pragma unroll
-          for (int pr = 0; pr < 2; ++pr) {
-            const uint32_t z = __byte_perm(vw[2 * pr][wi], vw[2 * pr + 1][wi], sel);
-            hb[pr] = e2m1_hi_nibbles_to_f16_hibytes(z);
-            lb[pr] = e2m1_lo_nibbles_to_f16_hibytes(z);
-          }
+          expand_v_pairs<D>(vw, wi, half, hb, lb);
           // nibble n of the 4-byte group -> output column j = 8 wi + 4 half + n
           const int j0 = 8 * wi + 4 * half;
-          mma_f16(o[j0 + 0], pa, hmul2(f16x2_from_hibytes(lb[0], kPairLo), vs2[0]),
-                  hmul2(f16x2_from_hibytes(lb[1], kPairLo), vs2[1]));
-          mma_f16(o[j0 + 1], pa, hmul2(f16x2_from_hibytes(hb[0], kPairLo), vs2[0]),
-                  hmul2(f16x2_from_hibytes(hb[1], kPairLo), vs2[1]));
-          mma_f16(o[j0 + 2], pa, hmul2(f16x2_from_hibytes(lb[0], kPairHi), vs2[0]),
-                  hmul2(f16x2_from_hibytes(lb[1], kPairHi), vs2[1]));
-          mma_f16(o[j0 + 3], pa, hmul2(f16x2_from_hibytes(hb[0], kPairHi), vs2[0]),
-                  hmul2(f16x2_from_hibytes(hb[1], kPairHi), vs2[1]));
+          mma_f16(o[j0 + 0], pa, dequant_pair(lb[0], kPairLo, vs2[0]), dequant_pair(lb[1], kPairLo, vs2[1]));
+          mma_f16(o[j0 + 1], pa, dequant_pair(hb[0], kPairLo, vs2[0]), dequant_pair(hb[1], kPairLo, vs2[1]));
+          mma_f16(o[j0 + 2], pa, dequant_pair(lb[0], kPairHi, vs2[0]), dequant_pair(lb[1], kPairHi, vs2[1]));
+          mma_f16(o[j0 + 3], pa, dequant_pair(hb[0], kPairHi, vs2[0]), dequant_pair(hb[1], kPairHi, vs2[1]));
         }
       }
     }
@@ -705,28 +749,26 @@ __global__ void __launch_bounds__(kThreads, kQSmem ? kMinBlocks : kMinBlocksQReg
     l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
   }
   __syncthreads();
-  float* sm_o = reinterpret_cast<float*>(smem);                  // [warps][16][kOStride]
-  float* sm_m = sm_o + kWarps * kMaxGroup * kOStride;              // [warps][16]
-  float* sm_l = sm_m + kWarps * kMaxGroup;                         // [warps][16]
+  const CombineSmem cs = combine_smem(smem);
 #pragma unroll
   for (int j = 0; j < G::kONTiles; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int row = r + 8 * (e >> 1);
       const int n = 2 * c + (e & 1);  // head_dim d = n * D/8 + j
-      sm_o[(warp * kMaxGroup + row) * kOStride + n * kOGroup + j] = o[j][e];
+      cs.o[(warp * kMaxGroup + row) * kOStride + n * kOGroup + j] = o[j][e];
     }
   }
   if (c == 0) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      sm_m[warp * kMaxGroup + r + 8 * h] = m_run[h];
-      sm_l[warp * kMaxGroup + r + 8 * h] = l_run[h];
+      cs.m[warp * kMaxGroup + r + 8 * h] = m_run[h];
+      cs.l[warp * kMaxGroup + r + 8 * h] = l_run[h];
     }
   }
   __syncthreads();
 
-  merge_warps<D>(p, sm_o, sm_m, sm_l, split, kv_head, b);
+  merge_warps<D>(p, cs.o, cs.m, cs.l, split, kv_head, b);
 }
 
 // ---- G <= 8: the swapped-operand kernel ---------------------------------------------------------------------
@@ -734,7 +776,8 @@ __global__ void __launch_bounds__(kThreads, kQSmem ? kMinBlocks : kMinBlocksQReg
 // roles swap: S^T = K.Q^T (A = 16 tokens of K, B = Q^T with the heads as the N = 8 columns) and O^T = V^T.P^T
 // (A = 16 head_dim rows of V^T, B = P^T), so every MMA row is real: half the MMAs, half the O accumulators
 // (D/4 floats per thread instead of D/2), softmax on 4 instead of 8 scores per thread, and Q fits in
-// registers (D/8 per thread). The K and V code expansion is shared with the kernel above and identical:
+// registers (D/8 per thread). The split bounds, the K and V code loads, the V code expansion and the cross-warp
+// combine layout are helpers shared with the kernel above (the same code); the fragments map as follows:
 // - S^T A fragment (rows = tokens r and r + 8, k = head_dim in the same permutation): the registers that were the
 //   B fragments of n8 tiles 0 and 1. Q's B fragment (k, n = head r): the a0a1 / a4a5 halves of its old A.
 // - S^T accumulator: lane (r, c) holds tokens r, r + 8 of heads 2c, 2c + 1; the per-head max and sum reduce over
@@ -761,13 +804,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksSwap) fp4kv_decode_kernel_
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = lane / 4, c = lane % 4;  // MMA fragment row / column group
 
-  const int len = __ldg(p.seq_lens + b);
-  const int per_split = (len + p.num_splits - 1) / p.num_splits;
-  const int chunk_len = (per_split + kCtaTokens - 1) / kCtaTokens * kCtaTokens;
-  const int start = split * chunk_len;
-  const int end = min(len, start + chunk_len);
-  const int n_tiles = end > start ? (end - start + kTile - 1) / kTile : 0;
-  const int my_tiles = n_tiles > warp ? (n_tiles - warp + kWarps - 1) / kWarps : 0;
+  const SplitTiles sp = split_tiles(p, split, b, warp);
+  const int start = sp.start, end = sp.end, my_tiles = sp.my_tiles;
 
   float o[kMTiles][4];  // O^T: [m][0] (d row r, head 2c), [1] (r, 2c + 1), [2] (r + 8, 2c), [3] (r + 8, 2c + 1)
 #pragma unroll
@@ -874,21 +912,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksSwap) fp4kv_decode_kernel_
     {
       uint32_t w[2][G::kKWords];
       uint32_t sc[2][G::kKWords];  // half2 (s, s) per word
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        if constexpr (D == 128) {
-          const uint4 u = *reinterpret_cast<const uint4*>(st + k_off[nt]);
-          w[nt][0] = u.x, w[nt][1] = u.y, w[nt][2] = u.z, w[nt][3] = u.w;
-          const uint32_t s2 = e4m3x2_to_half2(*reinterpret_cast<const uint16_t*>(st + ks_off[nt]));
-          sc[nt][0] = sc[nt][1] = __byte_perm(s2, 0u, 0x1010);
-          sc[nt][2] = sc[nt][3] = __byte_perm(s2, 0u, 0x3232);
-        } else {
-          const uint2 u = *reinterpret_cast<const uint2*>(st + k_off[nt]);
-          w[nt][0] = u.x, w[nt][1] = u.y;
-          const uint32_t s2 = e4m3x2_to_half2(st[ks_off[nt]]);
-          sc[nt][0] = sc[nt][1] = __byte_perm(s2, 0u, 0x1010);
-        }
-      }
+      load_k<D>(st, k_off, ks_off, w, sc);
 #pragma unroll
       for (int wi = 0; wi < G::kKWords; ++wi) {
         uint32_t hb[2], lb[2];
@@ -898,15 +922,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksSwap) fp4kv_decode_kernel_
           lb[nt] = e2m1_lo_nibbles_to_f16_hibytes(w[nt][wi]);  // nibbles 0, 2, 4, 6
         }
         // k-step 2 wi: (n0, n2) for k = 2c, 2c+1 and (n1, n3) for k = 2c+8, 2c+9; k-step 2 wi + 1: n4..n7
-        const uint32_t a0[4] = {hmul2(f16x2_from_hibytes(lb[0], kPairLo), sc[0][wi]),
-                                hmul2(f16x2_from_hibytes(lb[1], kPairLo), sc[1][wi]),
-                                hmul2(f16x2_from_hibytes(hb[0], kPairLo), sc[0][wi]),
-                                hmul2(f16x2_from_hibytes(hb[1], kPairLo), sc[1][wi])};
+        const uint32_t a0[4] = {dequant_pair(lb[0], kPairLo, sc[0][wi]), dequant_pair(lb[1], kPairLo, sc[1][wi]),
+                                dequant_pair(hb[0], kPairLo, sc[0][wi]), dequant_pair(hb[1], kPairLo, sc[1][wi])};
         mma_f16(s, a0, qb[2 * wi][0], qb[2 * wi][1]);
-        const uint32_t a1[4] = {hmul2(f16x2_from_hibytes(lb[0], kPairHi), sc[0][wi]),
-                                hmul2(f16x2_from_hibytes(lb[1], kPairHi), sc[1][wi]),
-                                hmul2(f16x2_from_hibytes(hb[0], kPairHi), sc[0][wi]),
-                                hmul2(f16x2_from_hibytes(hb[1], kPairHi), sc[1][wi])};
+        const uint32_t a1[4] = {dequant_pair(lb[0], kPairHi, sc[0][wi]), dequant_pair(lb[1], kPairHi, sc[1][wi]),
+                                dequant_pair(hb[0], kPairHi, sc[0][wi]), dequant_pair(hb[1], kPairHi, sc[1][wi])};
         mma_f16(s, a1, qb[2 * wi + 1][0], qb[2 * wi + 1][1]);
       }
     }
@@ -964,44 +984,21 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksSwap) fp4kv_decode_kernel_
     {
       uint32_t vw[4][G::kVWords];
       uint32_t vs2[2];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const uint8_t* src = st + v_off[k];
-        if constexpr (G::kVWords == 2) {
-          const uint2 u = *reinterpret_cast<const uint2*>(src);
-          vw[k][0] = u.x, vw[k][1] = u.y;
-        } else {
-          vw[k][0] = *reinterpret_cast<const uint32_t*>(src);
-        }
-      }
-#pragma unroll
-      for (int pr = 0; pr < 2; ++pr) {
-        vs2[pr] = e4m3x2_to_half2((uint32_t)st[vs_off[2 * pr]] | ((uint32_t)st[vs_off[2 * pr + 1]] << 8));
-      }
+      load_v<D>(st, v_off, vs_off, vw, vs2);
 #pragma unroll
       for (int wi = 0; wi < G::kVWords; ++wi) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const uint32_t sel = half == 0 ? 0x5140u : 0x7362u;
           uint32_t hb[2], lb[2];
-#pragma unroll
-          for (int pr = 0; pr < 2; ++pr) {
-            const uint32_t z = __byte_perm(vw[2 * pr][wi], vw[2 * pr + 1][wi], sel);
-            hb[pr] = e2m1_hi_nibbles_to_f16_hibytes(z);
-            lb[pr] = e2m1_lo_nibbles_to_f16_hibytes(z);
-          }
+          expand_v_pairs<D>(vw, wi, half, hb, lb);
           // element j = 8 wi + 4 half + n of the block: n = 0 (lb, lo), 1 (hb, lo), 2 (lb, hi), 3 (hb, hi);
           // M tile j0 / 2 takes elements j0, j0 + 1, M tile j0 / 2 + 1 takes j0 + 2, j0 + 3
           const int m0 = (8 * wi + 4 * half) / 2;
-          const uint32_t a0[4] = {hmul2(f16x2_from_hibytes(lb[0], kPairLo), vs2[0]),
-                                  hmul2(f16x2_from_hibytes(hb[0], kPairLo), vs2[0]),
-                                  hmul2(f16x2_from_hibytes(lb[1], kPairLo), vs2[1]),
-                                  hmul2(f16x2_from_hibytes(hb[1], kPairLo), vs2[1])};
+          const uint32_t a0[4] = {dequant_pair(lb[0], kPairLo, vs2[0]), dequant_pair(hb[0], kPairLo, vs2[0]),
+                                  dequant_pair(lb[1], kPairLo, vs2[1]), dequant_pair(hb[1], kPairLo, vs2[1])};
           mma_f16(o[m0], a0, pb[0], pb[1]);
-          const uint32_t a1[4] = {hmul2(f16x2_from_hibytes(lb[0], kPairHi), vs2[0]),
-                                  hmul2(f16x2_from_hibytes(hb[0], kPairHi), vs2[0]),
-                                  hmul2(f16x2_from_hibytes(lb[1], kPairHi), vs2[1]),
-                                  hmul2(f16x2_from_hibytes(hb[1], kPairHi), vs2[1])};
+          const uint32_t a1[4] = {dequant_pair(lb[0], kPairHi, vs2[0]), dequant_pair(hb[0], kPairHi, vs2[0]),
+                                  dequant_pair(lb[1], kPairHi, vs2[1]), dequant_pair(hb[1], kPairHi, vs2[1])};
           mma_f16(o[m0 + 1], a1, pb[0], pb[1]);
         }
       }
@@ -1018,27 +1015,25 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksSwap) fp4kv_decode_kernel_
     l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 16);
   }
   __syncthreads();
-  float* sm_o = reinterpret_cast<float*>(smem);                  // [warps][16][kOStride]
-  float* sm_m = sm_o + kWarps * kMaxGroup * kOStride;              // [warps][16]
-  float* sm_l = sm_m + kWarps * kMaxGroup;                         // [warps][16]
+  const CombineSmem cs = combine_smem(smem);
 #pragma unroll
   for (int m = 0; m < kMTiles; ++m) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int head = 2 * c + (e & 1);
       const int j = 2 * m + (e >> 1);  // d = r * D/8 + j
-      sm_o[(warp * kMaxGroup + head) * kOStride + r * kOGroup + j] = o[m][e];
+      cs.o[(warp * kMaxGroup + head) * kOStride + r * kOGroup + j] = o[m][e];
     }
   }
   if (r == 0) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      sm_m[warp * kMaxGroup + 2 * c + h] = m_run[h];
-      sm_l[warp * kMaxGroup + 2 * c + h] = l_run[h];
+      cs.m[warp * kMaxGroup + 2 * c + h] = m_run[h];
+      cs.l[warp * kMaxGroup + 2 * c + h] = l_run[h];
     }
   }
   __syncthreads();
-  merge_warps<D>(p, sm_o, sm_m, sm_l, split, kv_head, b);
+  merge_warps<D>(p, cs.o, cs.m, cs.l, split, kv_head, b);
 }
 
 // Combine the splits of one (sequence, query head) (TRACE_EXT_KV_DECODE_COMBINE=kernel: the separate pass).
