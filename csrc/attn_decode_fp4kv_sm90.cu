@@ -421,6 +421,31 @@ __device__ __forceinline__ SplitTiles split_tiles(const DecodeParams& p, int spl
   return {start, end, my_tiles};
 }
 
+// The per-warp cp.async pipeline (tiles warp, warp + kWarps, ... of the split; tile_start(i) is the first token
+// of the warp's tile i): the prologue issues the first kStages - 1 tiles and returns the page walk of the next one;
+// each iteration issues tile i + kStages - 1 (its page ids loaded one iteration ahead, so the copy issue never
+// waits on the block table), walks the page table for the tile after it, and waits for tile i.
+template <int D, class TileStart>
+__device__ __forceinline__ int2 pipeline_prologue(WarpLoader<D>& ld, uint32_t wsmem_addr, const TileStart& tile_start,
+                                                  int end, int my_tiles) {
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < my_tiles) ld.issue(wsmem_addr + s * Geo<D>::kStageBytes, tile_start(s), end, ld.fetch(tile_start(s), end));
+    cp_async_commit();
+  }
+  return (kStages - 1 < my_tiles) ? ld.fetch(tile_start(kStages - 1), end) : make_int2(0, 0);
+}
+template <int D, class TileStart>
+__device__ __forceinline__ void pipeline_step(WarpLoader<D>& ld, uint32_t wsmem_addr, const TileStart& tile_start,
+                                              int i, int end, int my_tiles, int2& next_ps) {
+  const int nxt = i + kStages - 1;
+  if (nxt < my_tiles) ld.issue(wsmem_addr + (nxt % kStages) * Geo<D>::kStageBytes, tile_start(nxt), end, next_ps);
+  cp_async_commit();
+  if (nxt + 1 < my_tiles) next_ps = ld.fetch(tile_start(nxt + 1), end);
+  cp_async_wait<kStages - 1>();
+  __syncwarp();
+}
+
 // K code words of tokens 8 nt + r (this thread's quarter row) and their block scales, half2 (s, s) per word.
 template <int D>
 __device__ __forceinline__ void load_k(const uint8_t* st, const int (&k_off)[2], const int (&ks_off)[2],
@@ -517,12 +542,7 @@ __global__ void __launch_bounds__(kThreads, kQSmem ? kMinBlocks : kMinBlocksQReg
   ld.prepare();
   const uint32_t wsmem_addr = smem_addr(wsmem);
 
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < my_tiles) ld.issue(wsmem_addr + s * G::kStageBytes, tile_start(s), end, ld.fetch(tile_start(s), end));
-    cp_async_commit();
-  }
-  int2 next_ps = (kStages - 1 < my_tiles) ? ld.fetch(tile_start(kStages - 1), end) : make_int2(0, 0);
+  int2 next_ps = pipeline_prologue<D>(ld, wsmem_addr, tile_start, end, my_tiles);
 
   // ---- Q fragments (fp16, row-scaled by a power of two, head_dim permuted like the K fragments); loaded
   // after the pipeline prologue so its latency overlaps the first K/V tiles ----
@@ -608,15 +628,7 @@ __global__ void __launch_bounds__(kThreads, kQSmem ? kMinBlocks : kMinBlocksQReg
   }
 
   for (int i = 0; i < my_tiles; ++i) {
-    {
-      const int nxt = i + kStages - 1;
-      if (nxt < my_tiles) ld.issue(wsmem_addr + (nxt % kStages) * G::kStageBytes, tile_start(nxt), end, next_ps);
-      cp_async_commit();
-      if (nxt + 1 < my_tiles) next_ps = ld.fetch(tile_start(nxt + 1), end);
-    }
-    cp_async_wait<kStages - 1>();
-    __syncwarp();
-
+    pipeline_step<D>(ld, wsmem_addr, tile_start, i, end, my_tiles, next_ps);
     const uint8_t* st = wsmem + (i % kStages) * G::kStageBytes;
     const int t0 = tile_start(i);
 
@@ -776,8 +788,9 @@ __global__ void __launch_bounds__(kThreads, kQSmem ? kMinBlocks : kMinBlocksQReg
 // roles swap: S^T = K.Q^T (A = 16 tokens of K, B = Q^T with the heads as the N = 8 columns) and O^T = V^T.P^T
 // (A = 16 head_dim rows of V^T, B = P^T), so every MMA row is real: half the MMAs, half the O accumulators
 // (D/4 floats per thread instead of D/2), softmax on 4 instead of 8 scores per thread, and Q fits in
-// registers (D/8 per thread). The split bounds, the K and V code loads, the V code expansion and the cross-warp
-// combine layout are helpers shared with the kernel above (the same code); the fragments map as follows:
+// registers (D/8 per thread). The split bounds, the cp.async pipeline steps, the K and V code loads, the V code
+// expansion and the cross-warp combine layout are helpers shared with the kernel above (the same code); the
+// fragments map as follows:
 // - S^T A fragment (rows = tokens r and r + 8, k = head_dim in the same permutation): the registers that were the
 //   B fragments of n8 tiles 0 and 1. Q's B fragment (k, n = head r): the a0a1 / a4a5 halves of its old A.
 // - S^T accumulator: lane (r, c) holds tokens r, r + 8 of heads 2c, 2c + 1; the per-head max and sum reduce over
@@ -821,12 +834,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksSwap) fp4kv_decode_kernel_
   ld.prepare();
   const uint32_t wsmem_addr = smem_addr(wsmem);
 
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < my_tiles) ld.issue(wsmem_addr + s * G::kStageBytes, tile_start(s), end, ld.fetch(tile_start(s), end));
-    cp_async_commit();
-  }
-  int2 next_ps = (kStages - 1 < my_tiles) ? ld.fetch(tile_start(kStages - 1), end) : make_int2(0, 0);
+  int2 next_ps = pipeline_prologue<D>(ld, wsmem_addr, tile_start, end, my_tiles);
 
   // ---- Q^T fragments of head r (same scaling and head_dim permutation as the kernel above) ----
   uint32_t qb[G::kKSteps][2];
@@ -895,15 +903,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksSwap) fp4kv_decode_kernel_
   }
 
   for (int i = 0; i < my_tiles; ++i) {
-    {
-      const int nxt = i + kStages - 1;
-      if (nxt < my_tiles) ld.issue(wsmem_addr + (nxt % kStages) * G::kStageBytes, tile_start(nxt), end, next_ps);
-      cp_async_commit();
-      if (nxt + 1 < my_tiles) next_ps = ld.fetch(tile_start(nxt + 1), end);
-    }
-    cp_async_wait<kStages - 1>();
-    __syncwarp();
-
+    pipeline_step<D>(ld, wsmem_addr, tile_start, i, end, my_tiles, next_ps);
     const uint8_t* st = wsmem + (i % kStages) * G::kStageBytes;
     const int t0 = tile_start(i);
 
