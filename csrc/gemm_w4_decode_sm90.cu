@@ -91,6 +91,38 @@ __device__ __forceinline__ uint2 ld_stream8(const void* p) {
   return v;
 }
 
+// Activation fragments of lane (g, t) for one 64-K step: rows m0 + 8i + g (i < MT8), elements
+// k .. k + 15 (contiguous, see the k-slot permutation above) as 8 bf16x2 registers per row; bf16 activations are
+// loaded as they are, FP4 ones (W4A4) converted to bf16 q * s * 2^-7. Rows at or past m_hi are zero.
+template <int MT8, bool kAFp4>
+__device__ __forceinline__ void load_act_frags(const GemmParams& p, int K, int k, int m0, int m_hi, int g,
+                                               uint32_t (&bq)[MT8][8]) {
+#pragma unroll
+  for (int i = 0; i < MT8; ++i) {
+    const int m = m0 + 8 * i + g;
+    if (m < m_hi) {
+      if constexpr (!kAFp4) {
+        const uint4* src =
+            reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(p.a) + (int64_t)m * K + k);
+        const uint4 x0 = __ldg(src), x1 = __ldg(src + 1);
+        bq[i][0] = x0.x; bq[i][1] = x0.y; bq[i][2] = x0.z; bq[i][3] = x0.w;
+        bq[i][4] = x1.x; bq[i][5] = x1.y; bq[i][6] = x1.z; bq[i][7] = x1.w;
+      } else {
+        const uint8_t* ac = reinterpret_cast<const uint8_t*>(p.a) + (int64_t)m * (K / 2) + k / 2;
+        const uint2 c = __ldg(reinterpret_cast<const uint2*>(ac));
+        const uint32_t sc = scale_bf16x2_folded(__ldg(p.a_scales + (int64_t)m * (K / 16) + k / 16));
+        const uint32_t cw[2] = {c.x, c.y};
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          bq[i][j] = bf16x2_mul(fp4x2_to_bf16x2_biased((cw[j >> 2] >> (8 * (j & 3))) & 0xFFu), sc);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) bq[i][j] = 0u;
+    }
+  }
+}
+
 // MT8: 8-row token tiles per chunk; NB: 16-row weight blocks per warp; KW: warps of a CTA that split K (the
 // CTA's kDecWarps / KW warp columns each own NB weight blocks). kStages > 0: each warp streams its weight
 // super-tiles through its own cp.async ring of kStages slots in dynamic shared memory (kStages - 1 tiles in
@@ -231,31 +263,7 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
       // ---- activation fragments of row mc + 8i + g, elements k + 16t .. +16 (register path: loaded one
       // 64-K step ahead)
       auto load_a = [&](int kk, uint32_t (&bq)[MT8][8]) {
-        const int k = kt * kSuperK + kk * 64 + 16 * t;
-#pragma unroll
-        for (int i = 0; i < MT8; ++i) {
-          const int m = mc + 8 * i + g;
-          if (m < m_hi) {
-            if constexpr (!kAFp4) {
-              const uint4* src =
-                  reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(p.a) + (int64_t)m * K + k);
-              const uint4 x0 = __ldg(src), x1 = __ldg(src + 1);
-              bq[i][0] = x0.x; bq[i][1] = x0.y; bq[i][2] = x0.z; bq[i][3] = x0.w;
-              bq[i][4] = x1.x; bq[i][5] = x1.y; bq[i][6] = x1.z; bq[i][7] = x1.w;
-            } else {
-              const uint8_t* ac = reinterpret_cast<const uint8_t*>(p.a) + (int64_t)m * (K / 2) + k / 2;
-              const uint2 c = __ldg(reinterpret_cast<const uint2*>(ac));
-              const uint32_t sc = scale_bf16x2_folded(__ldg(p.a_scales + (int64_t)m * (K / 16) + k / 16));
-              const uint32_t cw[2] = {c.x, c.y};
-#pragma unroll
-              for (int j = 0; j < 8; ++j)
-                bq[i][j] = bf16x2_mul(fp4x2_to_bf16x2_biased((cw[j >> 2] >> (8 * (j & 3))) & 0xFFu), sc);
-            }
-          } else {
-#pragma unroll
-            for (int j = 0; j < 8; ++j) bq[i][j] = 0u;
-          }
-        }
+        load_act_frags<MT8, kAFp4>(p, K, kt * kSuperK + kk * 64 + 16 * t, mc, m_hi, g, bq);
       };
       uint32_t bq[MT8][8], bq_next[MT8][8];
       if constexpr (kPipe) load_a(0, bq);
@@ -564,31 +572,7 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
   int slot_rd = 0;
   for (int j = j0; j < j1; ++j) {
     auto load_a = [&](int kk, uint32_t (&bq)[MT8][8]) {
-      const int k = kt * kSuperK + kk * 64 + 16 * t;
-#pragma unroll
-      for (int i = 0; i < MT8; ++i) {
-        const int m = r_lo + 8 * i + g;
-        if (m < r_hi) {
-          if constexpr (!kAFp4) {
-            const uint4* src =
-                reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(p.a) + (int64_t)m * K + k);
-            const uint4 x0 = __ldg(src), x1 = __ldg(src + 1);
-            bq[i][0] = x0.x; bq[i][1] = x0.y; bq[i][2] = x0.z; bq[i][3] = x0.w;
-            bq[i][4] = x1.x; bq[i][5] = x1.y; bq[i][6] = x1.z; bq[i][7] = x1.w;
-          } else {
-            const uint8_t* ac = reinterpret_cast<const uint8_t*>(p.a) + (int64_t)m * (K / 2) + k / 2;
-            const uint2 c = __ldg(reinterpret_cast<const uint2*>(ac));
-            const uint32_t sc = scale_bf16x2_folded(__ldg(p.a_scales + (int64_t)m * (K / 16) + k / 16));
-            const uint32_t cw[2] = {c.x, c.y};
-#pragma unroll
-            for (int jj = 0; jj < 8; ++jj)
-              bq[i][jj] = bf16x2_mul(fp4x2_to_bf16x2_biased((cw[jj >> 2] >> (8 * (jj & 3))) & 0xFFu), sc);
-          }
-        } else {
-#pragma unroll
-          for (int jj = 0; jj < 8; ++jj) bq[i][jj] = 0u;
-        }
-      }
+      load_act_frags<MT8, kAFp4>(p, K, kt * kSuperK + kk * 64 + 16 * t, r_lo, r_hi, g, bq);
     };
     // up to 8 rows of bf16: the tile's activation fragments (4 x 8 registers) are loaded before the wait for its
     // weights, so that their latency (L1 / L2 hits) overlaps it
