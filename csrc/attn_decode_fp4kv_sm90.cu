@@ -421,6 +421,30 @@ __device__ __forceinline__ SplitTiles split_tiles(const DecodeParams& p, int spl
   return {start, end, my_tiles};
 }
 
+// The power-of-two exponent e2 that puts a Q row's amax (max of the 4 lanes' quarter-row amaxes) into
+// [2^14, 2^15); 0 for an all-zero or non-finite row.
+__device__ __forceinline__ int q_row_exponent(float amax) {
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  int e2 = 0;
+  if (amax > 0.0f && isfinite(amax)) {
+    const int field = (int)((__float_as_uint(amax) >> 23) & 0xFFu);
+    e2 = kQExp - (field == 0 ? -127 : field - 127);
+    e2 = max(-126, min(127, e2));
+  }
+  return e2;
+}
+
+// The fp16 Q words of k-step ks from a scaled quarter row: k-step 2i + s takes elements 8i + 4s + {0, 2}
+// (x: k = 2c, 2c+1) and 8i + 4s + {1, 3} (y: k = 2c+8, 2c+9).
+template <int D>
+__device__ __forceinline__ uint2 q_frag(const float (&qv)[D / 4], int ks) {
+  const int base = 8 * (ks / 2) + 4 * (ks % 2);
+  __half2 lo = __floats2half2_rn(qv[base + 0], qv[base + 2]);
+  __half2 hi = __floats2half2_rn(qv[base + 1], qv[base + 3]);
+  return make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
+}
+
 // The per-warp cp.async pipeline (tiles warp, warp + kWarps, ... of the split; tile_start(i) is the first token
 // of the warp's tile i): the prologue issues the first kStages - 1 tiles and returns the page walk of the next one;
 // each iteration issues tile i + kStages - 1 (its page ids loaded one iteration ahead, so the copy issue never
@@ -574,14 +598,7 @@ __global__ void __launch_bounds__(kThreads, kQSmem ? kMinBlocks : kMinBlocksQReg
 #pragma unroll
         for (int e = 0; e < D / 4; ++e) qv[h][e] = 0.0f;
       }
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-      int e2 = 0;
-      if (amax > 0.0f && isfinite(amax)) {
-        const int field = (int)((__float_as_uint(amax) >> 23) & 0xFFu);
-        e2 = kQExp - (field == 0 ? -127 : field - 127);
-        e2 = max(-126, min(127, e2));
-      }
+      const int e2 = q_row_exponent(amax);
       const float up = exp2_exact(e2);
       row_scale[h] = __fmul_rn(p.score_scale, exp2_exact(-e2));
 #pragma unroll
@@ -590,14 +607,12 @@ __global__ void __launch_bounds__(kThreads, kQSmem ? kMinBlocks : kMinBlocksQReg
     // k-step 2i + s takes elements 8i + 4s + {0, 2} (k = 2c, 2c+1) and 8i + 4s + {1, 3} (k = 2c+8, 2c+9)
 #pragma unroll
     for (int ks = 0; ks < G::kKSteps; ++ks) {
-      const int base = 8 * (ks / 2) + 4 * (ks % 2);
       uint32_t a[4];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        __half2 lo = __floats2half2_rn(qv[h][base + 0], qv[h][base + 2]);
-        __half2 hi = __floats2half2_rn(qv[h][base + 1], qv[h][base + 3]);
-        a[h] = *reinterpret_cast<uint32_t*>(&lo);      // a0a1 (row r), a2a3 (row r + 8)
-        a[2 + h] = *reinterpret_cast<uint32_t*>(&hi);  // a4a5, a6a7
+        const uint2 f = q_frag<D>(qv[h], ks);
+        a[h] = f.x;      // a0a1 (row r), a2a3 (row r + 8)
+        a[2 + h] = f.y;  // a4a5, a6a7
       }
       if constexpr (kQSmem) {
         // every warp computed the same fragments (same Q rows); warp 0 publishes them
@@ -788,9 +803,9 @@ __global__ void __launch_bounds__(kThreads, kQSmem ? kMinBlocks : kMinBlocksQReg
 // roles swap: S^T = K.Q^T (A = 16 tokens of K, B = Q^T with the heads as the N = 8 columns) and O^T = V^T.P^T
 // (A = 16 head_dim rows of V^T, B = P^T), so every MMA row is real: half the MMAs, half the O accumulators
 // (D/4 floats per thread instead of D/2), softmax on 4 instead of 8 scores per thread, and Q fits in
-// registers (D/8 per thread). The split bounds, the cp.async pipeline steps, the K and V code loads, the V code
-// expansion and the cross-warp combine layout are helpers shared with the kernel above (the same code); the
-// fragments map as follows:
+// registers (D/8 per thread). The split bounds, the cp.async pipeline steps, the Q row exponent and fp16 packing,
+// the K and V code loads, the V code expansion and the cross-warp combine layout are helpers shared with the
+// kernel above (the same code); the fragments map as follows:
 // - S^T A fragment (rows = tokens r and r + 8, k = head_dim in the same permutation): the registers that were the
 //   B fragments of n8 tiles 0 and 1. Q's B fragment (k, n = head r): the a0a1 / a4a5 halves of its old A.
 // - S^T accumulator: lane (r, c) holds tokens r, r + 8 of heads 2c, 2c + 1; the per-head max and sum reduce over
@@ -861,14 +876,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksSwap) fp4kv_decode_kernel_
 #pragma unroll
       for (int e = 0; e < D / 4; ++e) qv[e] = 0.0f;
     }
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    int e2 = 0;
-    if (amax > 0.0f && isfinite(amax)) {
-      const int field = (int)((__float_as_uint(amax) >> 23) & 0xFFu);
-      e2 = kQExp - (field == 0 ? -127 : field - 127);
-      e2 = max(-126, min(127, e2));
-    }
+    const int e2 = q_row_exponent(amax);
     const float up = exp2_exact(e2);
     const float rs = __fmul_rn(p.score_scale, exp2_exact(-e2));  // head r's score scale
 #pragma unroll
@@ -876,11 +884,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksSwap) fp4kv_decode_kernel_
     // k-step 2i + s takes elements 8i + 4s + {0, 2} (k = 2c, 2c+1) and 8i + 4s + {1, 3} (k = 2c+8, 2c+9)
 #pragma unroll
     for (int ks = 0; ks < G::kKSteps; ++ks) {
-      const int base = 8 * (ks / 2) + 4 * (ks % 2);
-      __half2 lo = __floats2half2_rn(qv[base + 0], qv[base + 2]);
-      __half2 hi = __floats2half2_rn(qv[base + 1], qv[base + 3]);
-      qb[ks][0] = *reinterpret_cast<uint32_t*>(&lo);  // b0b1: k = 2c, 2c + 1
-      qb[ks][1] = *reinterpret_cast<uint32_t*>(&hi);  // b2b3: k = 2c + 8, 2c + 9
+      const uint2 f = q_frag<D>(qv, ks);
+      qb[ks][0] = f.x;  // b0b1: k = 2c, 2c + 1
+      qb[ks][1] = f.y;  // b2b3: k = 2c + 8, 2c + 9
     }
     head_scale[0] = __shfl_sync(0xffffffffu, rs, 8 * c);      // lane of head 2c (r = 2c, c = 0)
     head_scale[1] = __shfl_sync(0xffffffffu, rs, 8 * c + 4);  // head 2c + 1
