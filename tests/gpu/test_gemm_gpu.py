@@ -265,7 +265,7 @@ SK_CASES = [
     (136, 192, 257, 3),     # 2 x 2 tiles, KT 3, 4 steps per CTA: the middle CTA has a tail and a head, no whole tile
     (200, 320, 513, 5),     # 2 x 3 tiles, KT 5 (odd: the peeled step), N and M not tile multiples
     (1000, 1024, 777, 7),   # 8 x 4 tiles, KT 16, 73-74 steps per CTA (heads / tails of every length parity)
-    (4096, 14336, 300, 3),  # Mixtral w2, 32 x 2 tiles, KT 224: long ranges, 2 rows in the last activation tile
+    (4096, 14336, 300, 3),  # Mixtral w2, 32 x 2 tiles, KT 224: long ranges, 44 rows in the last activation tile
     (1536, 2048, 4096, 0),  # Qwen3 gate_up: 12 x 16 tiles on every SM (auto picks stream-K: 192 tiles, 1.45 waves)
     (14336, 4096, 1024, 0),  # Mixtral w1 at M = 1024, the benchmark row stream-K is for (448 tiles, 3.39 waves)
 ]
