@@ -954,7 +954,7 @@ int sm_count(int dev) {
 
 // Scheduler of a dense RS launch. TRACE_EXT_WGMMA_SCHED (read per call): "dp" always one CTA per tile, "streamk"
 // the stream-K kernel for every dense shape, unset / "auto" the rule below. TRACE_EXT_WGMMA_SK_CTAS=<n> (read per
-// call, tests): n stream-K CTAs instead of one per SM.
+// call, tests): n stream-K CTAs instead of one per SM (at most one per SM).
 // Rule (auto): stream-K when the data-parallel grid would leave the SMs idle for more than 10% of its waves
 // (tiles / (ceil(tiles / SMs) * SMs) < 0.9), there is at least one full wave (tiles >= SMs, so that a tile is
 // split between at most two CTAs) and K >= 2048 (a tile of >= 32 k steps amortizes the ~2 extra tile prologues and
@@ -985,7 +985,9 @@ RsPlan plan_rs(const GemmParams& p, int dev) {
     TORCH_CHECK(n > 0, "trace_ext: TRACE_EXT_WGMMA_SK_CTAS must be a positive integer, got '", v, "'");
     ctas = n;
   }
-  pl.ctas = (int)std::min<int64_t>(ctas, pl.tiles);
+  // at most one CTA per SM (1 CTA per SM fits): the whole grid is resident at once, so a CTA waiting for a hand-off
+  // never holds the SM its producer needs
+  pl.ctas = (int)std::min<int64_t>(std::min(ctas, sms), pl.tiles);
   if (m == "streamk") {
     pl.stream_k = pl.ctas > 0;
     return pl;
