@@ -47,6 +47,28 @@
 //  - W4A4: the NVFP4 activation is first converted to bf16 q * s * 2^-7 (exact; a temporary [M, K], one small
 //    elementwise kernel, ~1-2% of the GEMM time at the bench shapes), then the RS kernel runs with the W4A4 fold
 //    and g_a in its epilogue: the same exact products and fp32 accumulation as the fused SS path.
+//  - Two schedules of the same tile code (rs_tile). Data-parallel (gemm_w4_wgmma_rs_kernel): one CTA per tile.
+//    At 1 CTA per SM its last wave is partial: M = 1024, N = 14336 is 448 tiles = 3.39 waves on 132 SMs (the 4th
+//    wave 39% full: ~15% of the time with most SMs idle), N = 7168 is 224 tiles = 1.70 waves. Stream-K
+//    (gemm_w4_wgmma_rs_sk_kernel, dense only): grid = one CTA per SM; the tiles * KT k steps, tiles ordered with
+//    the activation-row tiles of one weight tile consecutive (a CTA's consecutive tiles reuse its weight tile;
+//    the activation of the stream-K shapes, M * K * 2 = 8 MB at M = 1024, stays in L2), are cut into equal
+//    contiguous ranges, one per CTA, computed as jobs (one rs_tile call each; the ring is drained and a barrier
+//    passed between jobs, so every job starts from an empty ring, as a data-parallel CTA does).
+//    Numerics: a tile split between CTAs c - 1 (k steps [0, x)) and c ([x, KT)) is not reduced from two partial
+//    sums: CTA c - 1 stores its fp32 accumulator registers (128 KB, slot c of a workspace) and CTA c loads them as
+//    its initial accumulator and continues the same wgmma sequence, so every output element sees exactly the fp32
+//    operations of the unsplit loop: bit-identical to the data-parallel grid, deterministic. Order: a CTA runs its
+//    head (the [0, x) part it hands over) first and its tail (the [x, KT) part it continues) last; with ranges of
+//    >= KT steps (ctas <= tiles) the hand-off is ready ~(range - KT) steps before it is needed, and no CTA waits
+//    on a CTA that waits. Progress needs CTA c - 1 to get an SM while CTA c spins: true when the whole grid is
+//    resident at once (grid <= SMs at 1 CTA per SM, the default) or CTAs start in index order. Flags: one int per CTA in the same stream-ordered temporary, zeroed by cudaMemsetAsync before
+//    each launch (graph-capturable; concurrent launches on other streams get their own temporary).
+//    The host picks stream-K when the data-parallel wave efficiency tiles / (ceil(tiles / SMs) * SMs) < 0.9,
+//    tiles >= SMs and K >= 2048 (plan_rs); TRACE_EXT_WGMMA_SCHED=dp|streamk forces one (read per call).
+//    The stream-K kernel keeps its job state out of the k loop (recomputed from blockIdx after it) and loads the
+//    handed-over accumulator with predicated loads (no branch defining the accumulators, which makes ptxas
+//    serialize the wgmma pipeline): 255 registers, no spills, its k loop as short as the data-parallel one's.
 //
 // SS kernel (gemm_w4_wgmma_kernel, kept as the fallback):
 //  - FA3-FP8 pattern without a dedicated producer: CTA tile 128 (M) x 256 (N) x 64 (K), 2 warpgroups, each
@@ -70,6 +92,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -493,20 +516,64 @@ __device__ __forceinline__ void rs_fragments(uint32_t ca0, uint32_t ca1, uint32_
   }
 }
 
-__global__ void __launch_bounds__(kWgThreads, 1) gemm_w4_wgmma_rs_kernel(const GemmParams p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  extern __shared__ uint8_t smem_raw[];
-  __shared__ int s_tile[3];
-  __shared__ int s_off[kMaxExperts + 1];
-  uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+// Stream-K schedule of the dense RS launch (see the design note): the tiles * KT k steps of the problem, tile
+// T = n_tile * m_tiles + m_tile (the activation-row tiles of one weight tile consecutive), are cut into `ctas`
+// contiguous ranges of floor or ceil(tiles * KT / ctas) steps, range c to CTA c. ctas <= tiles, so every range spans
+// at least KT steps and a tile is shared by at most two CTAs: the tile split at the start of range c is begun by
+// CTA c - 1 (k steps [0, x), the end of its range), which hands its fp32 accumulator over in slot c of `partials`
+// and then sets flags[c]; CTA c continues that accumulator over [x, KT) and writes Y.
+struct RsStreamK {
+  float* partials;  // [ctas][kRsSlot] fp32 accumulators handed over (slot 0 unused)
+  int* flags;       // [ctas], zero at launch; flags[c] = 1 once slot c is complete
+  int64_t total;    // tiles * KT
+  int m_tiles;      // activation-row tiles, ceil(M / kRsBM)
+  int ctas;         // grid size
+};
+constexpr int kRsSlot = kRsBN * kRsBM;  // one CTA accumulator: 128 fp32 per thread
+static_assert(kRsSlot == kWgThreads * 128, "a hand-off slot holds exactly the accumulators of one CTA");
 
-  load_group_tile<kWgThreads>(p, kRsBM, s_off, s_tile);
-  const int e = s_tile[0], m_begin = s_tile[1], m_end = s_tile[2];
-  if (e < 0 || m_begin >= m_end) return;
+__device__ __forceinline__ void wait_flag_acquire(const int* f) {
+  int v;
+  for (;;) {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(f) : "memory");
+    if (v != 0) break;
+    __nanosleep(128);
+  }
+}
+__device__ __forceinline__ void set_flag_release(int* f) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(f), "r"(1) : "memory");
+}
 
+// d[0..3] = *src (global, L2 only) when pred != 0, else zeros; one asm statement, so that no branch or select
+// defines the accumulator registers.
+__device__ __forceinline__ void ld_cg_or_zero(float d[4], const float4* src, uint32_t pred) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %5, 0;\n"
+      "mov.b32 %0, 0;\n"
+      "mov.b32 %1, 0;\n"
+      "mov.b32 %2, 0;\n"
+      "mov.b32 %3, 0;\n"
+      "@p ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+      "}\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "l"(src), "r"(pred)
+      : "memory");
+}
+
+// One output tile of the RS kernel: weight rows n0 .. n0 + kRsBN - 1 of expert e, activation rows [m_begin, m_end),
+// k steps [kb, ke). The accumulator starts at zero or, when carry_in != nullptr, at the fp32 accumulator of k steps
+// [0, kb) handed over by another CTA (the same values the unsplit loop holds at that point: the per-element fp32
+// accumulation order is the unsplit one). It ends in Y or, when carry_out() != nullptr, is handed over unchanged
+// (carry_out is evaluated after the k loop, so that the stream-K kernel keeps nothing of its job live across it).
+// On entry every ring slot is free (the caller's barrier); on exit the ring is drained (cp.async.wait_group 0) but
+// may still be read by other threads (epilogue copy-out): the caller syncs before the next tile.
+template <bool kCarryIn, class CarryOut>
+__device__ __forceinline__ void rs_tile(const GemmParams& p, uint8_t* ring, int e, int m_begin, int m_end, int n0,
+                                        int kb, int ke, const float* carry_in, CarryOut carry_out) {
   const int K = p.K;
-  const int n0 = blockIdx.x * kRsBN;
-  const int KT = K / kWgBK;
+  const int KT = ke - kb;  // k steps of this call; the copy plan below starts at k step kb
   const int tid = threadIdx.x;
   const int wg = tid >> 7, warp_in_wg = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int r0 = wg * 64 + warp_in_wg * 16 + g;  // this thread's weight rows in the tile: r0 and r0 + 8
@@ -517,7 +584,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) gemm_w4_wgmma_rs_kernel(const G
   // coalesced), to the 128B-swizzled B tile; rows >= m_end (only in the last tile of an expert / of M) are
   // zero-filled.
   const int arow = tid >> 3, achunk = tid & 7;
-  const uint8_t* a_ptr = reinterpret_cast<const uint8_t*>(p.a) + ((int64_t)(m_begin + arow) * K + achunk * 8) * 2;
+  const uint8_t* a_ptr =
+      reinterpret_cast<const uint8_t*>(p.a) + ((int64_t)(m_begin + arow) * K + kb * kWgBK + achunk * 8) * 2;
   const int64_t a_rows32 = (int64_t)32 * K * 2;  // bytes between the rows of consecutive `it`
   const uint32_t a_dst = (uint32_t)(arow * kSwRow + ((achunk ^ (arow & 7)) << 4));  // + it * 32 rows
   const int a_valid = m_end - m_begin - arow;  // row it is in range while 32 it < a_valid
@@ -526,11 +594,12 @@ __global__ void __launch_bounds__(kWgThreads, 1) gemm_w4_wgmma_rs_kernel(const G
   // row 0 with 0 source bytes (zero fill), so the pointers stay in bounds as they advance.
   const int wrow = tid >> 1;
   const bool w_ok = n0 + wrow < p.N;
-  const uint8_t* w_ptr = p.w_codes + ((int64_t)e * p.N + (w_ok ? n0 + wrow : 0)) * (K / 2) + (tid & 1) * 16;
+  const uint8_t* w_ptr =
+      p.w_codes + ((int64_t)e * p.N + (w_ok ? n0 + wrow : 0)) * (K / 2) + kb * (kWgBK / 2) + (tid & 1) * 16;
   const uint32_t w_bytes = w_ok ? 16u : 0u;
   const uint32_t w_dst = (uint32_t)(kRsAct + rs_code_off(wrow, tid & 1));
   const bool s_ok = n0 + tid < p.N;
-  const uint8_t* s_ptr = p.w_scales + ((int64_t)e * p.N + (s_ok ? n0 + tid : 0)) * (K / 16);
+  const uint8_t* s_ptr = p.w_scales + ((int64_t)e * p.N + (s_ok ? n0 + tid : 0)) * (K / 16) + kb * (kWgBK / 16);
   const uint32_t s_bytes = s_ok ? 4u : 0u;
   const uint32_t s_dst = (uint32_t)(kRsAct + kRsWCodes + tid * 4);
   // Fragment reads of this thread (offsets inside a stage), see rs_fragments.
@@ -561,9 +630,11 @@ __global__ void __launch_bounds__(kWgThreads, 1) gemm_w4_wgmma_rs_kernel(const G
   auto next_slot = [&](uint32_t s) { return s + kRsStage == ring_hi ? ring_lo : s + kRsStage; };
 
   float acc[128];
+  if constexpr (!kCarryIn) {
 #pragma unroll
-  for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-  fence_acc(acc, 128);
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    fence_acc(acc, 128);
+  }
 
   uint32_t rd = ring_lo, wr = ring_lo;  // slot of the step being computed / of the next refill
 #pragma unroll
@@ -571,6 +642,18 @@ __global__ void __launch_bounds__(kWgThreads, 1) gemm_w4_wgmma_rs_kernel(const G
     if (s < KT) load(wr);
     cp_async_commit();
     wr += kRsStage;
+  }
+
+  if constexpr (kCarryIn) {
+    // Stream-K: the handed-over accumulator when carry_in != nullptr, else zeros; loaded after the first copies are
+    // requested, so that it arrives while they are in flight. Thread tid's acc[4 i .. 4 i + 3] is float4
+    // i * kWgThreads + tid of the slot (coalesced). Predicated loads, no branch: ptxas serializes the wgmma
+    // pipeline when the accumulators are defined on two control paths.
+    const float4* src = reinterpret_cast<const float4*>(carry_in) + tid;
+    const uint32_t carry = carry_in != nullptr;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) ld_cg_or_zero(acc + 4 * i, src + i * kWgThreads, carry);
+    fence_acc(acc, 128);
   }
 
   // One barrier per k step. At the barrier of step kt every thread has passed wgmma.wait_group 1 of step kt - 1,
@@ -609,6 +692,13 @@ __global__ void __launch_bounds__(kWgThreads, 1) gemm_w4_wgmma_rs_kernel(const G
   wgmma_wait<0>();
   fence_acc(acc, 128);
   cp_async_wait<0>();
+  if (float* out = carry_out()) {  // hand the accumulator over as it is (same layout as the carry_in load)
+    float4* dst = reinterpret_cast<float4*>(out) + tid;
+#pragma unroll
+    for (int i = 0; i < 32; ++i)
+      __stcg(dst + i * kWgThreads, make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
+    return;
+  }
 
   // ---- epilogue: acc[4c + 2h + u] = Y[m_begin + 8c + 2t + u][n0 + r0 + 8h], scaled by fold * g_a[m] * g_w[n]
   // (fold * g_w folded once per thread: fold is a power of two, so acc * (g_a * (fold * g_w)) has the same bits as
@@ -670,6 +760,84 @@ __global__ void __launch_bounds__(kWgThreads, 1) gemm_w4_wgmma_rs_kernel(const G
         if (n + j < p.N) dst[j] = __ushort_as_bfloat16((unsigned short)(w4[j >> 1] >> (16 * (j & 1))));
     }
   }
+}
+
+// Data-parallel launch: one CTA per output tile (grid x: weight tiles, so that concurrently running CTAs share the
+// activation tile in L2; grid y: activation-row tiles, grouped: numbered across experts).
+__global__ void __launch_bounds__(kWgThreads, 1) gemm_w4_wgmma_rs_kernel(const GemmParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ int s_tile[3];
+  __shared__ int s_off[kMaxExperts + 1];
+  uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+
+  load_group_tile<kWgThreads>(p, kRsBM, s_off, s_tile);
+  const int e = s_tile[0], m_begin = s_tile[1], m_end = s_tile[2];
+  if (e < 0 || m_begin >= m_end) return;
+  rs_tile<false>(p, ring, e, m_begin, m_end, blockIdx.x * kRsBN, 0, p.K / kWgBK, nullptr,
+                 [] { return (float*)nullptr; });
+#endif
+}
+
+// Job j of stream-K CTA c (see gemm_w4_wgmma_rs_sk_kernel); false when the CTA has no job j.
+struct SkJob {
+  int64_t tile;
+  int kb, ke;
+  bool head, tail;  // hands its accumulator over to CTA c + 1 / continues the one of CTA c - 1
+};
+__device__ __forceinline__ bool sk_job(const RsStreamK& sk, int KT, int c, int j, SkJob& jb) {
+  const int64_t s = (int64_t)c * sk.total / sk.ctas, e = (int64_t)(c + 1) * sk.total / sk.ctas;
+  const int head = (int)(e % KT);  // head: k steps [0, head) of tile e / KT (0: the range ends on a tile edge)
+  const int tail = (int)(s % KT);  // tail: k steps [tail, KT) of tile s / KT (0: the range starts on a tile edge)
+  const int64_t whole0 = (s + KT - 1) / KT, whole1 = e / KT;  // whole tiles [whole0, whole1)
+  const int64_t w = (int64_t)j - (head != 0);
+  jb.head = w < 0;
+  jb.tail = !jb.head && whole0 + w >= whole1;
+  jb.tile = jb.head ? whole1 : jb.tail ? s / KT : whole0 + w;
+  jb.kb = jb.tail ? tail : 0;
+  jb.ke = jb.head ? head : KT;
+  return jb.head || whole0 + w < whole1 || (whole0 + w == whole1 && tail != 0);
+}
+// blockIdx.x through an opaque read: the job fields are recomputed from it after the k loop instead of being kept in
+// registers across it (the RS k loop uses all 255 registers).
+__device__ __forceinline__ int cta_x_opaque() {
+  int v;
+  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(v));
+  return v;
+}
+
+// Stream-K launch (dense): CTA c computes the k-step range c of RsStreamK as jobs, in this order: the head (k steps
+// [0, x) of the tile split at the end of the range; handed over to CTA c + 1), the whole tiles in between, the tail
+// (k steps [y, KT) of the tile split at the start of the range; continues CTA c - 1's head). The head comes first
+// so that its hand-off is ready long before CTA c + 1 reaches its tail (which comes last): CTA c - 1 finishes its
+// head after y steps, CTA c starts its tail after (range - (KT - y)) >= y steps, as range >= KT.
+__global__ void __launch_bounds__(kWgThreads, 1) gemm_w4_wgmma_rs_sk_kernel(const GemmParams p, const RsStreamK sk) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const int KT = p.K / kWgBK;
+  for (int j = 0;; ++j) {
+    SkJob jb;
+    const int c = cta_x_opaque();
+    if (!sk_job(sk, KT, c, j, jb)) break;
+    if (jb.tail) {
+      if (threadIdx.x == 0) wait_flag_acquire(sk.flags + c);
+      __syncthreads();  // CTA c - 1's hand-off is visible to every thread (acquire by thread 0, then the barrier)
+    }
+    const int m_begin = (int)(jb.tile % sk.m_tiles) * kRsBM;
+    const int n0 = (int)(jb.tile / sk.m_tiles) * kRsBN;
+    rs_tile<true>(p, ring, 0, m_begin, min(p.M, m_begin + kRsBM), n0, jb.kb, jb.ke,
+            jb.tail ? sk.partials + (int64_t)c * kRsSlot : nullptr, [&] {
+              SkJob again;
+              const int c2 = cta_x_opaque();
+              sk_job(sk, KT, c2, j, again);
+              return again.head ? sk.partials + (int64_t)(c2 + 1) * kRsSlot : (float*)nullptr;
+            });
+    const bool handed = j == 0 && (int)(((int64_t)(cta_x_opaque() + 1) * sk.total / sk.ctas) % KT) != 0;
+    if (handed) __threadfence();
+    __syncthreads();  // the ring is free for the next job (epilogue staging read, last fragments read)
+    if (handed && threadIdx.x == 0) set_flag_release(sk.flags + cta_x_opaque() + 1);  // after every thread's stores
+  }
 #endif
 }
 
@@ -726,20 +894,98 @@ void launch_wgmma(const GemmParams& p, cudaStream_t stream) {
   check_launch("fp4_linear (wgmma)");
 }
 
-void launch_wgmma_rs(const GemmParams& p, cudaStream_t stream) {
-  auto kernel = gemm_w4_wgmma_rs_kernel;
-  static bool attr_set[kMaxDevices] = {};
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
+template <typename Kernel>
+void prepare_rs_kernel(Kernel kernel, bool (&attr_set)[kMaxDevices], int dev, const char* what) {
   if (dev >= kMaxDevices || !attr_set[dev]) {
-    require_kernel_image(kernel, "fp4_linear (wgmma rs)");
+    require_kernel_image(kernel, what);
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRsSmem));
     if (dev < kMaxDevices) attr_set[dev] = true;
   }
+}
+
+int sm_count(int dev) {
+  static int cache[kMaxDevices] = {};
+  if (dev < kMaxDevices && cache[dev] > 0) return cache[dev];
+  int n = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  if (dev < kMaxDevices) cache[dev] = n;
+  return n;
+}
+
+// Scheduler of a dense RS launch. TRACE_EXT_WGMMA_SCHED (read per call): "dp" always one CTA per tile, "streamk"
+// the stream-K kernel for every dense shape, unset / "auto" the rule below. TRACE_EXT_WGMMA_SK_CTAS=<n> (read per
+// call, tests): n stream-K CTAs instead of one per SM (at most one per SM).
+// Rule (auto): stream-K when the data-parallel grid would leave the SMs idle for more than 10% of its waves
+// (tiles / (ceil(tiles / SMs) * SMs) < 0.9), there is at least one full wave (tiles >= SMs, so that a tile is
+// split between at most two CTAs) and K >= 2048 (a tile of >= 32 k steps amortizes the ~2 extra tile prologues and
+// the 128 KB accumulator hand-off per CTA). On the H200 (132 SMs) this picks M = 1024 with N = 14336 (448 tiles,
+// 3.39 waves) and N = 7168 (224 tiles, 1.70 waves) of the benchmark, and leaves every other benchmark shape
+// (>= 97% wave efficiency) on the data-parallel grid.
+struct RsPlan {
+  bool stream_k = false;
+  int ctas = 0;
+  int64_t tiles = 0;
+  int m_tiles = 0;
+};
+
+RsPlan plan_rs(const GemmParams& p, int dev) {
+  RsPlan pl;
+  if (p.offsets != nullptr) return pl;  // grouped: tiles depend on the offsets (device data); data-parallel
+  const char* mode = std::getenv("TRACE_EXT_WGMMA_SCHED");
+  const std::string m = mode != nullptr && mode[0] != '\0' ? std::string(mode) : std::string("auto");
+  TORCH_CHECK(m == "auto" || m == "dp" || m == "streamk",
+              "trace_ext: TRACE_EXT_WGMMA_SCHED must be auto, dp or streamk, got '", m, "'");
+  if (m == "dp") return pl;
+  pl.m_tiles = (p.M + kRsBM - 1) / kRsBM;
+  pl.tiles = (int64_t)pl.m_tiles * ((p.N + kRsBN - 1) / kRsBN);
+  const int sms = sm_count(dev);
+  int ctas = sms;
+  if (const char* v = std::getenv("TRACE_EXT_WGMMA_SK_CTAS")) {
+    const int n = std::atoi(v);
+    TORCH_CHECK(n > 0, "trace_ext: TRACE_EXT_WGMMA_SK_CTAS must be a positive integer, got '", v, "'");
+    ctas = n;
+  }
+  // at most one CTA per SM (1 CTA per SM fits): the whole grid is resident at once, so a CTA waiting for a hand-off
+  // never holds the SM its producer needs
+  pl.ctas = (int)std::min<int64_t>(std::min(ctas, sms), pl.tiles);
+  if (m == "streamk") {
+    pl.stream_k = pl.ctas > 0;
+    return pl;
+  }
+  const int64_t waves = (pl.tiles + sms - 1) / sms;
+  pl.stream_k = pl.tiles >= sms && pl.tiles * 10 < 9 * waves * sms && p.K >= 2048;
+  return pl;
+}
+
+void launch_wgmma_rs(const GemmParams& p, cudaStream_t stream) {
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  const RsPlan pl = plan_rs(p, dev);
+  if (pl.stream_k) {
+    static bool attr_sk[kMaxDevices] = {};
+    prepare_rs_kernel(gemm_w4_wgmma_rs_sk_kernel, attr_sk, dev, "fp4_linear (wgmma rs stream-K)");
+    // hand-off slots (fp32) and flags in one stream-ordered temporary; only the flags need zeros
+    const int64_t slot_bytes = (int64_t)pl.ctas * kRsSlot * 4;
+    at::Tensor ws = at::empty({slot_bytes + (int64_t)pl.ctas * 4},
+                              at::TensorOptions().dtype(at::kByte).device(at::kCUDA, dev));
+    uint8_t* base = ws.data_ptr<uint8_t>();
+    RsStreamK sk;
+    sk.partials = reinterpret_cast<float*>(base);
+    sk.flags = reinterpret_cast<int*>(base + slot_bytes);
+    sk.total = pl.tiles * (p.K / kWgBK);
+    sk.m_tiles = pl.m_tiles;
+    sk.ctas = pl.ctas;
+    C10_CUDA_CHECK(cudaMemsetAsync(sk.flags, 0, (size_t)pl.ctas * 4, stream));
+    gemm_w4_wgmma_rs_sk_kernel<<<pl.ctas, kWgThreads, kRsSmem, stream>>>(p, sk);
+    check_launch("fp4_linear (wgmma rs stream-K)");
+    return;
+  }
+  static bool attr_dp[kMaxDevices] = {};
+  prepare_rs_kernel(gemm_w4_wgmma_rs_kernel, attr_dp, dev, "fp4_linear (wgmma rs)");
   const int m_tiles = (p.M + kRsBM - 1) / kRsBM + (p.offsets != nullptr ? p.E : 0);
   TORCH_CHECK(m_tiles <= 65535, "trace_ext: fp4_linear: M = ", p.M, " needs more row tiles than one launch holds");
   dim3 grid((p.N + kRsBN - 1) / kRsBN, m_tiles);
-  kernel<<<grid, kWgThreads, kRsSmem, stream>>>(p);
+  gemm_w4_wgmma_rs_kernel<<<grid, kWgThreads, kRsSmem, stream>>>(p);
   check_launch("fp4_linear (wgmma rs)");
 }
 

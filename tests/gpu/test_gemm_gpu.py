@@ -6,6 +6,8 @@ fp32-accumulating kernel). Each test also reports the fraction of outputs equal 
 Shapes: Qwen3-30B-A3B experts, OLMoE, Mixtral, DeepSeek-V3; M from 1 to 16384 incl. odd M.
 Run: pytest tests/gpu/test_gemm_gpu.py -q (H200, < 3 minutes).
 """
+import os
+
 import pytest
 import torch
 
@@ -255,6 +257,83 @@ def test_results_are_deterministic():
         a = torch.randn(T * 8, 2048, device=DEV).bfloat16()
         y1 = O.fp4_grouped_linear(a, wg, offsets, backend="cuda")
         assert torch.equal(y1, O.fp4_grouped_linear(a, wg, offsets, backend="cuda")), T
+
+
+# ---- large-M scheduler: data-parallel grid vs stream-K (TRACE_EXT_WGMMA_SCHED / TRACE_EXT_WGMMA_SK_CTAS) ---------
+
+# (N, K, M, stream-K CTAs; 0: one per SM), all with a partial last wave of the data-parallel grid (tiles of 128
+# weight rows x 256 activation rows, KT = K / 64 k steps per tile) and split tiles under stream-K:
+SK_CASES = [
+    (136, 192, 257, 3),     # 2 x 2 tiles, KT 3, 4 steps per CTA: the middle CTA has a tail and a head, no whole tile
+    (200, 320, 513, 5),     # 2 x 3 tiles, KT 5 (odd: the peeled step), N and M not tile multiples
+    (1000, 1024, 777, 7),   # 8 x 4 tiles, KT 16, 73-74 steps per CTA (heads / tails of every length parity)
+    (4096, 14336, 300, 3),  # Mixtral w2, 32 x 2 tiles, KT 224: long ranges, 44 rows in the last activation tile
+    (1536, 2048, 4096, 0),  # Qwen3 gate_up: 12 x 16 tiles on every SM (auto picks stream-K: 192 tiles, 1.45 waves)
+    (14336, 4096, 1024, 0),  # Mixtral w1 at M = 1024, the benchmark row stream-K is for (448 tiles, 3.39 waves)
+]
+
+
+def _sched(monkeypatch, sched, ctas=0):
+    monkeypatch.setenv("TRACE_EXT_WGMMA_SCHED", sched)
+    if ctas:
+        monkeypatch.setenv("TRACE_EXT_WGMMA_SK_CTAS", str(ctas))
+    else:
+        monkeypatch.delenv("TRACE_EXT_WGMMA_SK_CTAS", raising=False)
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("N,K,M,ctas", SK_CASES, ids=[f"N{c[0]}_K{c[1]}_M{c[2]}_ctas{c[3]}" for c in SK_CASES])
+def test_wgmma_stream_k_equals_data_parallel(monkeypatch, N, K, M, ctas, mode):
+    """Protects the stream-K schedule of the large-M kernel (accumulators handed between CTAs, ring and barriers
+    reset per job): bit-identical to the one-CTA-per-tile grid (the fp32 accumulation order is the same), within the
+    f64 contract, repeatable (flags reset per call), and also from a CUDA graph replayed twice."""
+    w = _quant_w(N, K)
+    a = torch.randn(M, K, device=DEV).bfloat16()
+    if mode == "w4a4":
+        a = ref.nvfp4_quantize(a)
+    _sched(monkeypatch, "dp")
+    y_dp = O.fp4_linear(a, w, backend="cuda")
+    _sched(monkeypatch, "streamk", ctas)
+    y_sk = O.fp4_linear(a, w, backend="cuda")
+    _check(y_sk, _a64(a), _w64(w), f"stream-K N={N} K={K} M={M} ctas={ctas} {mode}")
+    assert torch.equal(y_sk, y_dp), "stream-K differs from the data-parallel grid"
+    assert torch.equal(O.fp4_linear(a, w, backend="cuda"), y_dp), "second stream-K call differs"
+    if N <= 1000:
+        O.fp4_linear(a, w, backend="cuda")  # warm-up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_g = O.fp4_linear(a, w, backend="cuda")
+        for _ in range(2):
+            y_g.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y_g, y_dp), "stream-K replayed from a CUDA graph differs"
+
+
+def test_wgmma_scheduler_switch_and_grouped(monkeypatch):
+    """Protects the scheduler switch: auto equals both forced schedules on a shape where the rule picks stream-K;
+    the grouped op ignores 'streamk' (data-parallel only); an unknown value is a RuntimeError."""
+    N, K, M = 7168, 4096, 1024  # 56 x 4 = 224 tiles: 1.70 waves on 132 SMs
+    w = _quant_w(N, K)
+    a = torch.randn(M, K, device=DEV).bfloat16()
+    ys = {}
+    for s in ("auto", "dp", "streamk"):
+        _sched(monkeypatch, s)
+        ys[s] = O.fp4_linear(a, w, backend="cuda")
+    assert torch.equal(ys["auto"], ys["dp"]) and torch.equal(ys["streamk"], ys["dp"])
+    E = 4
+    wg = _quant_w(1536, 2048, E)
+    offsets = torch.tensor([0, 300, 300, 811, 1100], dtype=torch.int32, device=DEV)
+    ag = torch.randn(1100, 2048, device=DEV).bfloat16()
+    _sched(monkeypatch, "dp")
+    yg = O.fp4_grouped_linear(ag, wg, offsets, backend="cuda")
+    _sched(monkeypatch, "streamk", 3)
+    assert torch.equal(O.fp4_grouped_linear(ag, wg, offsets, backend="cuda"), yg)
+    if os.environ.get("TRACE_EXT_WGMMA_IMPL") != "old":  # the shared-memory-operand fallback has one schedule
+        monkeypatch.setenv("TRACE_EXT_WGMMA_SCHED", "bogus")
+        with pytest.raises(RuntimeError, match="TRACE_EXT_WGMMA_SCHED"):
+            O.fp4_linear(a, w, backend="cuda")
 
 
 # ---- routing -----------------------------------------------------------------------------------------------------
