@@ -1041,6 +1041,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksSwap) fp4kv_decode_kernel_
   merge_warps<D>(p, sm_o, sm_m, sm_l, split, kv_head, b);
 }
 
+// A register the compiler must keep: ptxas otherwise rematerializes thread-id-derived offsets (swizzle math,
+// ~20 instructions) inside the main loop under the register cap of 5 CTAs per SM.
+__device__ __forceinline__ uint32_t pinned(uint32_t x) {
+  uint32_t y;
+  asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
 // ---- heads kernel: the 4 warps of a CTA on 4 KV heads of the same tokens (TRACE_EXT_KV_DECODE_IMPL=heads) ----
 // The g8 kernel above reads, per warp and 16-token tile, 16 code rows of D/2 bytes spaced H_kv * D/2 bytes
 // apart plus 16 scale pieces of D/16 bytes (one 32-byte sector each), and every warp walks the page table and
@@ -1107,6 +1115,22 @@ __host__ __device__ constexpr int heads_code_offset(int t, int q) {
   return line * 128 + ((lin % 8) ^ heads_swz<D>(line)) * 16;
 }
 
+// The offset shortcuts of the heads kernel: chunk q + 8 of a token is chunk q one line later (D = 128), and token
+// t + 8 is token t plus 8 token runs, for every token and chunk of a tile.
+template <int D>
+constexpr bool heads_layout_shortcuts_hold() {
+  for (int t = 0; t < kTile; ++t) {
+    for (int q = 0; q < HGeo<D>::kTokChunks; ++q) {
+      if (q + 8 < HGeo<D>::kTokChunks && heads_code_offset<D>(t, q + 8) != heads_code_offset<D>(t, q) + 128) return false;
+      if (t + 8 < kTile && heads_code_offset<D>(t + 8, q) != heads_code_offset<D>(t, q) + 8 * HGeo<D>::kTokBytes)
+        return false;
+    }
+  }
+  return true;
+}
+static_assert(heads_layout_shortcuts_hold<64>() && heads_layout_shortcuts_hold<128>(),
+              "heads kernel: the swizzle must map chunk q + 8 and token t + 8 to constant offsets");
+
 template <int D>
 __global__ void __launch_bounds__(kThreads, kMinBlocksHeads) fp4kv_decode_kernel_heads(const DecodeParams p) {
   using G = Geo<D>;
@@ -1139,11 +1163,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksHeads) fp4kv_decode_kernel
   const uint8_t* scale_src = (sub >= H::kScaleChunks ? p.v_scales : p.k_scales) + (sub % H::kScaleChunks) * 16;
   const uint8_t* kc_src = p.k_codes + sub * 16;
   const uint8_t* vc_src = p.v_codes + sub * 16;
-  uint32_t dst_code[H::kChunksPerThread];
-#pragma unroll
-  for (int j = 0; j < H::kChunksPerThread; ++j) dst_code[j] = heads_code_offset<D>(tt, sub + 8 * j);
-  const uint32_t dst_scale = 2 * H::kCodeTile + (sub >= H::kScaleChunks ? H::kScaleTile : 0) + tt * H::kScaleRow +
-                             (sub % H::kScaleChunks) * 16;
+  // chunk sub + 8 of a token lies one line after chunk sub, under the same swizzle mask: one register
+  const uint32_t dst_code = pinned(heads_code_offset<D>(tt, sub));
+  const uint32_t dst_scale = pinned(2 * H::kCodeTile + (sub >= H::kScaleChunks ? H::kScaleTile : 0) + tt * H::kScaleRow +
+                             (sub % H::kScaleChunks) * 16);
   const uint32_t smem_base = smem_addr(smem);
 
   // Copies tile `it` (tokens start + 16 it ...) into its stage and steps the plan to the next tile. Tiles are
@@ -1157,8 +1180,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksHeads) fp4kv_decode_kernel
     const size_t code_off = (size_t)row * G::kRowBytes;
 #pragma unroll
     for (int j = 0; j < H::kChunksPerThread; ++j) {
-      cp_async_16(stage + dst_code[j], kc_src + code_off + 128 * j, bytes);
-      cp_async_16(stage + H::kCodeTile + dst_code[j], vc_src + code_off + 128 * j, bytes);
+      cp_async_16(stage + dst_code + 128 * j, kc_src + code_off + 128 * j, bytes);
+      cp_async_16(stage + H::kCodeTile + dst_code + 128 * j, vc_src + code_off + 128 * j, bytes);
     }
     if (has_scale) cp_async_16(stage + dst_scale, scale_src + (size_t)row * G::kScaleBytes, bytes);
     // next tile of this thread's token: same page unless the column moves (then one table load)
@@ -1225,24 +1248,24 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksHeads) fp4kv_decode_kernel
   }
 
   // Per-thread offsets inside a stage: K rows 8 nt + r of head `warp` (quarter row c), their scale bytes; V rows
-  // 2c, 2c+1, 2c+8, 2c+9 (the block of head_dim column r) and their scale bytes.
-  int k_off[2], ks_off[2], v_off[4], vs_off[4];
+  // 2c, 2c+1, 2c+8, 2c+9 (the block of head_dim column r) and their scale bytes. Token t + 8 sits kToken8 bytes
+  // after token t under the same swizzle mask (heads_swz ignores the line bits that 8 tokens add), so only the
+  // offsets of tokens r (K) and 2c, 2c + 1 (V) are registers; the rest are immediates of the shared loads.
   constexpr int kHeadChunks = D / 32;  // 16-byte chunks of one head's code row
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
-    const int t = 8 * nt + r;
-    k_off[nt] = D == 128 ? heads_code_offset<D>(t, warp * kHeadChunks + c)
-                         : heads_code_offset<D>(t, warp * kHeadChunks + c / 2) + (c % 2) * 8;
-    ks_off[nt] = 2 * H::kCodeTile + t * H::kScaleRow + warp * G::kScaleBytes + (D == 128 ? 2 * c : c);
-  }
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int t = 2 * c + (k & 1) + 8 * (k >> 1);
-    const int voff = r * G::kVBytes;
-    v_off[k] = H::kCodeTile + heads_code_offset<D>(t, warp * kHeadChunks + voff / 16) + voff % 16;
-    vs_off[k] = 2 * H::kCodeTile + H::kScaleTile + t * H::kScaleRow + warp * G::kScaleBytes +
-                r * (D / 8) / kNvfp4Block;
-  }
+  constexpr int kToken8 = 8 * H::kTokBytes;
+  const int k_off0 = pinned(D == 128 ? heads_code_offset<D>(r, warp * kHeadChunks + c)
+                                     : heads_code_offset<D>(r, warp * kHeadChunks + c / 2) + (c % 2) * 8);
+  const int ks_off0 = pinned(2 * H::kCodeTile + r * H::kScaleRow + warp * G::kScaleBytes + (D == 128 ? 2 * c : c));
+  const int k_off[2] = {k_off0, k_off0 + kToken8};
+  const int ks_off[2] = {ks_off0, ks_off0 + 8 * H::kScaleRow};
+  const int voff = r * G::kVBytes;  // this thread's block inside a head's code row
+  const int v_off0 = pinned(H::kCodeTile + heads_code_offset<D>(2 * c, warp * kHeadChunks + voff / 16) + voff % 16);
+  const int v_off1 =
+      pinned(H::kCodeTile + heads_code_offset<D>(2 * c + 1, warp * kHeadChunks + voff / 16) + voff % 16);
+  const int v_off[4] = {v_off0, v_off1, v_off0 + kToken8, v_off1 + kToken8};
+  const int vs_off0 = pinned(2 * H::kCodeTile + H::kScaleTile + 2 * c * H::kScaleRow + warp * G::kScaleBytes +
+                             r * (D / 8) / kNvfp4Block);
+  const int vs_off[4] = {vs_off0, vs_off0 + H::kScaleRow, vs_off0 + 8 * H::kScaleRow, vs_off0 + 9 * H::kScaleRow};
 
   float o[kMTiles][4];
 #pragma unroll
