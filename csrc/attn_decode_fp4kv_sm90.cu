@@ -1121,7 +1121,8 @@ template <int D>
 constexpr bool heads_layout_shortcuts_hold() {
   for (int t = 0; t < kTile; ++t) {
     for (int q = 0; q < HGeo<D>::kTokChunks; ++q) {
-      if (q + 8 < HGeo<D>::kTokChunks && heads_code_offset<D>(t, q + 8) != heads_code_offset<D>(t, q) + 128) return false;
+      if (q + 8 < HGeo<D>::kTokChunks && heads_code_offset<D>(t, q + 8) != heads_code_offset<D>(t, q) + 128)
+        return false;
       if (t + 8 < kTile && heads_code_offset<D>(t + 8, q) != heads_code_offset<D>(t, q) + 8 * HGeo<D>::kTokBytes)
         return false;
     }
@@ -1165,8 +1166,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksHeads) fp4kv_decode_kernel
   const uint8_t* vc_src = p.v_codes + sub * 16;
   // chunk sub + 8 of a token lies one line after chunk sub, under the same swizzle mask: one register
   const uint32_t dst_code = pinned(heads_code_offset<D>(tt, sub));
-  const uint32_t dst_scale = pinned(2 * H::kCodeTile + (sub >= H::kScaleChunks ? H::kScaleTile : 0) + tt * H::kScaleRow +
-                             (sub % H::kScaleChunks) * 16);
+  const uint32_t dst_scale = pinned(2 * H::kCodeTile + (sub >= H::kScaleChunks ? H::kScaleTile : 0) +
+                                    tt * H::kScaleRow + (sub % H::kScaleChunks) * 16);
   const uint32_t smem_base = smem_addr(smem);
 
   // Copies tile `it` (tokens start + 16 it ...) into its stage and steps the plan to the next tile. Tiles are
@@ -1448,7 +1449,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksHeads) fp4kv_decode_kernel
       }
       uint4* dst = reinterpret_cast<uint4*>(p.out + bh * D + r * (D / 8));
 #pragma unroll
-      for (int j = 0; j < D / 64; ++j) dst[j] = make_uint4(packed[4 * j], packed[4 * j + 1], packed[4 * j + 2], packed[4 * j + 3]);
+      for (int j = 0; j < D / 64; ++j)
+        dst[j] = make_uint4(packed[4 * j], packed[4 * j + 1], packed[4 * j + 2], packed[4 * j + 3]);
       if (r == 0) p.lse[bh] = empty ? -INFINITY : lse2 * kLn2;
     } else {
       float4* dst = reinterpret_cast<float4*>(p.o_part + (bh * p.num_splits + split) * D + r * (D / 8));
@@ -1492,6 +1494,62 @@ __global__ void __launch_bounds__(D) fp4kv_decode_combine_kernel(const float* __
   __nv_bfloat16 ob = __float2bfloat16_rn(cmb.out);
   out[bh * D + d] = *reinterpret_cast<uint16_t*>(&ob);
   if (d == 0) lse[bh] = cmb.lse;
+}
+
+// The combine for many splits (heads kernel past kHeadsFusedMax, e.g. B = 1, 2 head groups x ~128 splits): one
+// CTA of 4 warps per (sequence, query head); the max LSE by a block reduction, then warp w sums splits w, w + 4,
+// ... with a lane owning D/32 consecutive head_dim values (one 16- or 8-byte load per split), and the 4 warps'
+// sums are added in shared memory. Same weights 2^(lse_s - max) as combine_splits, summed in a different order
+// (so not bit-equal to it): ~n/4 dependent rounds per warp instead of n per thread.
+constexpr int kWideWarps = 4;
+template <int D>
+__global__ void __launch_bounds__(kWideWarps * 32) fp4kv_decode_combine_wide_kernel(const float* __restrict__ o_part,
+                                                                                   const float* __restrict__ lse_part,
+                                                                                   uint16_t* out, float* lse,
+                                                                                   int num_splits) {
+  constexpr int kPer = D / 32;  // head_dim values per lane
+  static_assert(kPer == 2 || kPer == 4, "a lane loads one float2 / float4 per split");
+  using Vec = std::conditional_t<kPer == 4, float4, float2>;
+  __shared__ float sm_red[kWideWarps];
+  __shared__ float sm_acc[kWideWarps][D];
+  __shared__ float sm_l[kWideWarps];
+  const int64_t bh = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const float* lp = lse_part + bh * num_splits;
+  float m = -INFINITY;
+  for (int s = threadIdx.x; s < num_splits; s += kWideWarps * 32) m = fmaxf(m, lp[s]);
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  if (lane == 0) sm_red[warp] = m;
+  __syncthreads();
+  m = fmaxf(fmaxf(sm_red[0], sm_red[1]), fmaxf(sm_red[2], sm_red[3]));
+  float l = 0.0f, acc[kPer] = {};
+  if (m != -INFINITY) {
+#pragma unroll 4
+    for (int s = warp; s < num_splits; s += kWideWarps) {
+      const float ls = lp[s];
+      const Vec v = *reinterpret_cast<const Vec*>(o_part + (bh * num_splits + s) * D + lane * kPer);
+      if (ls == -INFINITY) continue;
+      const float f = exp2f(ls - m);
+      l += f;
+      const float* pv = reinterpret_cast<const float*>(&v);
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) acc[e] += f * pv[e];
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) sm_acc[warp][lane * kPer + e] = acc[e];
+  if (lane == 0) sm_l[warp] = l;
+  __syncthreads();
+  for (int d = threadIdx.x; d < D; d += kWideWarps * 32) {
+    float a = 0.0f, lt = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWideWarps; ++w) a += sm_acc[w][d], lt += sm_l[w];
+    const bool empty = !(lt > 0.0f);
+    __nv_bfloat16 ob = __float2bfloat16_rn(empty ? 0.0f : a / lt);
+    out[bh * D + d] = *reinterpret_cast<uint16_t*>(&ob);
+    if (d == 0) lse[bh] = empty ? -INFINITY : (m + log2f(lt)) * kLn2;
+  }
 }
 
 // ---- host ------------------------------------------------------------------------------------------------
@@ -1542,7 +1600,8 @@ int choose_splits(int batch_heads, int64_t max_len, int device) {
   if (cached_sms[slot] == 0) {
     int sms = 0, per_sm = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_kernel<D, kImpl>(), kThreads, decode_smem<D, kImpl>());
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_kernel<D, kImpl>(), kThreads,
+                                                  decode_smem<D, kImpl>());
     cached_per_sm[slot] = per_sm;
     cached_sms[slot] = sms;
   }
@@ -1616,21 +1675,22 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
                          cudaSharedmemCarveoutMaxShared);
     carveout_set[device & 63] = true;
   }
-  const int splits = num_splits_arg > 0 ? num_splits_arg
-                                        : choose_splits<D, kImpl>(batch * head_ctas<kImpl>(p.heads_kv), max_len, device);
+  const int splits = num_splits_arg > 0
+                         ? num_splits_arg
+                         : choose_splits<D, kImpl>(batch * head_ctas<kImpl>(p.heads_kv), max_len, device);
   p.num_splits = splits;
   at::Tensor o_part, lse_part;
+  bool wide = false;
   if (splits > 1) {
     o_part = at::empty({batch, p.heads_q, splits, D}, q.options().dtype(at::kFloat));
     lse_part = at::empty({batch, p.heads_q, splits}, q.options().dtype(at::kFloat));
     p.o_part = o_part.data_ptr<float>();
     p.lse_part = lse_part.data_ptr<float>();
     // heads kernel: the last CTA of a (sequence, head group) combines 4 G query heads over all splits; past
-    // kHeadsFusedMax partial floats per CTA that serial tail (one CTA per group, e.g. 2 groups x 128 splits at
-    // B = 1) would cost more than the separate combine kernel's launch, which runs B * Hq CTAs in parallel
-    const bool fused = fused_combine() &&
-                       (kImpl != kImplHeads || (int64_t)splits * kHeadsPerCta * p.group * D <= kHeadsFusedMax);
-    p.split_counters = fused ? split_counters((int64_t)batch * p.heads_kv, q) : nullptr;
+    // kHeadsFusedMax partial floats per CTA that serial tail (one CTA per group, e.g. 2 groups x 126 splits at
+    // B = 1) would cost more than a launch of the wide combine kernel, which runs B * Hq CTAs in parallel
+    wide = kImpl == kImplHeads && (int64_t)splits * kHeadsPerCta * p.group * D > kHeadsFusedMax;
+    p.split_counters = fused_combine() && !wide ? split_counters((int64_t)batch * p.heads_kv, q) : nullptr;
   }
   const DecodeKernelFn kernel = decode_kernel<D, kImpl>();
   require_kernel_image(kernel, "fp4kv_decode_attention");
@@ -1638,7 +1698,12 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
   dim3 grid(splits, head_ctas<kImpl>(p.heads_kv), batch);
   kernel<<<grid, kThreads, decode_smem<D, kImpl>(), stream>>>(p);
   check_launch("fp4kv_decode_attention");
-  if (splits > 1 && p.split_counters == nullptr) {
+  if (splits > 1 && wide) {
+    fp4kv_decode_combine_wide_kernel<D><<<batch * p.heads_q, kWideWarps * 32, 0, stream>>>(
+        o_part.data_ptr<float>(), lse_part.data_ptr<float>(), reinterpret_cast<uint16_t*>(out.data_ptr()),
+        lse.data_ptr<float>(), splits);
+    check_launch("fp4kv_decode_attention (combine)");
+  } else if (splits > 1 && p.split_counters == nullptr) {
     fp4kv_decode_combine_kernel<D><<<batch * p.heads_q, D, 0, stream>>>(
         o_part.data_ptr<float>(), lse_part.data_ptr<float>(), reinterpret_cast<uint16_t*>(out.data_ptr()),
         lse.data_ptr<float>(), splits);
