@@ -68,6 +68,18 @@
 //   other KV heads' CTAs read the rest of each line) and 8-byte scale pieces (one 32-byte sector each), 96
 //   sector requests per 2304 bytes. Next steps: the 4 warps of a CTA on 4 KV heads of the same tokens (one
 //   contiguous page block per tile, 16-byte scale copies), and fewer loader instructions per tile.
+// - That restructure is fp4kv_decode_kernel_heads (TRACE_EXT_KV_DECODE_IMPL=heads, opt-in until measured; notes
+//   at its definition and in notes/NEXT_kv_decode_layout.md): grid (split, H_kv / 4, sequence), warp w = KV head
+//   4 hg + w, the CTA copies each 16-token tile as 16-byte pieces of the contiguous 4-head runs (one address per
+//   thread per tile, one table load per page) into a shared 4-stage ring, one __syncthreads per tile, no
+//   cross-warp merge. SASS (sm_90a, D = 128), static loop body per warp and 16-token tile: 489 instructions vs
+//   561 (g8), of which copy issue + page walk ~60 vs ~132 and the rarely taken O rescale ~45 in both. The nibble
+//   expansion is unchanged: per 8 K codes 1 SHF + 2 IMAD.SHL + 4 LOP3 + 4 PRMT + 4 HMUL2 (15; V adds 1 PRMT
+//   interleave: 16). No exact cheaper sm_90 sequence was found: sign and magnitude need different shifts, so each
+//   fp16 high byte costs a shift and a mask per source plus a merge, and the byte placement needs a zero source
+//   (PRMT with 0); a PRMT lookup table needs masked selectors and a separate sign merge (more instructions). The
+//   cheaper path is sm_100a's cvt.rn.f16x2.e2m1x2 (1 instruction per 2 codes), which pairs the two nibbles of a
+//   byte and so needs Q gathered in that k order.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
