@@ -72,8 +72,9 @@
 //   at its definition and in notes/NEXT_kv_decode_layout.md): grid (split, H_kv / 4, sequence), warp w = KV head
 //   4 hg + w, the CTA copies each 16-token tile as 16-byte pieces of the contiguous 4-head runs (one address per
 //   thread per tile, one table load per page) into a shared 4-stage ring, one __syncthreads per tile, no
-//   cross-warp merge. SASS (sm_90a, D = 128), static loop body per warp and 16-token tile: 489 instructions vs
-//   561 (g8), of which copy issue + page walk ~60 vs ~132 and the rarely taken O rescale ~45 in both. The nibble
+//   cross-warp merge. SASS (sm_90a, D = 128), static loop body per warp and 16-token tile: 482 instructions vs
+//   561 (g8), both including the rarely taken O rescale (58); before a tile's first shared load (copy issue, page
+//   walk, stage offsets) 72 vs 139. The nibble
 //   expansion is unchanged: per 8 K codes 1 SHF + 2 IMAD.SHL + 4 LOP3 + 4 PRMT + 4 HMUL2 (15; V adds 1 PRMT
 //   interleave: 16). No exact cheaper sm_90 sequence was found: sign and magnitude need different shifts, so each
 //   fp16 high byte costs a shift and a mask per source plus a merge, and the byte placement needs a zero source
