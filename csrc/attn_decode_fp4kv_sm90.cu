@@ -72,9 +72,9 @@
 //   at its definition and in notes/NEXT_kv_decode_layout.md): grid (split, H_kv / 4, sequence), warp w = KV head
 //   4 hg + w, the CTA copies each 16-token tile as 16-byte pieces of the contiguous 4-head runs (one address per
 //   thread per tile, one table load per page) into a shared 4-stage ring, one __syncthreads per tile, no
-//   cross-warp merge. SASS (sm_90a, D = 128), static loop body per warp and 16-token tile: 482 instructions vs
+//   cross-warp merge. SASS (sm_90a, D = 128), static loop body per warp and 16-token tile: 472 instructions vs
 //   561 (g8), both including the rarely taken O rescale (58); before a tile's first shared load (copy issue, page
-//   walk, stage offsets) 72 vs 139. The nibble
+//   walk, stage offsets) 53 vs 139. The nibble
 //   expansion is unchanged: per 8 K codes 1 SHF + 2 IMAD.SHL + 4 LOP3 + 4 PRMT + 4 HMUL2 (15; V adds 1 PRMT
 //   interleave: 16). No exact cheaper sm_90 sequence was found: sign and magnitude need different shifts, so each
 //   fp16 high byte costs a shift and a mask per source plus a merge, and the byte placement needs a zero source
@@ -1062,6 +1062,12 @@ __device__ __forceinline__ uint32_t pinned(uint32_t x) {
   return y;
 }
 
+__device__ __forceinline__ const uint8_t* pinned_ptr(const uint8_t* x) {
+  const uint8_t* y;
+  asm volatile("mov.b64 %0, %1;\n" : "=l"(y) : "l"(x));
+  return y;
+}
+
 // ---- heads kernel: the 4 warps of a CTA on 4 KV heads of the same tokens (TRACE_EXT_KV_DECODE_IMPL=heads) ----
 // The g8 kernel above reads, per warp and 16-token tile, 16 code rows of D/2 bytes spaced H_kv * D/2 bytes
 // apart plus 16 scale pieces of D/16 bytes (one 32-byte sector each), and every warp walks the page table and
@@ -1074,8 +1080,9 @@ __device__ __forceinline__ uint32_t pinned(uint32_t x) {
 //   and V run, and (threads with tid % 8 < 2 * kScaleChunks) one 16-byte chunk of the token's 4 * D/16 K or V
 //   scale bytes: every global access is a whole 16-byte piece of a contiguous run, no 8-byte scale pieces.
 // - one address per thread per tile: row = (page * P + slot) * H_kv + 4 hg (two IMADs), the chunk offsets
-//   are immediates. The page id of the next tile is loaded one tile ahead (all threads of a token load the same
-//   word: one broadcast request), and only when the column changes: once per page, not per tile.
+//   are immediates, the stage offset is a uniform register. The thread's block-table pointer steps with its
+//   token; the page id of the next tile is loaded one tile ahead (all threads of a token load the same word: one
+//   broadcast request), and only when the column changes: once per page, not per tile.
 // - one __syncthreads per tile (the stage ring is shared by the 4 warps); the warps do equal work (same
 //   tokens, one head each), so the barrier costs little, and several CTAs per SM hide it.
 // - per warp the arithmetic is the g8 kernel's (same expansion, MMAs, k-step order, softmax and output
@@ -1166,17 +1173,22 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksHeads) fp4kv_decode_kernel
 
   // ---- copy plan of this thread: token tt of every tile, chunks sub (+ 8), one scale chunk if sub < 2 kScaleChunks
   const int tt = threadIdx.x / 8, sub = threadIdx.x % 8;
-  const int32_t* table_row = p.block_table + (int64_t)b * p.max_pages;
   const int psize = p.page_size;
   const int step_col = kTile / psize, step_slot = kTile % psize;
-  int col = (start + tt) / psize, slot = (start + tt) % psize;  // this thread's token in the next tile to issue
-  int page = (start + tt < end) ? __ldg(table_row + col) : 0;   // its page id (loaded one tile ahead)
-  const uint32_t row_stride = (uint32_t)p.heads_kv;              // cache rows per token slot
+  // this thread's token in the next tile to issue, its page slot, its block-table entry and page id (loaded one
+  // tile ahead, and only when the token moves to another table column)
+  int tok = start + tt;
+  int slot = tok % psize;
+  const int32_t* tp = p.block_table + (int64_t)b * p.max_pages + tok / psize;
+  int page = tok < end ? __ldg(tp) : 0;
+  const uint32_t row_stride = (uint32_t)p.heads_kv;  // cache rows per token slot
   const uint32_t head0 = (uint32_t)(hg * kHeadsPerCta);
   const bool has_scale = sub < 2 * H::kScaleChunks;
-  const uint8_t* scale_src = (sub >= H::kScaleChunks ? p.v_scales : p.k_scales) + (sub % H::kScaleChunks) * 16;
-  const uint8_t* kc_src = p.k_codes + sub * 16;
-  const uint8_t* vc_src = p.v_codes + sub * 16;
+  const uint8_t* scale_src =
+      pinned_ptr((sub >= H::kScaleChunks ? p.v_scales : p.k_scales) + (sub % H::kScaleChunks) * 16);
+  const uint8_t* kc_src = pinned_ptr(p.k_codes + sub * 16);
+  const uint8_t* vc_src = pinned_ptr(p.v_codes + sub * 16);
+  uint32_t issue_stage = 0;  // stage offset of the next tile to issue
   // chunk sub + 8 of a token lies one line after chunk sub, under the same swizzle mask: one register
   const uint32_t dst_code = pinned(heads_code_offset<D>(tt, sub));
   const uint32_t dst_scale = pinned(2 * H::kCodeTile + (sub >= H::kScaleChunks ? H::kScaleTile : 0) +
@@ -1185,11 +1197,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksHeads) fp4kv_decode_kernel
 
   // Copies tile `it` (tokens start + 16 it ...) into its stage and steps the plan to the next tile. Tiles are
   // issued in order, once each.
-  auto issue = [&](int it) {
-    const int t = start + it * kTile + tt;
-    const bool valid = t < end;
+  auto issue = [&]() {
+    const bool valid = tok < end;
     const uint32_t row = valid ? ((uint32_t)page * (uint32_t)psize + (uint32_t)slot) * row_stride + head0 : 0u;
-    const uint32_t stage = smem_base + (uint32_t)((it % kStages) * H::kStageBytes);
+    const uint32_t stage = smem_base + issue_stage;
     const int bytes = valid ? 16 : 0;
     const size_t code_off = (size_t)row * G::kRowBytes;
 #pragma unroll
@@ -1198,17 +1209,19 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksHeads) fp4kv_decode_kernel
       cp_async_16(stage + H::kCodeTile + dst_code + 128 * j, vc_src + code_off + 128 * j, bytes);
     }
     if (has_scale) cp_async_16(stage + dst_scale, scale_src + (size_t)row * G::kScaleBytes, bytes);
+    issue_stage = issue_stage == (kStages - 1) * H::kStageBytes ? 0u : issue_stage + H::kStageBytes;
     // next tile of this thread's token: same page unless the column moves (then one table load)
-    const int old_col = col;
-    col += step_col;
+    tok += kTile;
     slot += step_slot;
-    if (slot >= psize) slot -= psize, ++col;
-    if (col != old_col && t + kTile < end) page = __ldg(table_row + col);
+    tp += step_col;
+    bool moved = step_col != 0;
+    if (slot >= psize) slot -= psize, ++tp, moved = true;
+    if (moved && tok < end) page = __ldg(tp);
   };
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < n_tiles) issue(s);
+    if (s < n_tiles) issue();
     cp_async_commit();
   }
 
@@ -1290,7 +1303,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksHeads) fp4kv_decode_kernel
   for (int i = 0; i < n_tiles; ++i) {
     cp_async_wait<kStages - 2>();
     __syncthreads();  // tile i landed for all threads; every warp is done with tile i - 1's stage
-    if (i + kStages - 1 < n_tiles) issue(i + kStages - 1);
+    if (i + kStages - 1 < n_tiles) issue();
     cp_async_commit();
 
     const uint8_t* st = smem + (i % kStages) * H::kStageBytes;
