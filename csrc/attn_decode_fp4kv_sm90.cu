@@ -72,9 +72,9 @@
 //   at its definition and in notes/NEXT_kv_decode_layout.md): grid (split, H_kv / 4, sequence), warp w = KV head
 //   4 hg + w, the CTA copies each 16-token tile as 16-byte pieces of the contiguous 4-head runs (one address per
 //   thread per tile, one table load per page) into a shared 4-stage ring, one __syncthreads per tile, no
-//   cross-warp merge. SASS (sm_90a, D = 128), static loop body per warp and 16-token tile: 472 instructions vs
+//   cross-warp merge. SASS (sm_90a, D = 128), static loop body per warp and 16-token tile: 475 instructions vs
 //   561 (g8), both including the rarely taken O rescale (58); before a tile's first shared load (copy issue, page
-//   walk, stage offsets) 53 vs 139. The nibble
+//   walk, stage offsets) 56 vs 139. The nibble
 //   expansion is unchanged: per 8 K codes 1 SHF + 2 IMAD.SHL + 4 LOP3 + 4 PRMT + 4 HMUL2 (15; V adds 1 PRMT
 //   interleave: 16). No exact cheaper sm_90 sequence was found: sign and magnitude need different shifts, so each
 //   fp16 high byte costs a shift and a mask per source plus a merge, and the byte placement needs a zero source
@@ -1088,8 +1088,10 @@ __device__ __forceinline__ const uint8_t* pinned_ptr(const uint8_t* x) {
 // - per warp the arithmetic is the g8 kernel's (same expansion, MMAs, k-step order, softmax and output
 //   formulas) with stage offsets of the new layout. As a warp owns all tokens of its head, there is no
 //   cross-warp merge: each warp writes its G heads' output (or split partial) straight from its accumulators,
-//   with the same formulas as merge_warps at one warp (f = 1); split partials go through the same
-//   combine_splits, so the fused and the separate combine agree bit for bit.
+//   with the same formulas as merge_warps at one warp (f = 1); the fused split finish does combine_splits'
+//   arithmetic in the same order (weights per row once, then float4 columns with 4 splits' loads in flight: the
+//   last CTA combines 4 G rows, and one dependent load chain per output element would leave a long serial tail),
+//   so the fused and the separate combine agree bit for bit.
 // - shared layout of a stage: K codes [16 tokens][4 heads][D/2] as 16-byte chunks, XOR-swizzled per 128-byte
 //   line (kHeadsSwz below: conflict-free K quarter-row reads and V 2-token reads), V codes the same, then K and
 //   V scales [16 tokens][kScaleRow] (rows padded to 48 bytes at D = 128 so that the 8 tokens of a warp's
@@ -1152,6 +1154,64 @@ constexpr bool heads_layout_shortcuts_hold() {
 static_assert(heads_layout_shortcuts_hold<64>() && heads_layout_shortcuts_hold<128>(),
               "heads kernel: the swizzle must map chunk q + 8 and token t + 8 to constant offsets");
 
+// The fused split finish of the heads kernel (last CTA of a (sequence, head group)): combine_splits' arithmetic
+// (same max, same weights 2^(lse_s - max), l and every output summed in split order, so bit-equal to the combine
+// kernel), restructured for 4 G rows: the weights of each row once into shared memory (the drained stage ring;
+// rows x splits <= kHeadsFusedMax / D floats), then each thread sums float4 columns with the loads of 4 splits in
+// flight, instead of a dependent load chain per output element.
+template <int D>
+__device__ __forceinline__ void heads_split_finish(const DecodeParams& p, uint8_t* smem, int hg, int b) {
+  const int rows = kHeadsPerCta * p.group, n = p.num_splits;
+  const int64_t bh0 = (int64_t)b * p.heads_q + (int64_t)hg * kHeadsPerCta * p.group;
+  float* f_sm = reinterpret_cast<float*>(smem);  // [rows][n]
+  float* l_sm = f_sm + rows * n;                 // [rows]
+  float* m_sm = l_sm + rows;                     // [rows], log2 units
+  for (int row = threadIdx.x; row < rows; row += kThreads) {
+    const float* lp = p.lse_part + (bh0 + row) * n;
+    float m = -INFINITY;
+#pragma unroll 8
+    for (int s = 0; s < n; ++s) m = fmaxf(m, __ldcg(lp + s));
+    float l = 0.0f;
+#pragma unroll 8
+    for (int s = 0; s < n; ++s) {
+      const float ls = __ldcg(lp + s);
+      float fw = 0.0f;  // empty splits (and rows) weigh 0; their partials are exact zeros
+      if (m != -INFINITY && ls != -INFINITY) {
+        fw = exp2f(ls - m);
+        l += fw;
+      }
+      f_sm[row * n + s] = fw;
+    }
+    l_sm[row] = l;
+    m_sm[row] = m;
+  }
+  __syncthreads();
+  constexpr int kCols = D / 4;
+  for (int idx = threadIdx.x; idx < rows * kCols; idx += kThreads) {
+    const int row = idx / kCols, c4 = idx % kCols;
+    const float* fw = f_sm + row * n;
+    const float4* op = reinterpret_cast<const float4*>(p.o_part + (bh0 + row) * n * D) + c4;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+    for (int s = 0; s < n; ++s) {
+      const float4 v = __ldcg(op + s * kCols);
+      const float w = fw[s];
+      acc[0] += w * v.x;
+      acc[1] += w * v.y;
+      acc[2] += w * v.z;
+      acc[3] += w * v.w;
+    }
+    const float l = l_sm[row];
+    const bool empty = !(l > 0.0f);
+    const int64_t bh = bh0 + row;
+    __nv_bfloat162 lo = __floats2bfloat162_rn(empty ? 0.0f : acc[0] / l, empty ? 0.0f : acc[1] / l);
+    __nv_bfloat162 hi = __floats2bfloat162_rn(empty ? 0.0f : acc[2] / l, empty ? 0.0f : acc[3] / l);
+    *reinterpret_cast<uint2*>(p.out + bh * D + 4 * c4) =
+        make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
+    if (c4 == 0) p.lse[bh] = empty ? -INFINITY : (m_sm[row] + log2f(l)) * kLn2;
+  }
+}
+
 template <int D>
 __global__ void __launch_bounds__(kThreads, kMinBlocksHeads) fp4kv_decode_kernel_heads(const DecodeParams p) {
   using G = Geo<D>;
@@ -1186,8 +1246,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksHeads) fp4kv_decode_kernel
   const bool has_scale = sub < 2 * H::kScaleChunks;
   const uint8_t* scale_src =
       pinned_ptr((sub >= H::kScaleChunks ? p.v_scales : p.k_scales) + (sub % H::kScaleChunks) * 16);
-  const uint8_t* kc_src = pinned_ptr(p.k_codes + sub * 16);
-  const uint8_t* vc_src = pinned_ptr(p.v_codes + sub * 16);
+  const uint32_t sub_bytes = pinned(sub * 16);  // this thread's chunk inside a token's run
   uint32_t issue_stage = 0;  // stage offset of the next tile to issue
   // chunk sub + 8 of a token lies one line after chunk sub, under the same swizzle mask: one register
   const uint32_t dst_code = pinned(heads_code_offset<D>(tt, sub));
@@ -1202,11 +1261,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksHeads) fp4kv_decode_kernel
     const uint32_t row = valid ? ((uint32_t)page * (uint32_t)psize + (uint32_t)slot) * row_stride + head0 : 0u;
     const uint32_t stage = smem_base + issue_stage;
     const int bytes = valid ? 16 : 0;
-    const size_t code_off = (size_t)row * G::kRowBytes;
+    const size_t code_off = (size_t)row * G::kRowBytes + sub_bytes;
 #pragma unroll
     for (int j = 0; j < H::kChunksPerThread; ++j) {
-      cp_async_16(stage + dst_code + 128 * j, kc_src + code_off + 128 * j, bytes);
-      cp_async_16(stage + H::kCodeTile + dst_code + 128 * j, vc_src + code_off + 128 * j, bytes);
+      cp_async_16(stage + dst_code + 128 * j, p.k_codes + code_off + 128 * j, bytes);
+      cp_async_16(stage + H::kCodeTile + dst_code + 128 * j, p.v_codes + code_off + 128 * j, bytes);
     }
     if (has_scale) cp_async_16(stage + dst_scale, scale_src + (size_t)row * G::kScaleBytes, bytes);
     issue_stage = issue_stage == (kStages - 1) * H::kStageBytes ? 0u : issue_stage + H::kStageBytes;
@@ -1498,15 +1557,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksHeads) fp4kv_decode_kernel
   __syncthreads();
   if (!last_split) return;
   __threadfence();
-  const int rows = kHeadsPerCta * p.group;
-  for (int idx = threadIdx.x; idx < rows * D; idx += kThreads) {
-    const int row = idx / D, d = idx % D;
-    const int64_t bh = (int64_t)b * p.heads_q + (int64_t)hg * kHeadsPerCta * p.group + row;
-    const Combined cmb = combine_splits<D>(p.o_part, p.lse_part, bh, d, p.num_splits);
-    __nv_bfloat16 ob = __float2bfloat16_rn(cmb.out);
-    p.out[bh * D + d] = *reinterpret_cast<uint16_t*>(&ob);
-    if (d == 0) p.lse[bh] = cmb.lse;
-  }
+  heads_split_finish<D>(p, smem, hg, b);
 }
 
 // Combine the splits of one (sequence, query head) (TRACE_EXT_KV_DECODE_COMBINE=kernel: the separate pass).
