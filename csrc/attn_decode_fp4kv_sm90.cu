@@ -1254,8 +1254,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksHeads) fp4kv_decode_kernel
                                     tt * H::kScaleRow + (sub % H::kScaleChunks) * 16);
   const uint32_t smem_base = smem_addr(smem);
 
-  // Copies tile `it` (tokens start + 16 it ...) into its stage and steps the plan to the next tile. Tiles are
-  // issued in order, once each.
+  // Copies the next tile (tiles are issued in order, once each: tile j goes to stage j % kStages) and steps the
+  // plan to the tile after it.
   auto issue = [&]() {
     const bool valid = tok < end;
     const uint32_t row = valid ? ((uint32_t)page * (uint32_t)psize + (uint32_t)slot) * row_stride + head0 : 0u;
