@@ -10,6 +10,7 @@ Run: python bench/profile_kernels.py [case ...]   (cases: quant gemm kv; default
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 import torch
@@ -67,6 +68,19 @@ def kv_cases():
     q = torch.randn(B, Hq, D, device=DEV, generator=gen).to(torch.bfloat16)
     yield "kv decode B32 Hq32 Hkv4 S8K", lambda: op.fp4kv_decode_attention(
         q, kc, ks, vc, vs, table, seq_lens, 1 / math.sqrt(D), 0.01, 0.02, 0)
+
+    def heads():  # the heads kernel (TRACE_EXT_KV_DECODE_IMPL is read per call)
+        saved = os.environ.get("TRACE_EXT_KV_DECODE_IMPL")
+        os.environ["TRACE_EXT_KV_DECODE_IMPL"] = "heads"
+        try:
+            return op.fp4kv_decode_attention(q, kc, ks, vc, vs, table, seq_lens, 1 / math.sqrt(D), 0.01, 0.02, 0)
+        finally:
+            if saved is None:
+                os.environ.pop("TRACE_EXT_KV_DECODE_IMPL")
+            else:
+                os.environ["TRACE_EXT_KV_DECODE_IMPL"] = saved
+
+    yield "kv decode heads B32 Hq32 Hkv4 S8K", heads
     args = append_inputs(gen)
     yield "kv append B8 x 4096", lambda: op.fp4kv_append(*args)
 

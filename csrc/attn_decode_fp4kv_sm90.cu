@@ -68,6 +68,19 @@
 //   other KV heads' CTAs read the rest of each line) and 8-byte scale pieces (one 32-byte sector each), 96
 //   sector requests per 2304 bytes. Next steps: the 4 warps of a CTA on 4 KV heads of the same tokens (one
 //   contiguous page block per tile, 16-byte scale copies), and fewer loader instructions per tile.
+// - That restructure is fp4kv_decode_kernel_heads (TRACE_EXT_KV_DECODE_IMPL=heads, opt-in until measured; notes
+//   at its definition and in notes/NEXT_kv_decode_layout.md): grid (split, H_kv / 4, sequence), warp w = KV head
+//   4 hg + w, the CTA copies each 16-token tile as 16-byte pieces of the contiguous 4-head runs (one address per
+//   thread per tile, one table load per page) into a shared 4-stage ring, one __syncthreads per tile, no
+//   cross-warp merge. SASS (sm_90a, D = 128), static loop body per warp and 16-token tile: 475 instructions vs
+//   561 (g8), both including the rarely taken O rescale (58); before a tile's first shared load (copy issue, page
+//   walk, stage offsets) 56 vs 139. The nibble
+//   expansion is unchanged: per 8 K codes 1 SHF + 2 IMAD.SHL + 4 LOP3 + 4 PRMT + 4 HMUL2 (15; V adds 1 PRMT
+//   interleave: 16). No exact cheaper sm_90 sequence was found: sign and magnitude need different shifts, so each
+//   fp16 high byte costs a shift and a mask per source plus a merge, and the byte placement needs a zero source
+//   (PRMT with 0); a PRMT lookup table needs masked selectors and a separate sign merge (more instructions). The
+//   cheaper path is sm_100a's cvt.rn.f16x2.e2m1x2 (1 instruction per 2 codes), which pairs the two nibbles of a
+//   byte and so needs Q gathered in that k order.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
@@ -1042,6 +1055,512 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksSwap) fp4kv_decode_kernel_
   merge_warps<D>(p, cs.o, cs.m, cs.l, split, kv_head, b);
 }
 
+// A register the compiler must keep: ptxas otherwise rematerializes thread-id-derived offsets (swizzle math,
+// ~20 instructions) inside the main loop under the register cap of 5 CTAs per SM.
+__device__ __forceinline__ uint32_t pinned(uint32_t x) {
+  uint32_t y;
+  asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+__device__ __forceinline__ const uint8_t* pinned_ptr(const uint8_t* x) {
+  const uint8_t* y;
+  asm volatile("mov.b64 %0, %1;\n" : "=l"(y) : "l"(x));
+  return y;
+}
+
+// ---- heads kernel: the 4 warps of a CTA on 4 KV heads of the same tokens (TRACE_EXT_KV_DECODE_IMPL=heads) ----
+// The g8 kernel above reads, per warp and 16-token tile, 16 code rows of D/2 bytes spaced H_kv * D/2 bytes
+// apart plus 16 scale pieces of D/16 bytes (one 32-byte sector each), and every warp walks the page table and
+// rebuilds its copy addresses per tile (~110 of ~560 instructions per tile). In the [page, token, head, D/2]
+// layout the codes of 4 consecutive KV heads of one token are one contiguous 2 D-byte run, and 16 tokens of one
+// page are 16 such runs H_kv * D/2 bytes apart (for H_kv = 4: one contiguous 4 KB block per tile). So here a
+// CTA owns a group of 4 KV heads (warp w = head 4 hg + w) and a token range, and the 128 threads copy each
+// 16-token tile together into a CTA-shared stage:
+// - thread tid copies token tid / 8 of the tile: 16-byte chunks tid % 8 (and tid % 8 + 8 at D = 128) of its K
+//   and V run, and (threads with tid % 8 < 2 * kScaleChunks) one 16-byte chunk of the token's 4 * D/16 K or V
+//   scale bytes: every global access is a whole 16-byte piece of a contiguous run, no 8-byte scale pieces.
+// - one address per thread per tile: row = (page * P + slot) * H_kv + 4 hg (two IMADs), the chunk offsets
+//   are immediates, the stage offset is a uniform register. The thread's block-table pointer steps with its
+//   token; the page id of the next tile is loaded one tile ahead (all threads of a token load the same word: one
+//   broadcast request), and only when the column changes: once per page, not per tile.
+// - one __syncthreads per tile (the stage ring is shared by the 4 warps); the warps do equal work (same
+//   tokens, one head each), so the barrier costs little, and several CTAs per SM hide it.
+// - per warp the arithmetic is the g8 kernel's (same expansion, MMAs, k-step order, softmax and output
+//   formulas) with stage offsets of the new layout. As a warp owns all tokens of its head, there is no
+//   cross-warp merge: each warp writes its G heads' output (or split partial) straight from its accumulators,
+//   with the same formulas as merge_warps at one warp (f = 1); the fused split finish does combine_splits'
+//   arithmetic in the same order (weights per row once, then float4 columns with 4 splits' loads in flight: the
+//   last CTA combines 4 G rows, and one dependent load chain per output element would leave a long serial tail),
+//   so the fused and the separate combine agree bit for bit.
+// - shared layout of a stage: K codes [16 tokens][4 heads][D/2] as 16-byte chunks, XOR-swizzled per 128-byte
+//   line (kHeadsSwz below: conflict-free K quarter-row reads and V 2-token reads), V codes the same, then K and
+//   V scales [16 tokens][kScaleRow] (rows padded to 48 bytes at D = 128 so that the 8 tokens of a warp's
+//   scale reads hit distinct banks).
+// Requirements (else the g8 / qsmem kernels run): G <= 8, H_kv % 4 == 0, 16-byte aligned cache bases.
+constexpr int kHeadsPerCta = kWarps;   // KV heads per CTA, one per warp
+constexpr int kMinBlocksHeads = 5;     // CTAs per SM (<= 102 registers, 5 x 38 KB shared at D = 128)
+constexpr int64_t kHeadsFusedMax = 1 << 16;  // partial floats (splits x 4 G x D) the fused finish of one CTA reads
+
+template <int D>
+struct HGeo {
+  static constexpr int kTokBytes = kHeadsPerCta * D / 2;       // code bytes of one token's 4 heads
+  static constexpr int kTokChunks = kTokBytes / 16;            // 16 (D = 128) or 8 (D = 64)
+  static constexpr int kChunksPerThread = kTokChunks / 8;      // 8 threads per token
+  static constexpr int kScaleTokBytes = kHeadsPerCta * D / kNvfp4Block;  // 32 or 16
+  static constexpr int kScaleChunks = kScaleTokBytes / 16;     // 2 or 1
+  static constexpr int kScaleRow = D == 128 ? 48 : 16;         // padded scale row in shared memory
+  static constexpr int kCodeTile = kTile * kTokBytes;
+  static constexpr int kScaleTile = kTile * kScaleRow;
+  static constexpr int kStageBytes = 2 * kCodeTile + 2 * kScaleTile;
+  static constexpr int kSmem = kStages * kStageBytes;
+  static_assert(kThreads == kTile * 8, "8 threads copy one token of a tile");
+  static_assert(kTokChunks % 8 == 0 && 2 * kScaleChunks <= 8, "a token's chunks split evenly over its 8 threads");
+  static_assert(kScaleRow % 16 == 0 && kScaleRow >= kScaleTokBytes, "scale rows hold 16-byte copies");
+  static_assert(kStageBytes % 128 == 0, "stages stay 128-byte aligned (swizzled lines)");
+};
+
+// XOR mask of the 16-byte slot inside 128-byte line `l` of a heads-kernel code tile. D = 128 (2 lines per token,
+// slot = 4 (head % 2) + chunk): bit 2 = l.1 ^ l.3, bit 1 = l.2, so the K reads (tokens t, t + 1 in one
+// 8-lane phase) and the V reads (tokens 2c + k of the 4 column groups) land in 8 distinct slots. D = 64 (one
+// line per token, slot = 2 head + chunk): bit 1 = l.0 ^ l.2, bit 2 = l.1 (4 consecutive tokens for K, tokens
+// 2c + k for V).
+template <int D>
+__host__ __device__ constexpr int heads_swz(int line) {
+  return D == 128 ? ((((line >> 1) ^ (line >> 3)) & 1) << 2) | (((line >> 2) & 1) << 1)
+                  : (((line ^ (line >> 2)) & 1) << 1) | (((line >> 1) & 1) << 2);
+}
+// Byte offset of chunk `q` (0 .. kTokChunks - 1) of token `t` inside a code tile.
+template <int D>
+__host__ __device__ constexpr int heads_code_offset(int t, int q) {
+  const int lin = t * HGeo<D>::kTokChunks + q;
+  const int line = lin / 8;
+  return line * 128 + ((lin % 8) ^ heads_swz<D>(line)) * 16;
+}
+
+// The offset shortcuts of the heads kernel: chunk q + 8 of a token is chunk q one line later (D = 128), and token
+// t + 8 is token t plus 8 token runs, for every token and chunk of a tile.
+template <int D>
+constexpr bool heads_layout_shortcuts_hold() {
+  for (int t = 0; t < kTile; ++t) {
+    for (int q = 0; q < HGeo<D>::kTokChunks; ++q) {
+      if (q + 8 < HGeo<D>::kTokChunks && heads_code_offset<D>(t, q + 8) != heads_code_offset<D>(t, q) + 128)
+        return false;
+      if (t + 8 < kTile && heads_code_offset<D>(t + 8, q) != heads_code_offset<D>(t, q) + 8 * HGeo<D>::kTokBytes)
+        return false;
+    }
+  }
+  return true;
+}
+static_assert(heads_layout_shortcuts_hold<64>() && heads_layout_shortcuts_hold<128>(),
+              "heads kernel: the swizzle must map chunk q + 8 and token t + 8 to constant offsets");
+
+// The fused split finish of the heads kernel (last CTA of a (sequence, head group)): combine_splits' arithmetic
+// (same max, same weights 2^(lse_s - max), l and every output summed in split order, so bit-equal to the combine
+// kernel), restructured for 4 G rows: the weights of each row once into shared memory (the drained stage ring;
+// rows x splits <= kHeadsFusedMax / D floats), then each thread sums float4 columns with the loads of 4 splits in
+// flight, instead of a dependent load chain per output element.
+template <int D>
+__device__ __forceinline__ void heads_split_finish(const DecodeParams& p, uint8_t* smem, int hg, int b) {
+  const int rows = kHeadsPerCta * p.group, n = p.num_splits;
+  const int64_t bh0 = (int64_t)b * p.heads_q + (int64_t)hg * kHeadsPerCta * p.group;
+  float* f_sm = reinterpret_cast<float*>(smem);  // [rows][n]
+  float* l_sm = f_sm + rows * n;                 // [rows]
+  float* m_sm = l_sm + rows;                     // [rows], log2 units
+  for (int row = threadIdx.x; row < rows; row += kThreads) {
+    const float* lp = p.lse_part + (bh0 + row) * n;
+    float m = -INFINITY;
+#pragma unroll 8
+    for (int s = 0; s < n; ++s) m = fmaxf(m, __ldcg(lp + s));
+    float l = 0.0f;
+#pragma unroll 8
+    for (int s = 0; s < n; ++s) {
+      const float ls = __ldcg(lp + s);
+      float fw = 0.0f;  // empty splits (and rows) weigh 0; their partials are exact zeros
+      if (m != -INFINITY && ls != -INFINITY) {
+        fw = exp2f(ls - m);
+        l += fw;
+      }
+      f_sm[row * n + s] = fw;
+    }
+    l_sm[row] = l;
+    m_sm[row] = m;
+  }
+  __syncthreads();
+  constexpr int kCols = D / 4;
+  for (int idx = threadIdx.x; idx < rows * kCols; idx += kThreads) {
+    const int row = idx / kCols, c4 = idx % kCols;
+    const float* fw = f_sm + row * n;
+    const float4* op = reinterpret_cast<const float4*>(p.o_part + (bh0 + row) * n * D) + c4;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+    for (int s = 0; s < n; ++s) {
+      const float4 v = __ldcg(op + s * kCols);
+      const float w = fw[s];
+      acc[0] += w * v.x;
+      acc[1] += w * v.y;
+      acc[2] += w * v.z;
+      acc[3] += w * v.w;
+    }
+    const float l = l_sm[row];
+    const bool empty = !(l > 0.0f);
+    const int64_t bh = bh0 + row;
+    __nv_bfloat162 lo = __floats2bfloat162_rn(empty ? 0.0f : acc[0] / l, empty ? 0.0f : acc[1] / l);
+    __nv_bfloat162 hi = __floats2bfloat162_rn(empty ? 0.0f : acc[2] / l, empty ? 0.0f : acc[3] / l);
+    *reinterpret_cast<uint2*>(p.out + bh * D + 4 * c4) =
+        make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
+    if (c4 == 0) p.lse[bh] = empty ? -INFINITY : (m_sm[row] + log2f(l)) * kLn2;
+  }
+}
+
+template <int D>
+__global__ void __launch_bounds__(kThreads, kMinBlocksHeads) fp4kv_decode_kernel_heads(const DecodeParams p) {
+  using G = Geo<D>;
+  using H = HGeo<D>;
+  constexpr int kMTiles = D / 16;  // M tiles of O^T
+  extern __shared__ __align__(128) uint8_t smem[];
+
+  const int split = blockIdx.x, hg = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r = lane / 4, c = lane % 4;  // MMA fragment row / column group
+  const int kv_head = hg * kHeadsPerCta + warp;
+
+  const int len = __ldg(p.seq_lens + b);
+  const int per_split = (len + p.num_splits - 1) / p.num_splits;
+  const int chunk_len = (per_split + kTile - 1) / kTile * kTile;
+  const int start = split * chunk_len;
+  const int end = min(len, start + chunk_len);
+  const int n_tiles = end > start ? (end - start + kTile - 1) / kTile : 0;
+
+  // ---- copy plan of this thread: token tt of every tile, chunks sub (+ 8), one scale chunk if sub < 2 kScaleChunks
+  const int tt = threadIdx.x / 8, sub = threadIdx.x % 8;
+  const int psize = p.page_size;
+  const int step_col = kTile / psize, step_slot = kTile % psize;
+  // this thread's token in the next tile to issue, its page slot, its block-table entry and page id (loaded one
+  // tile ahead, and only when the token moves to another table column)
+  int tok = start + tt;
+  int slot = tok % psize;
+  const int32_t* tp = p.block_table + (int64_t)b * p.max_pages + tok / psize;
+  int page = tok < end ? __ldg(tp) : 0;
+  const uint32_t row_stride = (uint32_t)p.heads_kv;  // cache rows per token slot
+  const uint32_t head0 = (uint32_t)(hg * kHeadsPerCta);
+  const bool has_scale = sub < 2 * H::kScaleChunks;
+  const uint8_t* scale_src =
+      pinned_ptr((sub >= H::kScaleChunks ? p.v_scales : p.k_scales) + (sub % H::kScaleChunks) * 16);
+  const uint32_t sub_bytes = pinned(sub * 16);  // this thread's chunk inside a token's run
+  uint32_t issue_stage = 0;  // stage offset of the next tile to issue
+  // chunk sub + 8 of a token lies one line after chunk sub, under the same swizzle mask: one register
+  const uint32_t dst_code = pinned(heads_code_offset<D>(tt, sub));
+  const uint32_t dst_scale = pinned(2 * H::kCodeTile + (sub >= H::kScaleChunks ? H::kScaleTile : 0) +
+                                    tt * H::kScaleRow + (sub % H::kScaleChunks) * 16);
+  const uint32_t smem_base = smem_addr(smem);
+
+  // Copies the next tile (tiles are issued in order, once each: tile j goes to stage j % kStages) and steps the
+  // plan to the tile after it.
+  auto issue = [&]() {
+    const bool valid = tok < end;
+    const uint32_t row = valid ? ((uint32_t)page * (uint32_t)psize + (uint32_t)slot) * row_stride + head0 : 0u;
+    const uint32_t stage = smem_base + issue_stage;
+    const int bytes = valid ? 16 : 0;
+    const size_t code_off = (size_t)row * G::kRowBytes + sub_bytes;
+#pragma unroll
+    for (int j = 0; j < H::kChunksPerThread; ++j) {
+      cp_async_16(stage + dst_code + 128 * j, p.k_codes + code_off + 128 * j, bytes);
+      cp_async_16(stage + H::kCodeTile + dst_code + 128 * j, p.v_codes + code_off + 128 * j, bytes);
+    }
+    if (has_scale) cp_async_16(stage + dst_scale, scale_src + (size_t)row * G::kScaleBytes, bytes);
+    issue_stage = issue_stage == (kStages - 1) * H::kStageBytes ? 0u : issue_stage + H::kStageBytes;
+    // next tile of this thread's token: same page unless the column moves (then one table load)
+    tok += kTile;
+    slot += step_slot;
+    tp += step_col;
+    bool moved = step_col != 0;
+    if (slot >= psize) slot -= psize, ++tp, moved = true;
+    if (moved && tok < end) page = __ldg(tp);
+  };
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < n_tiles) issue();
+    cp_async_commit();
+  }
+
+  // ---- Q^T fragments of head r of this warp's KV head (as in the g8 kernel) ----
+  uint32_t qb[G::kKSteps][2];
+  float head_scale[2];  // score scale of heads 2c, 2c + 1
+  {
+    float qv[D / 4];
+    float amax = 0.0f;
+    if (r < p.group) {
+      const uint4* src = reinterpret_cast<const uint4*>(
+          p.q + ((int64_t)b * p.heads_q + (int64_t)kv_head * p.group + r) * D + c * (D / 4));
+#pragma unroll
+      for (int v = 0; v < D / 32; ++v) {
+        const uint4 u = __ldg(src + v);
+        const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          qv[8 * v + 2 * e] = __uint_as_float(w[e] << 16);
+          qv[8 * v + 2 * e + 1] = __uint_as_float(w[e] & 0xFFFF0000u);
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < D / 4; ++e) amax = fmaxf(amax, fabsf(qv[e]));
+    } else {
+#pragma unroll
+      for (int e = 0; e < D / 4; ++e) qv[e] = 0.0f;
+    }
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    int e2 = 0;
+    if (amax > 0.0f && isfinite(amax)) {
+      const int field = (int)((__float_as_uint(amax) >> 23) & 0xFFu);
+      e2 = kQExp - (field == 0 ? -127 : field - 127);
+      e2 = max(-126, min(127, e2));
+    }
+    const float up = exp2_exact(e2);
+    const float rs = __fmul_rn(p.score_scale, exp2_exact(-e2));
+#pragma unroll
+    for (int e = 0; e < D / 4; ++e) qv[e] = __fmul_rn(qv[e], up);
+#pragma unroll
+    for (int ks = 0; ks < G::kKSteps; ++ks) {
+      const int base = 8 * (ks / 2) + 4 * (ks % 2);
+      __half2 lo = __floats2half2_rn(qv[base + 0], qv[base + 2]);
+      __half2 hi = __floats2half2_rn(qv[base + 1], qv[base + 3]);
+      qb[ks][0] = *reinterpret_cast<uint32_t*>(&lo);
+      qb[ks][1] = *reinterpret_cast<uint32_t*>(&hi);
+    }
+    head_scale[0] = __shfl_sync(0xffffffffu, rs, 8 * c);
+    head_scale[1] = __shfl_sync(0xffffffffu, rs, 8 * c + 4);
+  }
+
+  // Per-thread offsets inside a stage: K rows 8 nt + r of head `warp` (quarter row c), their scale bytes; V rows
+  // 2c, 2c+1, 2c+8, 2c+9 (the block of head_dim column r) and their scale bytes. Token t + 8 sits kToken8 bytes
+  // after token t under the same swizzle mask (heads_swz ignores the line bits that 8 tokens add), so only the
+  // offsets of tokens r (K) and 2c, 2c + 1 (V) are registers; the rest are immediates of the shared loads.
+  constexpr int kHeadChunks = D / 32;  // 16-byte chunks of one head's code row
+  constexpr int kToken8 = 8 * H::kTokBytes;
+  const int k_off0 = pinned(D == 128 ? heads_code_offset<D>(r, warp * kHeadChunks + c)
+                                     : heads_code_offset<D>(r, warp * kHeadChunks + c / 2) + (c % 2) * 8);
+  const int ks_off0 = pinned(2 * H::kCodeTile + r * H::kScaleRow + warp * G::kScaleBytes + (D == 128 ? 2 * c : c));
+  const int k_off[2] = {k_off0, k_off0 + kToken8};
+  const int ks_off[2] = {ks_off0, ks_off0 + 8 * H::kScaleRow};
+  const int voff = r * G::kVBytes;  // this thread's block inside a head's code row
+  const int v_off0 = pinned(H::kCodeTile + heads_code_offset<D>(2 * c, warp * kHeadChunks + voff / 16) + voff % 16);
+  const int v_off1 =
+      pinned(H::kCodeTile + heads_code_offset<D>(2 * c + 1, warp * kHeadChunks + voff / 16) + voff % 16);
+  const int v_off[4] = {v_off0, v_off1, v_off0 + kToken8, v_off1 + kToken8};
+  const int vs_off0 = pinned(2 * H::kCodeTile + H::kScaleTile + 2 * c * H::kScaleRow + warp * G::kScaleBytes +
+                             r * (D / 8) / kNvfp4Block);
+  const int vs_off[4] = {vs_off0, vs_off0 + H::kScaleRow, vs_off0 + 8 * H::kScaleRow, vs_off0 + 9 * H::kScaleRow};
+
+  float o[kMTiles][4];
+#pragma unroll
+  for (int m = 0; m < kMTiles; ++m) o[m][0] = o[m][1] = o[m][2] = o[m][3] = 0.0f;
+  float m_run[2] = {-INFINITY, -INFINITY};  // heads 2c, 2c + 1
+  float l_run[2] = {0.0f, 0.0f};
+
+  for (int i = 0; i < n_tiles; ++i) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // tile i landed for all threads; every warp is done with tile i - 1's stage
+    if (i + kStages - 1 < n_tiles) issue();
+    cp_async_commit();
+
+    const uint8_t* st = smem + (i % kStages) * H::kStageBytes;
+    const int t0 = start + i * kTile;
+
+    // ---- S^T = K.Q^T (as in the g8 kernel) ----
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    {
+      uint32_t w[2][G::kKWords];
+      uint32_t sc[2][G::kKWords];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        if constexpr (D == 128) {
+          const uint4 u = *reinterpret_cast<const uint4*>(st + k_off[nt]);
+          w[nt][0] = u.x, w[nt][1] = u.y, w[nt][2] = u.z, w[nt][3] = u.w;
+          const uint32_t s2 = e4m3x2_to_half2(*reinterpret_cast<const uint16_t*>(st + ks_off[nt]));
+          sc[nt][0] = sc[nt][1] = __byte_perm(s2, 0u, 0x1010);
+          sc[nt][2] = sc[nt][3] = __byte_perm(s2, 0u, 0x3232);
+        } else {
+          const uint2 u = *reinterpret_cast<const uint2*>(st + k_off[nt]);
+          w[nt][0] = u.x, w[nt][1] = u.y;
+          const uint32_t s2 = e4m3x2_to_half2(st[ks_off[nt]]);
+          sc[nt][0] = sc[nt][1] = __byte_perm(s2, 0u, 0x1010);
+        }
+      }
+#pragma unroll
+      for (int wi = 0; wi < G::kKWords; ++wi) {
+        uint32_t hb[2], lb[2];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          hb[nt] = e2m1_hi_nibbles_to_f16_hibytes(w[nt][wi]);
+          lb[nt] = e2m1_lo_nibbles_to_f16_hibytes(w[nt][wi]);
+        }
+        const uint32_t a0[4] = {hmul2(f16x2_from_hibytes(lb[0], kPairLo), sc[0][wi]),
+                                hmul2(f16x2_from_hibytes(lb[1], kPairLo), sc[1][wi]),
+                                hmul2(f16x2_from_hibytes(hb[0], kPairLo), sc[0][wi]),
+                                hmul2(f16x2_from_hibytes(hb[1], kPairLo), sc[1][wi])};
+        mma_f16(s, a0, qb[2 * wi][0], qb[2 * wi][1]);
+        const uint32_t a1[4] = {hmul2(f16x2_from_hibytes(lb[0], kPairHi), sc[0][wi]),
+                                hmul2(f16x2_from_hibytes(lb[1], kPairHi), sc[1][wi]),
+                                hmul2(f16x2_from_hibytes(hb[0], kPairHi), sc[0][wi]),
+                                hmul2(f16x2_from_hibytes(hb[1], kPairHi), sc[1][wi])};
+        mma_f16(s, a1, qb[2 * wi + 1][0], qb[2 * wi + 1][1]);
+      }
+    }
+
+    // ---- online softmax (log2 domain) per head over the 16 tokens (as in the g8 kernel) ----
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[e] *= head_scale[e & 1];
+    if (t0 + kTile > end) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (t0 + r + 8 * (e >> 1) >= end) s[e] = -INFINITY;
+      }
+    }
+    float mx[2] = {fmaxf(s[0], s[2]), fmaxf(s[1], s[3])};
+    bool grow = false;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 4));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 8));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 16));
+      grow = grow || (mx[h] > m_run[h] + kRescaleSlack);
+    }
+    if (__any_sync(0xffffffffu, grow)) {
+      float alpha[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float m_new = fmaxf(m_run[h], mx[h]);
+        alpha[h] = m_new == -INFINITY ? 1.0f : exp2f(m_run[h] - m_new);
+        m_run[h] = m_new;
+        l_run[h] *= alpha[h];
+      }
+#pragma unroll
+      for (int m = 0; m < kMTiles; ++m) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[m][e] *= alpha[e & 1];
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float m_ref = m_run[e & 1] == -INFINITY ? 0.0f : m_run[e & 1];
+      s[e] = exp2_ftz(s[e] - m_ref);
+    }
+    l_run[0] += s[0] + s[2];
+    l_run[1] += s[1] + s[3];
+    uint32_t pb[2];
+    {
+      __half2 h0 = __floats2half2_rn(s[0], s[1]);
+      __half2 h1 = __floats2half2_rn(s[2], s[3]);
+      pb[0] = movmatrix_trans(*reinterpret_cast<uint32_t*>(&h0));
+      pb[1] = movmatrix_trans(*reinterpret_cast<uint32_t*>(&h1));
+    }
+
+    // ---- O^T += V^T.P^T (as in the g8 kernel) ----
+    {
+      uint32_t vw[4][G::kVWords];
+      uint32_t vs2[2];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const uint8_t* src = st + v_off[k];
+        if constexpr (G::kVWords == 2) {
+          const uint2 u = *reinterpret_cast<const uint2*>(src);
+          vw[k][0] = u.x, vw[k][1] = u.y;
+        } else {
+          vw[k][0] = *reinterpret_cast<const uint32_t*>(src);
+        }
+      }
+#pragma unroll
+      for (int pr = 0; pr < 2; ++pr) {
+        vs2[pr] = e4m3x2_to_half2((uint32_t)st[vs_off[2 * pr]] | ((uint32_t)st[vs_off[2 * pr + 1]] << 8));
+      }
+#pragma unroll
+      for (int wi = 0; wi < G::kVWords; ++wi) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const uint32_t sel = half == 0 ? 0x5140u : 0x7362u;
+          uint32_t hb[2], lb[2];
+#pragma unroll
+          for (int pr = 0; pr < 2; ++pr) {
+            const uint32_t z = __byte_perm(vw[2 * pr][wi], vw[2 * pr + 1][wi], sel);
+            hb[pr] = e2m1_hi_nibbles_to_f16_hibytes(z);
+            lb[pr] = e2m1_lo_nibbles_to_f16_hibytes(z);
+          }
+          const int m0 = (8 * wi + 4 * half) / 2;
+          const uint32_t a0[4] = {hmul2(f16x2_from_hibytes(lb[0], kPairLo), vs2[0]),
+                                  hmul2(f16x2_from_hibytes(hb[0], kPairLo), vs2[0]),
+                                  hmul2(f16x2_from_hibytes(lb[1], kPairLo), vs2[1]),
+                                  hmul2(f16x2_from_hibytes(hb[1], kPairLo), vs2[1])};
+          mma_f16(o[m0], a0, pb[0], pb[1]);
+          const uint32_t a1[4] = {hmul2(f16x2_from_hibytes(lb[0], kPairHi), vs2[0]),
+                                  hmul2(f16x2_from_hibytes(hb[0], kPairHi), vs2[0]),
+                                  hmul2(f16x2_from_hibytes(lb[1], kPairHi), vs2[1]),
+                                  hmul2(f16x2_from_hibytes(hb[1], kPairHi), vs2[1])};
+          mma_f16(o[m0 + 1], a1, pb[0], pb[1]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // ---- this warp's heads 2c, 2c + 1 (if < G): lane (r, c) holds d = r * D/8 + j, j = 0 .. D/8 - 1 ----
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 4);
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 8);
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 16);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int head = 2 * c + h;
+    if (head >= p.group) continue;
+    const int64_t bh = (int64_t)b * p.heads_q + (int64_t)kv_head * p.group + head;
+    // merge_warps' formulas at one warp: f = exp2(m - m) = 1, o_all = 1 * o, l_all = 1 * l
+    const bool empty = !(l_run[h] > 0.0f);
+    const float lse2 = empty ? -INFINITY : m_run[h] + log2f(l_run[h]);
+    float val[D / 8];
+#pragma unroll
+    for (int m = 0; m < kMTiles; ++m) {
+      val[2 * m] = empty ? 0.0f : o[m][h] / l_run[h] * p.out_scale;
+      val[2 * m + 1] = empty ? 0.0f : o[m][2 + h] / l_run[h] * p.out_scale;
+    }
+    if (p.num_splits == 1) {
+      uint32_t packed[D / 16];
+#pragma unroll
+      for (int j = 0; j < D / 16; ++j) {
+        __nv_bfloat162 v2 = __floats2bfloat162_rn(val[2 * j], val[2 * j + 1]);
+        packed[j] = *reinterpret_cast<uint32_t*>(&v2);
+      }
+      uint4* dst = reinterpret_cast<uint4*>(p.out + bh * D + r * (D / 8));
+#pragma unroll
+      for (int j = 0; j < D / 64; ++j)
+        dst[j] = make_uint4(packed[4 * j], packed[4 * j + 1], packed[4 * j + 2], packed[4 * j + 3]);
+      if (r == 0) p.lse[bh] = empty ? -INFINITY : lse2 * kLn2;
+    } else {
+      float4* dst = reinterpret_cast<float4*>(p.o_part + (bh * p.num_splits + split) * D + r * (D / 8));
+#pragma unroll
+      for (int j = 0; j < D / 32; ++j) dst[j] = make_float4(val[4 * j], val[4 * j + 1], val[4 * j + 2], val[4 * j + 3]);
+      if (r == 0) p.lse_part[bh * p.num_splits + split] = lse2;
+    }
+  }
+  if (p.num_splits == 1 || p.split_counters == nullptr) return;
+  // Fused split-K finish, as in merge_warps: the last CTA of the (sequence, head group) combines all splits of its
+  // 4 G query heads.
+  __shared__ bool last_split;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned int prev = atomicInc(p.split_counters + (int64_t)b * p.heads_kv + hg, p.num_splits - 1);
+    last_split = prev == (unsigned int)(p.num_splits - 1);
+  }
+  __syncthreads();
+  if (!last_split) return;
+  __threadfence();
+  heads_split_finish<D>(p, smem, hg, b);
+}
+
 // Combine the splits of one (sequence, query head) (TRACE_EXT_KV_DECODE_COMBINE=kernel: the separate pass).
 template <int D>
 __global__ void __launch_bounds__(D) fp4kv_decode_combine_kernel(const float* __restrict__ o_part,
@@ -1055,28 +1574,100 @@ __global__ void __launch_bounds__(D) fp4kv_decode_combine_kernel(const float* __
   if (d == 0) lse[bh] = cmb.lse;
 }
 
+// The combine for many splits (heads kernel past kHeadsFusedMax, e.g. B = 1, 2 head groups x ~128 splits): one
+// CTA of 4 warps per (sequence, query head); the max LSE by a block reduction, then warp w sums splits w, w + 4,
+// ... with a lane owning D/32 consecutive head_dim values (one 16- or 8-byte load per split), and the 4 warps'
+// sums are added in shared memory. Same weights 2^(lse_s - max) as combine_splits, summed in a different order
+// (so not bit-equal to it): ~n/4 dependent rounds per warp instead of n per thread.
+constexpr int kWideWarps = 4;
+template <int D>
+__global__ void __launch_bounds__(kWideWarps * 32) fp4kv_decode_combine_wide_kernel(const float* __restrict__ o_part,
+                                                                                   const float* __restrict__ lse_part,
+                                                                                   uint16_t* out, float* lse,
+                                                                                   int num_splits) {
+  constexpr int kPer = D / 32;  // head_dim values per lane
+  static_assert(kPer == 2 || kPer == 4, "a lane loads one float2 / float4 per split");
+  using Vec = std::conditional_t<kPer == 4, float4, float2>;
+  __shared__ float sm_red[kWideWarps];
+  __shared__ float sm_acc[kWideWarps][D];
+  __shared__ float sm_l[kWideWarps];
+  const int64_t bh = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const float* lp = lse_part + bh * num_splits;
+  float m = -INFINITY;
+  for (int s = threadIdx.x; s < num_splits; s += kWideWarps * 32) m = fmaxf(m, lp[s]);
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  if (lane == 0) sm_red[warp] = m;
+  __syncthreads();
+  m = fmaxf(fmaxf(sm_red[0], sm_red[1]), fmaxf(sm_red[2], sm_red[3]));
+  float l = 0.0f, acc[kPer] = {};
+  if (m != -INFINITY) {
+#pragma unroll 4
+    for (int s = warp; s < num_splits; s += kWideWarps) {
+      const float ls = lp[s];
+      const Vec v = *reinterpret_cast<const Vec*>(o_part + (bh * num_splits + s) * D + lane * kPer);
+      if (ls == -INFINITY) continue;
+      const float f = exp2f(ls - m);
+      l += f;
+      const float* pv = reinterpret_cast<const float*>(&v);
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) acc[e] += f * pv[e];
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) sm_acc[warp][lane * kPer + e] = acc[e];
+  if (lane == 0) sm_l[warp] = l;
+  __syncthreads();
+  for (int d = threadIdx.x; d < D; d += kWideWarps * 32) {
+    float a = 0.0f, lt = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWideWarps; ++w) a += sm_acc[w][d], lt += sm_l[w];
+    const bool empty = !(lt > 0.0f);
+    __nv_bfloat16 ob = __float2bfloat16_rn(empty ? 0.0f : a / lt);
+    out[bh * D + d] = *reinterpret_cast<uint16_t*>(&ob);
+    if (d == 0) lse[bh] = empty ? -INFINITY : (m + log2f(lt)) * kLn2;
+  }
+}
+
 // ---- host ------------------------------------------------------------------------------------------------
 
 // Kernel variants: the G <= 8 swapped-operand kernel (default when G <= 8), the M = 16 heads kernel with Q in
 // shared memory (default for G > 8; TRACE_EXT_KV_DECODE_IMPL=qsmem forces it) and with Q in registers
 // (TRACE_EXT_KV_DECODE_IMPL=old: the kernel before the occupancy work). Read per call, so that one process can
-// time all three.
-enum DecodeImpl : int { kImplRegQ = 0, kImplSmemQ = 1, kImplSwap = 2 };
+// time all three. TRACE_EXT_KV_DECODE_IMPL=heads selects the heads kernel (4 KV heads per CTA, CTA-shared contiguous
+// tile copies) where it applies (G <= 8, H_kv % 4 == 0, 16-byte aligned cache bases), else the default.
+enum DecodeImpl : int { kImplRegQ = 0, kImplSmemQ = 1, kImplSwap = 2, kImplHeads = 3 };
 using DecodeKernelFn = void (*)(DecodeParams);
 
 template <int D, int kImpl>
 DecodeKernelFn decode_kernel() {
   if constexpr (kImpl == kImplSwap) {
     return fp4kv_decode_kernel_g8<D>;
+  } else if constexpr (kImpl == kImplHeads) {
+    return fp4kv_decode_kernel_heads<D>;
   } else {
     return fp4kv_decode_kernel<D, kImpl == kImplSmemQ>;
   }
 }
 
-int decode_impl(int group) {
+// Dynamic shared memory of a kernel variant.
+template <int D, int kImpl>
+constexpr int decode_smem() {
+  return kImpl == kImplHeads ? HGeo<D>::kSmem : Geo<D>::kSmem;
+}
+
+// CTAs along grid.y: KV heads, or groups of kHeadsPerCta KV heads for the heads kernel.
+template <int kImpl>
+int head_ctas(int heads_kv) {
+  return kImpl == kImplHeads ? heads_kv / kHeadsPerCta : heads_kv;
+}
+
+int decode_impl(int group, bool heads_ok) {
   const char* env = std::getenv("TRACE_EXT_KV_DECODE_IMPL");
   if (env != nullptr && std::strcmp(env, "old") == 0) return kImplRegQ;
   if (env != nullptr && std::strcmp(env, "qsmem") == 0) return kImplSmemQ;
+  if (env != nullptr && std::strcmp(env, "heads") == 0 && group <= 8 && heads_ok) return kImplHeads;
   return group <= 8 ? kImplSwap : kImplSmemQ;
 }
 
@@ -1087,7 +1678,8 @@ int choose_splits(int batch_heads, int64_t max_len, int device) {
   if (cached_sms[slot] == 0) {
     int sms = 0, per_sm = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_kernel<D, kImpl>(), kThreads, Geo<D>::kSmem);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_kernel<D, kImpl>(), kThreads,
+                                                  decode_smem<D, kImpl>());
     cached_per_sm[slot] = per_sm;
     cached_sms[slot] = sms;
   }
@@ -1161,24 +1753,35 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
                          cudaSharedmemCarveoutMaxShared);
     carveout_set[device & 63] = true;
   }
-  const int splits =
-      num_splits_arg > 0 ? num_splits_arg : choose_splits<D, kImpl>(batch * p.heads_kv, max_len, device);
+  const int splits = num_splits_arg > 0
+                         ? num_splits_arg
+                         : choose_splits<D, kImpl>(batch * head_ctas<kImpl>(p.heads_kv), max_len, device);
   p.num_splits = splits;
   at::Tensor o_part, lse_part;
+  bool wide = false;
   if (splits > 1) {
     o_part = at::empty({batch, p.heads_q, splits, D}, q.options().dtype(at::kFloat));
     lse_part = at::empty({batch, p.heads_q, splits}, q.options().dtype(at::kFloat));
     p.o_part = o_part.data_ptr<float>();
     p.lse_part = lse_part.data_ptr<float>();
-    p.split_counters = fused_combine() ? split_counters((int64_t)batch * p.heads_kv, q) : nullptr;
+    // heads kernel: the last CTA of a (sequence, head group) combines 4 G query heads over all splits; past
+    // kHeadsFusedMax partial floats per CTA that serial tail (one CTA per group, e.g. 2 groups x 126 splits at
+    // B = 1) would cost more than a launch of the wide combine kernel, which runs B * Hq CTAs in parallel
+    wide = kImpl == kImplHeads && (int64_t)splits * kHeadsPerCta * p.group * D > kHeadsFusedMax;
+    p.split_counters = fused_combine() && !wide ? split_counters((int64_t)batch * p.heads_kv, q) : nullptr;
   }
   const DecodeKernelFn kernel = decode_kernel<D, kImpl>();
   require_kernel_image(kernel, "fp4kv_decode_attention");
   auto stream = c10::cuda::getCurrentCUDAStream();
-  dim3 grid(splits, p.heads_kv, batch);
-  kernel<<<grid, kThreads, Geo<D>::kSmem, stream>>>(p);
+  dim3 grid(splits, head_ctas<kImpl>(p.heads_kv), batch);
+  kernel<<<grid, kThreads, decode_smem<D, kImpl>(), stream>>>(p);
   check_launch("fp4kv_decode_attention");
-  if (splits > 1 && p.split_counters == nullptr) {
+  if (splits > 1 && wide) {
+    fp4kv_decode_combine_wide_kernel<D><<<batch * p.heads_q, kWideWarps * 32, 0, stream>>>(
+        o_part.data_ptr<float>(), lse_part.data_ptr<float>(), reinterpret_cast<uint16_t*>(out.data_ptr()),
+        lse.data_ptr<float>(), splits);
+    check_launch("fp4kv_decode_attention (combine)");
+  } else if (splits > 1 && p.split_counters == nullptr) {
     fp4kv_decode_combine_kernel<D><<<batch * p.heads_q, D, 0, stream>>>(
         o_part.data_ptr<float>(), lse_part.data_ptr<float>(), reinterpret_cast<uint16_t*>(out.data_ptr()),
         lse.data_ptr<float>(), splits);
@@ -1262,10 +1865,15 @@ std::tuple<at::Tensor, at::Tensor> fp4kv_decode_attention_cuda(const at::Tensor&
   p.score_scale = (float)(softmax_scale * g_k * (double)kTwo14 * (double)kLog2e);
   p.out_scale = (float)(g_v * (double)kTwo14);
   const int64_t max_len = block_table.size(1) * P;  // an upper bound of seq_lens without a host sync
-  const int impl = decode_impl(p.group);
+  // the heads kernel copies 16-byte pieces of 4-head runs: H_kv % 4 == 0 and 16-byte aligned cache bases
+  bool heads_ok = Hkv % kHeadsPerCta == 0;
+  for (int i = 0; i < 4; ++i) heads_ok = heads_ok && reinterpret_cast<uintptr_t>(cache[i]->data_ptr()) % 16 == 0;
+  const int impl = decode_impl(p.group, heads_ok);
   auto go = [&](auto d_tag) {
     constexpr int kD = decltype(d_tag)::value;
-    if (impl == kImplSwap) {
+    if (impl == kImplHeads) {
+      launch<kD, kImplHeads>(p, (int)B, (int)num_splits, max_len, q, out, lse);
+    } else if (impl == kImplSwap) {
       launch<kD, kImplSwap>(p, (int)B, (int)num_splits, max_len, q, out, lse);
     } else if (impl == kImplSmemQ) {
       launch<kD, kImplSmemQ>(p, (int)B, (int)num_splits, max_len, q, out, lse);

@@ -197,6 +197,63 @@ def test_decode_fused_split_combine_matches_combine_kernel(monkeypatch):
         assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
 
 
+# The heads kernel (TRACE_EXT_KV_DECODE_IMPL=heads: 4 KV heads per CTA, CTA-shared contiguous tile copies) runs
+# where G <= 8 and H_kv % 4 == 0; elsewhere the switch falls back to the default kernel. Extra cases: page sizes
+# that are not multiples of the 16-token tile (tiles straddle pages, several table loads per tile), 8 KV heads
+# (two head groups per sequence), and a head group past the first (grid.y > 0) with G = 1.
+HEADS_CASES = DECODE_CASES + [
+    pytest.param([17, 1000, 3, 0], 16, 4, 128, 7, id="heads-page7-gqa4"),
+    pytest.param([4096, 33], 32, 8, 128, 1, id="heads-page1-gqa4"),
+    pytest.param([600, 2048], 8, 8, 64, 24, id="heads-page24-gqa1-d64"),
+]
+
+
+@pytest.mark.parametrize("lens, Hq, Hkv, D, P", HEADS_CASES)
+def test_decode_heads_kernel_error_at_most_twice_sdpa_bf16(lens, Hq, Hkv, D, P, monkeypatch):
+    """The heads kernel meets the same bound as the default kernel on every decode case (and falls back where it
+    does not apply)."""
+    monkeypatch.setenv("TRACE_EXT_KV_DECODE_IMPL", "heads")
+    test_decode_error_at_most_twice_sdpa_bf16(lens, Hq, Hkv, D, P)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 64, 1000])
+def test_decode_heads_kernel_split_counts_agree(num_splits, monkeypatch):
+    """Explicit split counts with the heads kernel (empty splits, splits shorter than a tile, and past 2^16 partial
+    floats per head group, where the separate combine kernel takes over)."""
+    monkeypatch.setenv("TRACE_EXT_KV_DECODE_IMPL", "heads")
+    lens = [2000, 5, 333]
+    cache, table, seq_lens, *_ = make_cache(lens, 8, 128, 16, seed=3)
+    q = torch.randn(3, 32, 128, device=DEV).to(torch.bfloat16)
+    out, lse = ops.fp4kv_decode_attention(q, cache, table, seq_lens, 0.1, num_splits=num_splits, backend="cuda")
+    err, err_sdpa, lse_err = errors_vs_reference(out, lse, q, cache, table, seq_lens, 0.1)
+    assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
+
+
+def test_decode_heads_kernel_fused_split_combine_matches_combine_kernel(monkeypatch):
+    """The heads kernel's in-kernel split-K finish (last CTA per (sequence, head group)) equals the separate combine
+    kernel bit for bit, over back-to-back launches with different split counts, G = 4 and 8, empty sequences."""
+    monkeypatch.setenv("TRACE_EXT_KV_DECODE_IMPL", "heads")
+    lens = [3000, 5, 0, 777]
+    for Hq, Hkv, D in ((16, 4, 128), (64, 8, 64)):
+        cache, table, seq_lens, *_ = make_cache(lens, Hkv, D, 16, seed=11)
+        q = torch.randn(len(lens), Hq, D, device=DEV).to(torch.bfloat16)
+        results = {}
+        for mode in ("fused", "kernel"):
+            if mode == "kernel":
+                monkeypatch.setenv("TRACE_EXT_KV_DECODE_COMBINE", "kernel")
+            else:
+                monkeypatch.delenv("TRACE_EXT_KV_DECODE_COMBINE", raising=False)
+            results[mode] = [
+                ops.fp4kv_decode_attention(q, cache, table, seq_lens, 0.1, num_splits=n, backend="cuda")
+                for n in (7, 64, 3, 7, 20)
+            ]
+        for (of, lf), (ok, lk) in zip(results["fused"], results["kernel"]):
+            assert torch.equal(of, ok)
+            torch.testing.assert_close(lf, lk, rtol=0, atol=1e-6)
+        err, err_sdpa, lse_err = errors_vs_reference(*results["fused"][-1], q, cache, table, seq_lens, 0.1)
+        assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
+
+
 def test_decode_with_large_and_tiny_query_rows():
     """Q rows of very different magnitudes (the kernel rescales each row by a power of two) and a zero row."""
     lens = [700]
