@@ -196,6 +196,60 @@ __device__ __forceinline__ uint32_t e2m1_pack8_x2m14(const float (&q)[8]) {
   return lo | hi;
 }
 
+// ---- SR and guided rounding in the same 2^-14-scaled domain ----------------------------------------------------
+// Inputs: a = min(v * 2^-14, 6 * 2^-14) with v >= 2^-100 or v == 0 (the quantize kernels' fast path guarantees it,
+// so a is zero or a normal float). Grid values q * 2^-14 come back as floats for e2m1_pack8_x2m14; guided rounding
+// then works on eight packed codes at once. All checked in numpy emulation (tests/test_scaled_sr_guided_emulation.py).
+
+// The lower bracket end lo (largest grid value <= a). Below 2 (a < 2^-13) the grid is the multiples of 2^-15: floor
+// by a round-down add of 256 (ulp 2^-15); from 1 up (a >= 2^-14) it is "2 significant bits": floor by masking the low
+// 22 mantissa bits. Each is >= the true floor outside its own range (a floor to a finer grid, or a mask that leaves a
+// value <= a), so the smaller of the two is the floor everywhere.
+__device__ __forceinline__ float e2m1_floor_grid_x2m14(float a) {
+  const float small = __fsub_rn(__fadd_rd(a, 256.0f), 256.0f);
+  const float big = __uint_as_float(__float_as_uint(a) & 0xFFC00000u);
+  return fminf(small, big);
+}
+
+// SPEC 4 from a and the random word: with lo = floor, w the width of the bracket above lo and k = word >> 8, the
+// magnitude is hi = lo + w iff k 2^-24 < (a - lo) / w, i.e. iff the real number lo + k (w 2^-24) is < a. k (w 2^-24)
+// is exact, so one round-down FMA decides it exactly: fl_rd(y) < a <=> y < a for a float a. On the grid (a == lo, the
+// reference's lo == hi) fl_rd(lo + ...) >= a, so lo is kept without a test. w is 2^-15 below 2^-13, else half of the
+// binade of a (which is lo's binade there): w 2^-24 = max(2^e(a) 2^-25, 2^-39), taken from a so that it does not
+// wait for lo.
+__device__ __forceinline__ float e2m1_sr_grid_x2m14(float a, uint32_t random_word) {
+  const float lo = e2m1_floor_grid_x2m14(a);
+  const float w24 = fmaxf(__fmul_rn(__uint_as_float(__float_as_uint(a) & 0x7F800000u), 0x1p-25f), 0x1p-39f);
+  const float k = __uint2float_rn(random_word >> 8);  // exact (< 2^24)
+  return __fmaf_rd(k, w24, lo) < a ? __fmaf_rn(w24, 16777216.0f, lo) : lo;
+}
+
+// The 8 bits b (element i = bit i) as the code LSBs of eight nibbles (nibble i = element i); inverse of nibble_lsbs.
+__device__ __forceinline__ uint32_t bits_to_nibble_lsbs(uint32_t b) {
+  b &= 0xFFu;
+  b = (b | (b << 12)) & 0x000F000Fu;
+  b = (b | (b << 6)) & 0x03030303u;
+  return (b | (b << 3)) & 0x11111111u;
+}
+
+// Guided rounding on eight packed codes. lo_codes: the codes of the lower bracket ends with v's signs
+// (e2m1_pack8_x2m14 of the signed floors); off_grid: nibble i = 1 iff element i is off the grid (a != lo, so
+// hi = lo + 1 <= 7 and adding 1 never carries out of the nibble), else 0.
+// Compact (SPEC 5): hi iff off the grid and the rollout's bit differs from lo's LSB (then it equals hi's LSB).
+__device__ __forceinline__ uint32_t e2m1_guided_compact_pack8(uint32_t lo_codes, uint32_t off_grid,
+                                                              uint32_t rollout_lsbs) {
+  return lo_codes + (off_grid & (lo_codes ^ rollout_lsbs));
+}
+// Full (SPEC 5): hi iff off the grid, the rollout's code has v's sign and its magnitude reaches hi = lo + 1, i.e. is
+// > lo. Per nibble (8 + R_m) - L_m - 1 lies in [0, 14] (no borrow between nibbles) and has bit 3 set iff R_m > L_m.
+// (A rollout of the other sign reaches hi only when hi == 0, which is on the grid.)
+__device__ __forceinline__ uint32_t e2m1_guided_full_pack8(uint32_t lo_codes, uint32_t off_grid,
+                                                           uint32_t rollout_codes) {
+  const uint32_t gt = (rollout_codes | 0x88888888u) - (lo_codes & 0x77777777u) - 0x11111111u;
+  const uint32_t take = gt & ~(rollout_codes ^ lo_codes);  // bit 3 of each nibble: R_m > L_m and same sign
+  return lo_codes + (off_grid & (take >> 3));
+}
+
 // SPEC 5, compact guidance: the bracket end whose mantissa bit (code LSB) equals the rollout's bit.
 __device__ __forceinline__ uint32_t e2m1_guided_compact_magnitude(float a, uint32_t mantissa_bit) {
   E2M1Bracket b = e2m1_bracket(a);
