@@ -1,8 +1,8 @@
 """SR and guided rounding of the quantize kernels' scaled-domain path (fp4_numerics.cuh: e2m1_floor_grid_x2m14,
-e2m1_sr_grid_x2m14, e2m1_pack8_x2m14, e2m1_guided_{compact,full}_pack8) emulated in numpy float32 / float16 with
-IEEE round-to-nearest-even and the directed roundings of __fadd_rd / __fmaf_rd done exactly, against the reference
-(python/trace_ext/reference.py: _sr_magnitude, _guided_magnitude on formats.e2m1_bracket). Protects the algorithm on
-machines without a GPU; the GPU tests check the kernels.
+e2m1_sr_grid_x2m14, e2m1_pack8_abs_x2m14<false>, e2m1_guided_{compact,full}_pack8) emulated in numpy float32 /
+float16 with IEEE round-to-nearest-even and the directed roundings of __fadd_rd / __fmaf_rd done exactly, against the
+reference (python/trace_ext/reference.py: _sr_magnitude, _guided_magnitude on formats.e2m1_bracket). Protects the
+algorithm on machines without a GPU; the GPU tests check the kernels.
 
 Domain: the kernels take this path only when every nonzero quotient v = fl(x / t) is >= 2^-99 (quantize_block), and
 then u = fl(|x| / t) * 2^-14 = |v| * 2^-14 exactly; so inputs here are v = +-0 and |v| in [2^-100, 2^100].
@@ -18,6 +18,7 @@ import torch
 
 from trace_ext import formats
 from trace_ext import reference as ref
+from test_rtn_sat_pack_emulation import pack8_abs
 
 F = np.float32
 SCALE = F(2.0**-14)
@@ -64,22 +65,6 @@ def sr_grid(a: np.ndarray, words: np.ndarray) -> np.ndarray:
     return np.where(y < a, hi, lo)
 
 
-def signed(grid: np.ndarray, v: np.ndarray) -> np.ndarray:
-    return (grid.view(np.uint32) | (v.view(np.uint32) & np.uint32(0x80000000))).view(F)
-
-
-def pack8(q: np.ndarray) -> np.ndarray:
-    """e2m1_pack8_x2m14 on rows of 8 signed grid values: fp16 pairs, high bytes gathered, moved into nibbles."""
-    h = q.astype(np.float16)
-    assert np.array_equal(h.astype(F), q), "grid values must be exact in fp16"
-    hb = (h.view(np.uint16) >> 8).astype(np.uint32)  # the high byte of each fp16 (what byte_perm 0x7531 keeps)
-    even = hb[:, 0] | hb[:, 2] << 8 | hb[:, 4] << 16 | hb[:, 6] << 24
-    odd = hb[:, 1] | hb[:, 3] << 8 | hb[:, 5] << 16 | hb[:, 7] << 24
-    lo = ((even >> 1) | (even >> 4)) & 0x0F0F0F0F
-    hi = ((odd << 3) | odd) & 0xF0F0F0F0
-    return (lo | hi).astype(np.uint32)
-
-
 def nibbles(words: np.ndarray) -> np.ndarray:
     return ((words[:, None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF).astype(np.int64)
 
@@ -111,7 +96,7 @@ def kernel_guided_codes(v: np.ndarray, payload: np.ndarray, kind: str) -> np.nda
     a = scaled_a(v)
     lo = floor_grid(a)
     off = to_nibble_words((a != lo).astype(np.uint32))
-    L = pack8(signed(lo, v))
+    L = pack8_abs(lo, v.view(np.uint32), saturate=False)
     if kind == "compact":
         byte = (payload.astype(np.uint32) << np.arange(8, dtype=np.uint32)).sum(axis=1).astype(np.uint32)
         words = guided_compact_pack8(L, off, bits_to_nibble_lsbs(byte))

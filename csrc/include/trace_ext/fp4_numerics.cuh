@@ -196,10 +196,64 @@ __device__ __forceinline__ uint32_t e2m1_pack8_x2m14(const float (&q)[8]) {
   return lo | hi;
 }
 
+// prmt.b32 (byte permute) with PTX's full selector: bit 3 of a selector nibble replicates the sign (bit 7) of the
+// selected byte over the result byte.
+__device__ __forceinline__ uint32_t prmt_b32(uint32_t a, uint32_t b, uint32_t selector) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+  return d;
+}
+
+// min of two pairs of unsigned 16-bit lanes (one instruction on sm_90+).
+__device__ __forceinline__ uint32_t min_u16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("min.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// RTN as e2m1_rn_grid_x2m14 but without the saturation: u >= 6 * 2^-14 (finite) rounds to a value >= 6 * 2^-14 that
+// e2m1_pack8_abs_x2m14<true> saturates. (Rounding is monotone and 6 * 2^-14 is on the grid, so saturating after
+// rounding equals rounding the saturated u; u * (2^22 + 1) stays finite for u < 2^100.) Checked in numpy emulation
+// (tests/test_rtn_sat_pack_emulation.py).
+__device__ __forceinline__ float e2m1_rn_grid_unsat_x2m14(float u) {
+  const float small = __fsub_rn(__fadd_rn(u, 256.0f), 256.0f);
+  const float p = __fmul_rn(u, 4194305.0f);
+  const float big = __fsub_rn(p, __fsub_rn(p, u));
+  return u < 0x1p-13f ? small : big;
+}
+
+// Eight non-negative grid values g_i * 2^-14 and eight sign sources (bit 31 of s_i) -> one word of eight 4-bit codes,
+// nibble i = element i. kSaturate: the g_i may be unsaturated (any value >= 6 * 2^-14, +inf included, means code 7);
+// the fp16 pairs are then saturated by one unsigned 16-bit min per pair (fp16 bits of non-negative values order like
+// the values; 6 * 2^-14 is 0x0E00). Otherwise every g_i must be <= 6 * 2^-14. Packed as in e2m1_pack8_x2m14 (the high
+// bytes now hold only code bits 1..3, so no masks); the signs are replicated into bytes by prmt, four per word, and
+// put at bit 3 of each nibble (instead of one OR per element into the float).
+template <bool kSaturate>
+__device__ __forceinline__ uint32_t e2m1_pack8_abs_x2m14(const float (&g)[8], const uint32_t (&s)[8]) {
+  const __half2 f02 = __floats2half2_rn(g[0], g[2]), f46 = __floats2half2_rn(g[4], g[6]);
+  const __half2 f13 = __floats2half2_rn(g[1], g[3]), f57 = __floats2half2_rn(g[5], g[7]);
+  uint32_t h02 = *reinterpret_cast<const uint32_t*>(&f02), h46 = *reinterpret_cast<const uint32_t*>(&f46);
+  uint32_t h13 = *reinterpret_cast<const uint32_t*>(&f13), h57 = *reinterpret_cast<const uint32_t*>(&f57);
+  if constexpr (kSaturate) {
+    constexpr uint32_t kSat = 0x0E000E00u;  // fp16 bits of 6 * 2^-14, twice
+    h02 = min_u16x2(h02, kSat);
+    h46 = min_u16x2(h46, kSat);
+    h13 = min_u16x2(h13, kSat);
+    h57 = min_u16x2(h57, kSat);
+  }
+  const uint32_t even = __byte_perm(h02, h46, 0x7531);  // bytes: q0 q2 q4 q6, code at bits 1..3, nothing else
+  const uint32_t odd = __byte_perm(h13, h57, 0x7531);   // bytes: q1 q3 q5 q7
+  // 0xFB: byte 0 = sign of a's byte 3, byte 1 = sign of b's byte 3 (each 0x00 or 0xFF); 0x5410 joins two such pairs
+  const uint32_t se = prmt_b32(prmt_b32(s[0], s[2], 0xFBu), prmt_b32(s[4], s[6], 0xFBu), 0x5410u);
+  const uint32_t so = prmt_b32(prmt_b32(s[1], s[3], 0xFBu), prmt_b32(s[5], s[7], 0xFBu), 0x5410u);
+  return (even >> 1) | (odd << 3) | (se & 0x08080808u) | (so & 0x80808080u);
+}
+
 // ---- SR and guided rounding in the same 2^-14-scaled domain ----------------------------------------------------
 // Inputs: a = min(v * 2^-14, 6 * 2^-14) with v >= 2^-100 or v == 0 (the quantize kernels' fast path guarantees it,
-// so a is zero or a normal float). Grid values q * 2^-14 come back as floats for e2m1_pack8_x2m14; guided rounding
-// then works on eight packed codes at once. All checked in numpy emulation (tests/test_scaled_sr_guided_emulation.py).
+// so a is zero or a normal float). Grid values q * 2^-14 come back as floats for e2m1_pack8_abs_x2m14<false>; guided
+// rounding then works on eight packed codes at once. All checked in numpy emulation
+// (tests/test_scaled_sr_guided_emulation.py, and once exhaustively: tools/exhaustive_scaled_sr_guided.py).
 
 // The lower bracket end lo (largest grid value <= a). Below 2 (a < 2^-13) the grid is the multiples of 2^-15: floor
 // by a round-down add of 256 (ulp 2^-15); from 1 up (a >= 2^-14) it is "2 significant bits": floor by masking the low
