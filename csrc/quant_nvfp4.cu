@@ -61,8 +61,9 @@ constexpr int kMaxTeam = 512;                                // largest row team
 constexpr int kRowBlocksPerLane = 2;                         // fused per-row g: whole blocks per lane of a row team
 constexpr int64_t kFusedMaxK = int64_t(kMaxTeam) * kRowBlocksPerLane * kNvfp4Block;  // 16384: longest row on chip
 constexpr int kMinTeam = 1;
-constexpr int kImplScaled = 0;                               // element code in the 2^-14-scaled domain (default)
-constexpr int kImplBits = 1;                                 // previous element code (TRACE_EXT_QUANT_IMPL=bits)
+constexpr int kImplScaled = 0;   // element code in the 2^-14-scaled domain (default)
+constexpr int kImplBits = 1;     // previous SR / guided code (TRACE_EXT_QUANT_IMPL=bits); RTN as kImplScaled
+constexpr int kImplRtnSat = 2;   // RTN saturated after packing (TRACE_EXT_QUANT_IMPL=rtn-sat); else as kImplScaled
 static_assert(kChunkElems % 8 == 0, "a chunk must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kNvfp4Block % 8 == 0, "a block must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 2 blocks x 16 elements");
@@ -123,32 +124,33 @@ __device__ __forceinline__ void quantize_elems_bits(const float (&x)[N], float t
                                                     uint32_t (&w)[N / 8]);
 
 // Element loop over N elements of one block; FAST: v = fl(x / t) from the block reciprocal (div_rn_with_rcp),
-// else __fdiv_rn. IMPL (FAST only): kImplScaled or kImplBits (the previous code, kept for A/B timing).
+// else __fdiv_rn. IMPL (FAST only): kImplScaled, kImplBits or kImplRtnSat (alternatives kept for A/B timing).
 template <int MODE, bool FAST, int N, int IMPL>
 __device__ __forceinline__ void quantize_elems(const float (&x)[N], float t, float r, uint64_t ctr0,
                                                const QuantParams& p, uint32_t guide_bits, uint2 guide_codes,
                                                uint32_t (&w)[N / 8]) {
   // ctr0: Philox counter of element 0 (flat element index / 4, SPEC 4)
-  if constexpr (MODE == kRTN && FAST && IMPL == kImplScaled) {
+  if constexpr (MODE == kRTN && FAST && IMPL == kImplRtnSat) {
     // RTN: u = fl(|x| / t) * 2^-14 by the scaled reciprocal division, rounded in fp32 without saturation
     // (e2m1_rn_grid_unsat_x2m14); codes read off fp16 bits, saturated two at a time by an unsigned 16-bit min, signs
-    // (x's: t > 0, -0.0 included) placed by byte permutes (e2m1_pack8_abs_x2m14<true>).
+    // (x's: t > 0, -0.0 included) placed by byte permutes (e2m1_pack8_abs_x2m14<true>). 0.8 fewer instructions per
+    // element than the path below, but one more live word per 8 elements: ptxas (13.0) keeps the bf16 flat kernel at
+    // 64 registers with 16 / 48 bytes of spill stores / loads (the path below: 64, none), so it is opt-in until timed.
     const float t14 = __fmul_rn(t, 16384.0f), r14 = __fmul_rn(r, 0x1p-14f);
 #pragma unroll
     for (int k = 0; k < N / 8; ++k) {
-      float g[8];
       uint32_t s[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float xi = x[8 * k + i];
-        g[i] = e2m1_rn_grid_unsat_x2m14(div_rn_with_rcp(fabsf(xi), t14, r14));
-        s[i] = __float_as_uint(xi);
-      }
-      w[k] = e2m1_pack8_abs_x2m14<true>(g, s);
+      for (int i = 0; i < 8; ++i) s[i] = __float_as_uint(x[8 * k + i]);
+      const SignBytes8 sb = sign_bytes8(s);
+      float g[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) g[i] = e2m1_rn_grid_unsat_x2m14(div_rn_with_rcp(fabsf(x[8 * k + i]), t14, r14));
+      w[k] = e2m1_pack8_abs_x2m14<true>(g, sb);
     }
   } else if constexpr (MODE == kRTN && FAST) {
-    // RTN, previous element code (TRACE_EXT_QUANT_IMPL=bits): saturation by fminf per element (e2m1_rn_grid_x2m14),
-    // the sign OR-ed into each grid value, e2m1_pack8_x2m14.
+    // RTN (default): saturation by fminf per element (e2m1_rn_grid_x2m14), the sign OR-ed into each grid value,
+    // e2m1_pack8_x2m14.
     const float t14 = __fmul_rn(t, 16384.0f), r14 = __fmul_rn(r, 0x1p-14f);
 #pragma unroll
     for (int k = 0; k < N / 8; ++k) {
@@ -161,18 +163,21 @@ __device__ __forceinline__ void quantize_elems(const float (&x)[N], float t, flo
       }
       w[k] = e2m1_pack8_x2m14(q);
     }
-  } else if constexpr (FAST && IMPL == kImplScaled) {
-    // SR / guided in the same scaled domain: a = min(u, 6 * 2^-14). SR: the grid value from e2m1_sr_grid_x2m14. Guided:
-    // the floors packed as codes with x's signs (e2m1_pack8_abs_x2m14) plus one "off the grid" bit per nibble (a != lo),
-    // combined eight at a time with the rollout's bits / codes (e2m1_guided_{compact,full}_pack8). quantize_block took
-    // this path only when every nonzero quotient is >= 2^-99, so a is zero or normal and u = fl(|x| / t) * 2^-14
-    // exactly.
+  } else if constexpr (FAST && IMPL != kImplBits) {
+    // SR / guided in the same scaled domain: a = min(u, 6 * 2^-14). SR: the grid value from e2m1_sr_grid_x2m14.
+    // Guided: the floors packed as codes with x's signs (e2m1_pack8_abs_x2m14) plus one "off the grid" bit per nibble
+    // (a != lo), combined eight at a time with the rollout's bits / codes (e2m1_guided_{compact,full}_pack8).
+    // quantize_block took this path only when every nonzero quotient is >= 2^-99, so a is zero or normal and
+    // u = fl(|x| / t) * 2^-14 exactly.
     const float t14 = __fmul_rn(t, 16384.0f), r14 = __fmul_rn(r, 0x1p-14f);
     Philox4 rnd;
 #pragma unroll
     for (int k = 0; k < N / 8; ++k) {
-      float q[8];
       uint32_t s[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s[i] = __float_as_uint(x[8 * k + i]);
+      const SignBytes8 sb = sign_bytes8(s);
+      float q[8];
       uint32_t off_grid = 0u;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
@@ -188,9 +193,8 @@ __device__ __forceinline__ void quantize_elems(const float (&x)[N], float t, flo
           q[i] = e2m1_floor_grid_x2m14(a);
           if (a != q[i]) off_grid |= 1u << (4 * i);
         }
-        s[i] = __float_as_uint(xi);
       }
-      const uint32_t lo = e2m1_pack8_abs_x2m14<false>(q, s);
+      const uint32_t lo = e2m1_pack8_abs_x2m14<false>(q, sb);
       if constexpr (MODE == kSR) {
         w[k] = lo;
       } else if constexpr (MODE == kGuidedCompact) {
@@ -685,35 +689,47 @@ void launch_rowg(const QuantParams& p, cudaStream_t stream, const char* op) {
 
 template <bool FAKE, typename T, int IMPL>
 void launch_quant_impl(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_t stream, const char* op) {
+  constexpr int kSrGuided = IMPL == kImplBits ? kImplBits : kImplScaled;  // SR / guided: two variants
   switch (rounding) {
-    case kRTN:
-      rowg ? launch_rowg<kRTN, FAKE, T, IMPL>(p, stream, op) : launch_flat<kRTN, FAKE, T, IMPL>(p, stream, op);
+    case kRTN: {
+      constexpr int kRtn = IMPL == kImplRtnSat ? kImplRtnSat : kImplScaled;  // RTN's two variants
+      rowg ? launch_rowg<kRTN, FAKE, T, kRtn>(p, stream, op) : launch_flat<kRTN, FAKE, T, kRtn>(p, stream, op);
       break;
+    }
     case kSR:
-      rowg ? launch_rowg<kSR, FAKE, T, IMPL>(p, stream, op) : launch_flat<kSR, FAKE, T, IMPL>(p, stream, op);
+      rowg ? launch_rowg<kSR, FAKE, T, kSrGuided>(p, stream, op) : launch_flat<kSR, FAKE, T, kSrGuided>(p, stream, op);
       break;
     case kGuidedCompact:
-      launch_flat<kGuidedCompact, FAKE, T, IMPL>(p, stream, op);
+      launch_flat<kGuidedCompact, FAKE, T, kSrGuided>(p, stream, op);
       break;
     default:
-      launch_flat<kGuidedFull, FAKE, T, IMPL>(p, stream, op);
+      launch_flat<kGuidedFull, FAKE, T, kSrGuided>(p, stream, op);
       break;
   }
 }
 
-// TRACE_EXT_QUANT_IMPL=bits (read per call, so one process can time both) selects the previous element code (RTN:
-// fminf saturation per element; SR / guided: e2m1_*_bits); anything else the scaled-domain code.
-bool quant_impl_bits() {
+// TRACE_EXT_QUANT_IMPL, read per call so that one process can time the variants: "bits" selects the previous SR /
+// guided element code (e2m1_*_bits), "rtn-sat" the RTN saturated after packing; unset (or anything else) the
+// scaled-domain SR / guided code and the fminf-saturated RTN.
+int quant_impl() {
   const char* v = std::getenv("TRACE_EXT_QUANT_IMPL");
-  return v != nullptr && std::strcmp(v, "bits") == 0;
+  if (v != nullptr && std::strcmp(v, "bits") == 0) return kImplBits;
+  if (v != nullptr && std::strcmp(v, "rtn-sat") == 0) return kImplRtnSat;
+  return kImplScaled;
 }
 
 template <bool FAKE, typename T>
 void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_t stream, const char* op) {
-  if (quant_impl_bits()) {
-    launch_quant_impl<FAKE, T, kImplBits>(p, rounding, rowg, stream, op);
-  } else {
-    launch_quant_impl<FAKE, T, kImplScaled>(p, rounding, rowg, stream, op);
+  switch (quant_impl()) {
+    case kImplBits:
+      launch_quant_impl<FAKE, T, kImplBits>(p, rounding, rowg, stream, op);
+      break;
+    case kImplRtnSat:
+      launch_quant_impl<FAKE, T, kImplRtnSat>(p, rounding, rowg, stream, op);
+      break;
+    default:
+      launch_quant_impl<FAKE, T, kImplScaled>(p, rounding, rowg, stream, op);
+      break;
   }
 }
 

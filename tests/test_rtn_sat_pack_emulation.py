@@ -1,9 +1,9 @@
-"""The quantize kernels' RTN with saturation after packing (fp4_numerics.cuh: e2m1_rn_grid_unsat_x2m14 +
-e2m1_pack8_abs_x2m14<true>: unsigned fp16 pairs saturated by min.u16x2, signs placed by prmt with sign replication),
-emulated in numpy float32 / float16 (IEEE round-to-nearest-even, overflow to inf as cvt.rn.f16x2.f32) and a literal
-model of PTX prmt.b32, against the reference rounding of SPEC 1 (formats.e2m1_rn, codes with sign). Protects the
-algorithm on machines without a GPU; the GPU tests check the kernel. Domain: the RTN fast path's quotients, |v| up to
-2^100 (beyond the fp16 range after scaling: those convert to +inf and saturate).
+"""The quantize kernels' RTN with saturation after packing (fp4_numerics.cuh: e2m1_rn_grid_unsat_x2m14,
+sign_bytes8 + e2m1_pack8_abs_x2m14<true>: unsigned fp16 pairs saturated by min.u16x2, signs placed by prmt with sign
+replication), emulated in numpy float32 / float16 (IEEE round-to-nearest-even, overflow to inf as cvt.rn.f16x2.f32)
+and a literal model of PTX prmt.b32, against the reference rounding of SPEC 1 (formats.e2m1_rn, codes with sign).
+Protects the algorithm on machines without a GPU; the GPU tests check the kernel. Domain: the RTN fast path's
+quotients, |v| up to 2^100 (beyond the fp16 range after scaling: those convert to +inf and saturate).
 """
 import numpy as np
 import torch
@@ -36,7 +36,7 @@ def prmt(a: np.ndarray, b: np.ndarray, sel: int) -> np.ndarray:
 
 
 def pack8_abs(g: np.ndarray, s: np.ndarray, saturate: bool = True) -> np.ndarray:
-    """e2m1_pack8_abs_x2m14<saturate> on rows of 8: g [n, 8] float32 >= 0, s [n, 8] uint32 sign sources."""
+    """e2m1_pack8_abs_x2m14<saturate>(g, sign_bytes8(s)) on rows of 8: g [n, 8] float32 >= 0, s [n, 8] uint32."""
     with np.errstate(over="ignore"):
         h = g.astype(np.float16).view(np.uint16).astype(np.uint32)
     if saturate:

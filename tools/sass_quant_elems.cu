@@ -51,8 +51,8 @@ __global__ void probe_elems(const ProbeIn* in, const QuantParams p, uint2* out) 
 // Referenced once so that every probe is emitted.
 __attribute__((used)) const void* const kProbes[] = {
     (const void*)probe_baseline,
-    (const void*)probe_elems<kRTN, kImplBits>,
     (const void*)probe_elems<kRTN, kImplScaled>,
+    (const void*)probe_elems<kRTN, kImplRtnSat>,
     (const void*)probe_elems<kSR, kImplBits>,
     (const void*)probe_elems<kSR, kImplScaled>,
     (const void*)probe_elems<kGuidedCompact, kImplBits>,

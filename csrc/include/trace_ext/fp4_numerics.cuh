@@ -222,14 +222,25 @@ __device__ __forceinline__ float e2m1_rn_grid_unsat_x2m14(float u) {
   return u < 0x1p-13f ? small : big;
 }
 
-// Eight non-negative grid values g_i * 2^-14 and eight sign sources (bit 31 of s_i) -> one word of eight 4-bit codes,
-// nibble i = element i. kSaturate: the g_i may be unsaturated (any value >= 6 * 2^-14, +inf included, means code 7);
-// the fp16 pairs are then saturated by one unsigned 16-bit min per pair (fp16 bits of non-negative values order like
-// the values; 6 * 2^-14 is 0x0E00). Otherwise every g_i must be <= 6 * 2^-14. Packed as in e2m1_pack8_x2m14 (the high
-// bytes now hold only code bits 1..3, so no masks); the signs are replicated into bytes by prmt, four per word, and
-// put at bit 3 of each nibble (instead of one OR per element into the float).
+// The signs (bit 31) of eight sign sources s_i as bytes of 0x00 / 0xFF: .even = s0 s2 s4 s6, .odd = s1 s3 s5 s7.
+// prmt selector 0xFB: byte 0 = sign of a's byte 3, byte 1 = sign of b's byte 3; 0x5410 joins two such pairs.
+// (Taken before the element math, so that two words instead of eight sources stay live.)
+struct SignBytes8 {
+  uint32_t even, odd;
+};
+__device__ __forceinline__ SignBytes8 sign_bytes8(const uint32_t (&s)[8]) {
+  return SignBytes8{prmt_b32(prmt_b32(s[0], s[2], 0xFBu), prmt_b32(s[4], s[6], 0xFBu), 0x5410u),
+                    prmt_b32(prmt_b32(s[1], s[3], 0xFBu), prmt_b32(s[5], s[7], 0xFBu), 0x5410u)};
+}
+
+// Eight non-negative grid values g_i * 2^-14 and their signs (sign_bytes8) -> one word of eight 4-bit codes, nibble
+// i = element i. kSaturate: the g_i may be unsaturated (any value >= 6 * 2^-14, +inf included, means code 7); the
+// fp16 pairs are then saturated by one unsigned 16-bit min per pair (fp16 bits of non-negative values order like the
+// values; 6 * 2^-14 is 0x0E00). Otherwise every g_i must be <= 6 * 2^-14. Packed as in e2m1_pack8_x2m14 (the high
+// bytes now hold only code bits 1..3, so no masks); the sign bytes give bit 3 of each nibble (instead of one OR per
+// element into the float).
 template <bool kSaturate>
-__device__ __forceinline__ uint32_t e2m1_pack8_abs_x2m14(const float (&g)[8], const uint32_t (&s)[8]) {
+__device__ __forceinline__ uint32_t e2m1_pack8_abs_x2m14(const float (&g)[8], SignBytes8 sb) {
   const __half2 f02 = __floats2half2_rn(g[0], g[2]), f46 = __floats2half2_rn(g[4], g[6]);
   const __half2 f13 = __floats2half2_rn(g[1], g[3]), f57 = __floats2half2_rn(g[5], g[7]);
   uint32_t h02 = *reinterpret_cast<const uint32_t*>(&f02), h46 = *reinterpret_cast<const uint32_t*>(&f46);
@@ -243,10 +254,7 @@ __device__ __forceinline__ uint32_t e2m1_pack8_abs_x2m14(const float (&g)[8], co
   }
   const uint32_t even = __byte_perm(h02, h46, 0x7531);  // bytes: q0 q2 q4 q6, code at bits 1..3, nothing else
   const uint32_t odd = __byte_perm(h13, h57, 0x7531);   // bytes: q1 q3 q5 q7
-  // 0xFB: byte 0 = sign of a's byte 3, byte 1 = sign of b's byte 3 (each 0x00 or 0xFF); 0x5410 joins two such pairs
-  const uint32_t se = prmt_b32(prmt_b32(s[0], s[2], 0xFBu), prmt_b32(s[4], s[6], 0xFBu), 0x5410u);
-  const uint32_t so = prmt_b32(prmt_b32(s[1], s[3], 0xFBu), prmt_b32(s[5], s[7], 0xFBu), 0x5410u);
-  return (even >> 1) | (odd << 3) | (se & 0x08080808u) | (so & 0x80808080u);
+  return (even >> 1) | (odd << 3) | (sb.even & 0x08080808u) | (sb.odd & 0x80808080u);
 }
 
 // ---- SR and guided rounding in the same 2^-14-scaled domain ----------------------------------------------------
