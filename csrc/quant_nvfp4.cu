@@ -22,10 +22,14 @@
 //   where t, 1/t and the quotients are far from under/overflow, checked per block, __fdiv_rn otherwise). RTN works
 //   on u = v * 2^-14 (divisor t * 2^14, reciprocal r * 2^-14: same quotient, scaled exactly): saturate, round in fp32
 //   (magic add below 2, Veltkamp split from 1 up), convert pairs to fp16, whose bits 9..11 are the code
-//   (e2m1_rn_grid_x2m14, e2m1_pack8_x2m14; exhaustively checked against reference.py's rounding). SR / guided read
-//   the codes off the float's bits (e2m1_*_bits). All were checked against reference.py: RTN over every
-//   non-negative float, SR / guided on 8M random and edge values, the division in exact arithmetic near every
-//   rounding midpoint.
+//   (e2m1_rn_grid_x2m14, e2m1_pack8_x2m14; exhaustively checked against reference.py's rounding). SR / guided work
+//   in the same domain: floor = min(round-down magic add, 2-bit mask); SR keeps lo or takes lo + w by one round-down
+//   FMA (lo + k w 2^-24 < a, exact); guided combines the packed floor codes, one off-grid bit per nibble and the
+//   rollout's bits / codes eight at a time (e2m1_floor_grid_x2m14, e2m1_sr_grid_x2m14, e2m1_guided_*_pack8; signs
+//   by prmt sign replication). All were checked against reference.py: RTN over every non-negative float, the
+//   scaled SR / guided floor, off-grid test and SR threshold over every float in [2^-100, 8] (numpy emulation), the
+//   division in exact arithmetic near every rounding midpoint. TRACE_EXT_QUANT_IMPL=bits keeps the previous SR /
+//   guided code (codes read off the float's bits, e2m1_*_bits), =rtn-sat an RTN saturated after packing (A/B).
 // - SR: one philox4x32_10 call per 4 elements (counter = flat element index / 4, SPEC 4), with the seed's key
 //   schedule precomputed on the host (philox4x32_10_scheduled: keys are constant-bank operands of the XORs).
 //   SR / guided skip the per-element tiny-quotient test when a block-level bound on the smallest nonzero |x|
