@@ -22,10 +22,14 @@
 //   where t, 1/t and the quotients are far from under/overflow, checked per block, __fdiv_rn otherwise). RTN works
 //   on u = v * 2^-14 (divisor t * 2^14, reciprocal r * 2^-14: same quotient, scaled exactly): saturate, round in fp32
 //   (magic add below 2, Veltkamp split from 1 up), convert pairs to fp16, whose bits 9..11 are the code
-//   (e2m1_rn_grid_x2m14, e2m1_pack8_x2m14; exhaustively checked against reference.py's rounding). SR / guided read
-//   the codes off the float's bits (e2m1_*_bits). All were checked against reference.py: RTN over every
-//   non-negative float, SR / guided on 8M random and edge values, the division in exact arithmetic near every
-//   rounding midpoint.
+//   (e2m1_rn_grid_x2m14, e2m1_pack8_x2m14; exhaustively checked against reference.py's rounding). SR / guided work
+//   in the same domain: floor = min(round-down magic add, 2-bit mask); SR keeps lo or takes lo + w by one round-down
+//   FMA (lo + k w 2^-24 < a, exact); guided combines the packed floor codes, one off-grid bit per nibble and the
+//   rollout's bits / codes eight at a time (e2m1_floor_grid_x2m14, e2m1_sr_grid_x2m14, e2m1_guided_*_pack8; signs
+//   by prmt sign replication). All were checked against reference.py: RTN over every non-negative float, the
+//   scaled SR / guided floor, off-grid test and SR threshold over every float in [2^-100, 8] (numpy emulation), the
+//   division in exact arithmetic near every rounding midpoint. TRACE_EXT_QUANT_IMPL=bits keeps the previous SR /
+//   guided code (codes read off the float's bits, e2m1_*_bits), =rtn-sat an RTN saturated after packing (A/B).
 // - SR: one philox4x32_10 call per 4 elements (counter = flat element index / 4, SPEC 4), with the seed's key
 //   schedule precomputed on the host (philox4x32_10_scheduled: keys are constant-bank operands of the XORs).
 //   SR / guided skip the per-element tiny-quotient test when a block-level bound on the smallest nonzero |x|
@@ -37,6 +41,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -59,6 +65,9 @@ constexpr int kMaxTeam = 512;                                // largest row team
 constexpr int kRowBlocksPerLane = 2;                         // fused per-row g: whole blocks per lane of a row team
 constexpr int64_t kFusedMaxK = int64_t(kMaxTeam) * kRowBlocksPerLane * kNvfp4Block;  // 16384: longest row on chip
 constexpr int kMinTeam = 1;
+constexpr int kImplScaled = 0;   // element code in the 2^-14-scaled domain (default)
+constexpr int kImplBits = 1;     // previous SR / guided code (TRACE_EXT_QUANT_IMPL=bits); RTN as kImplScaled
+constexpr int kImplRtnSat = 2;   // RTN saturated after packing (TRACE_EXT_QUANT_IMPL=rtn-sat); else as kImplScaled
 static_assert(kChunkElems % 8 == 0, "a chunk must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kNvfp4Block % 8 == 0, "a block must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 2 blocks x 16 elements");
@@ -119,15 +128,33 @@ __device__ __forceinline__ void quantize_elems_bits(const float (&x)[N], float t
                                                     uint32_t (&w)[N / 8]);
 
 // Element loop over N elements of one block; FAST: v = fl(x / t) from the block reciprocal (div_rn_with_rcp),
-// else __fdiv_rn.
-template <int MODE, bool FAST, int N>
+// else __fdiv_rn. IMPL (FAST only): kImplScaled, kImplBits or kImplRtnSat (alternatives kept for A/B timing).
+template <int MODE, bool FAST, int N, int IMPL>
 __device__ __forceinline__ void quantize_elems(const float (&x)[N], float t, float r, uint64_t ctr0,
                                                const QuantParams& p, uint32_t guide_bits, uint2 guide_codes,
                                                uint32_t (&w)[N / 8]) {
   // ctr0: Philox counter of element 0 (flat element index / 4, SPEC 4)
-  if constexpr (MODE == kRTN && FAST) {
-    // RTN: u = fl(|x| / t) * 2^-14 by the scaled reciprocal division, rounded in fp32, codes read off fp16 bits
-    // (e2m1_rn_grid_x2m14, e2m1_pack8_x2m14); the sign is x's (t > 0, -0.0 included).
+  if constexpr (MODE == kRTN && FAST && IMPL == kImplRtnSat) {
+    // RTN: u = fl(|x| / t) * 2^-14 by the scaled reciprocal division, rounded in fp32 without saturation
+    // (e2m1_rn_grid_unsat_x2m14); codes read off fp16 bits, saturated two at a time by an unsigned 16-bit min, signs
+    // (x's: t > 0, -0.0 included) placed by byte permutes (e2m1_pack8_abs_x2m14<true>). 0.8 fewer instructions per
+    // element than the path below, but one more live word per 8 elements: ptxas (13.0) keeps the bf16 flat kernel at
+    // 64 registers with 16 / 48 bytes of spill stores / loads (the path below: 64, none), so it is opt-in until timed.
+    const float t14 = __fmul_rn(t, 16384.0f), r14 = __fmul_rn(r, 0x1p-14f);
+#pragma unroll
+    for (int k = 0; k < N / 8; ++k) {
+      uint32_t s[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s[i] = __float_as_uint(x[8 * k + i]);
+      const SignBytes8 sb = sign_bytes8(s);
+      float g[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) g[i] = e2m1_rn_grid_unsat_x2m14(div_rn_with_rcp(fabsf(x[8 * k + i]), t14, r14));
+      w[k] = e2m1_pack8_abs_x2m14<true>(g, sb);
+    }
+  } else if constexpr (MODE == kRTN && FAST) {
+    // RTN (default): saturation by fminf per element (e2m1_rn_grid_x2m14), the sign OR-ed into each grid value,
+    // e2m1_pack8_x2m14.
     const float t14 = __fmul_rn(t, 16384.0f), r14 = __fmul_rn(r, 0x1p-14f);
 #pragma unroll
     for (int k = 0; k < N / 8; ++k) {
@@ -139,6 +166,46 @@ __device__ __forceinline__ void quantize_elems(const float (&x)[N], float t, flo
         q[i] = __uint_as_float(__float_as_uint(grid) | (__float_as_uint(xi) & 0x80000000u));
       }
       w[k] = e2m1_pack8_x2m14(q);
+    }
+  } else if constexpr (FAST && IMPL != kImplBits) {
+    // SR / guided in the same scaled domain: a = min(u, 6 * 2^-14). SR: the grid value from e2m1_sr_grid_x2m14.
+    // Guided: the floors packed as codes with x's signs (e2m1_pack8_abs_x2m14) plus one "off the grid" bit per nibble
+    // (a != lo), combined eight at a time with the rollout's bits / codes (e2m1_guided_{compact,full}_pack8).
+    // quantize_block took this path only when every nonzero quotient is >= 2^-99, so a is zero or normal and
+    // u = fl(|x| / t) * 2^-14 exactly.
+    const float t14 = __fmul_rn(t, 16384.0f), r14 = __fmul_rn(r, 0x1p-14f);
+    Philox4 rnd;
+#pragma unroll
+    for (int k = 0; k < N / 8; ++k) {
+      uint32_t s[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s[i] = __float_as_uint(x[8 * k + i]);
+      const SignBytes8 sb = sign_bytes8(s);
+      float q[8];
+      uint32_t off_grid = 0u;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int e = 8 * k + i;
+        if constexpr (MODE == kSR) {
+          if (e % 4 == 0) rnd = sr_words_scheduled(ctr0 + e / 4, p.offset, p.keys);
+        }
+        const float xi = x[e];
+        const float a = fminf(div_rn_with_rcp(fabsf(xi), t14, r14), kE2M1Max * 0x1p-14f);
+        if constexpr (MODE == kSR) {
+          q[i] = e2m1_sr_grid_x2m14(a, rnd.w[e % 4]);
+        } else {
+          q[i] = e2m1_floor_grid_x2m14(a);
+          if (a != q[i]) off_grid |= 1u << (4 * i);
+        }
+      }
+      const uint32_t lo = e2m1_pack8_abs_x2m14<false>(q, sb);
+      if constexpr (MODE == kSR) {
+        w[k] = lo;
+      } else if constexpr (MODE == kGuidedCompact) {
+        w[k] = e2m1_guided_compact_pack8(lo, off_grid, bits_to_nibble_lsbs(guide_bits >> (8 * k)));
+      } else {
+        w[k] = e2m1_guided_full_pack8(lo, off_grid, k == 0 ? guide_codes.x : guide_codes.y);
+      }
     }
   } else {
     quantize_elems_bits<MODE, FAST, N>(x, t, r, ctr0, p, guide_bits, guide_codes, w);
@@ -181,7 +248,7 @@ __device__ __forceinline__ void quantize_elems_bits(const float (&x)[N], float t
 // compact bits (bit i for element i) or full codes (nibble i of .x for i < 8, of .y above). The reciprocal shortcut
 // is taken when t, 1/t and every quotient of the block are far from under/overflow (the common case, judged from
 // the block's amax); __fdiv_rn otherwise. t == 0 gives v = +0, code 0, in every mode.
-template <int MODE, int N>
+template <int MODE, int N, int IMPL>
 __device__ __forceinline__ void quantize_block(const float (&x)[N], uint32_t max_bits, float t, uint64_t ctr0,
                                                const QuantParams& p, uint32_t guide_bits, uint2 guide_codes,
                                                uint32_t (&w)[N / 8]) {
@@ -204,9 +271,9 @@ __device__ __forceinline__ void quantize_block(const float (&x)[N], uint32_t max
     fast = fast && (min_m1 == 0xFFFFFFFFu || (m >= 0x1p-100f && __fmul_rn(m, r) >= 0x1p-99f));
   }
   if (fast) {
-    quantize_elems<MODE, true, N>(x, t, r, ctr0, p, guide_bits, guide_codes, w);
+    quantize_elems<MODE, true, N, IMPL>(x, t, r, ctr0, p, guide_bits, guide_codes, w);
   } else {
-    quantize_elems<MODE, false, N>(x, t, r, ctr0, p, guide_bits, guide_codes, w);
+    quantize_elems<MODE, false, N, IMPL>(x, t, r, ctr0, p, guide_bits, guide_codes, w);
   }
 }
 
@@ -244,7 +311,7 @@ __device__ __forceinline__ uint8_t nvfp4_scale_byte_rcp(uint32_t amax_bits, floa
 // Everything block fb produces once its 16 x are in one thread's registers and its g is known: the 8 code bytes,
 // the mbits, the fake-quant values and the scale byte. (g_out is written by the kernels, once per row.)
 // guide_bits: the rollout's 16 mantissa bits (compact); guide_codes: its 16 rollout codes (full).
-template <typename T, int MODE, bool FAKE>
+template <typename T, int MODE, bool FAKE, int IMPL>
 __device__ __forceinline__ void process_block(const QuantParams& p, const float (&x)[kNvfp4Block], uint32_t max_bits,
                                               float g, float rg, uint64_t fb, int64_t row, int64_t kbi,
                                               uint32_t guide_bits, uint2 guide_codes) {
@@ -261,7 +328,7 @@ __device__ __forceinline__ void process_block(const QuantParams& p, const float 
   }
   uint32_t codes[2] = {0u, 0u};
   if (finite) {
-    quantize_block<MODE, kNvfp4Block>(x, max_bits, t, 4 * fb, p, guide_bits, guide_codes, codes);
+    quantize_block<MODE, kNvfp4Block, IMPL>(x, max_bits, t, 4 * fb, p, guide_bits, guide_codes, codes);
   } else {
     s = kE4M3NaN;
   }
@@ -336,7 +403,7 @@ __device__ __forceinline__ uint32_t unpack_block(const BlockRaw<T>& raw, float (
 // loads each with its own 16-byte vectors (the warp's two loads of one q cover a contiguous span), so every
 // per-block step (scale, reciprocal, stores) happens once per 16 elements in one thread, and the code, scale and
 // mbits stores of a warp are contiguous.
-template <typename T, int MODE, bool FAKE>
+template <typename T, int MODE, bool FAKE, int IMPL>
 __global__ void __launch_bounds__(kFlatThreads) nvfp4_quant_flat_kernel(const QuantParams p) {
   const uint64_t total_blocks = (uint64_t)p.rows * p.kb;
   const uint64_t n_tiles = (total_blocks + kWarpBlocks - 1) / kWarpBlocks;
@@ -404,7 +471,7 @@ __global__ void __launch_bounds__(kFlatThreads) nvfp4_quant_flat_kernel(const Qu
       if (fb < total_blocks) {
         float x[kNvfp4Block];
         const uint32_t mb = unpack_block<T>(raw[q], x);
-        process_block<T, MODE, FAKE>(p, x, mb, g[q], rg[q], fb, rows[q], kbis[q], gbits[q], gcodes[q]);
+        process_block<T, MODE, FAKE, IMPL>(p, x, mb, g[q], rg[q], fb, rows[q], kbis[q], gbits[q], gcodes[q]);
       }
     }
   }
@@ -426,7 +493,7 @@ __global__ void __launch_bounds__(kFlatThreads) nvfp4_quant_flat_kernel(const Qu
 // (q < kRowBlocksPerLane) of its row and loads them with its own 16-byte vectors (contiguous across the team). The
 // raw vectors stay packed in registers until their block is quantized (half the registers of floats for 16-bit x).
 
-template <typename T, int MODE, bool FAKE>
+template <typename T, int MODE, bool FAKE, int IMPL>
 __global__ void __launch_bounds__(kMaxTeam) nvfp4_quant_rowg_kernel(const QuantParams p, int team) {
   static_assert(MODE == kRTN || MODE == kSR, "guided rounding never recomputes g");
   __shared__ uint32_t warp_max[kMaxTeam / 32];
@@ -479,7 +546,7 @@ __global__ void __launch_bounds__(kMaxTeam) nvfp4_quant_rowg_kernel(const QuantP
     if (row_ok && kbi < p.kb) {
       float x[kNvfp4Block];
       unpack_block<T>(raw[q], x);
-      process_block<T, MODE, FAKE>(p, x, mb[q], g, rg, fb_row + kbi, row, kbi, 0u, make_uint2(0u, 0u));
+      process_block<T, MODE, FAKE, IMPL>(p, x, mb[q], g, rg, fb_row + kbi, row, kbi, 0u, make_uint2(0u, 0u));
     }
   }
   if (p.swizzle && p.scales != nullptr) {
@@ -569,9 +636,9 @@ void check_float_x(const at::Tensor& x, int64_t block, const char* op) {
 }
 
 
-template <int MODE, bool FAKE, typename T>
+template <int MODE, bool FAKE, typename T, int IMPL>
 void launch_flat(const QuantParams& p, cudaStream_t stream, const char* op) {
-  auto kernel = nvfp4_quant_flat_kernel<T, MODE, FAKE>;
+  auto kernel = nvfp4_quant_flat_kernel<T, MODE, FAKE, IMPL>;
   require_kernel_image(kernel, op);
   // warps loop over tiles: about kFlatTilesPerWarp tiles each, but never fewer warps than the GPU holds
   const int64_t n_tiles = div_up(p.rows * p.kb, kWarpBlocks);
@@ -584,7 +651,7 @@ void launch_flat(const QuantParams& p, cudaStream_t stream, const char* op) {
   check_launch(op);
 }
 
-template <int MODE, bool FAKE, typename T>
+template <int MODE, bool FAKE, typename T, int IMPL>
 void launch_rowg(const QuantParams& p, cudaStream_t stream, const char* op) {
   if (p.K > kFusedMaxK) {
     // Two-pass path for rows that do not fit on chip: per-row g first, then the flat kernel reads it.
@@ -595,10 +662,10 @@ void launch_rowg(const QuantParams& p, cudaStream_t stream, const char* op) {
     QuantParams q = p;
     q.g = p.g_out;
     q.g_stride = 1;
-    launch_flat<MODE, FAKE, T>(q, stream, op);
+    launch_flat<MODE, FAKE, T, IMPL>(q, stream, op);
     return;
   }
-  auto kernel = nvfp4_quant_rowg_kernel<T, MODE, FAKE>;
+  auto kernel = nvfp4_quant_rowg_kernel<T, MODE, FAKE, IMPL>;
   require_kernel_image(kernel, op);
   int team = kMinTeam;
   while ((int64_t)team * kRowBlocksPerLane < p.kb) team *= 2;
@@ -608,20 +675,48 @@ void launch_rowg(const QuantParams& p, cudaStream_t stream, const char* op) {
   check_launch(op);
 }
 
-template <bool FAKE, typename T>
-void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_t stream, const char* op) {
+template <bool FAKE, typename T, int IMPL>
+void launch_quant_impl(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_t stream, const char* op) {
+  constexpr int kSrGuided = IMPL == kImplBits ? kImplBits : kImplScaled;  // SR / guided: two variants
   switch (rounding) {
-    case kRTN:
-      rowg ? launch_rowg<kRTN, FAKE, T>(p, stream, op) : launch_flat<kRTN, FAKE, T>(p, stream, op);
+    case kRTN: {
+      constexpr int kRtn = IMPL == kImplRtnSat ? kImplRtnSat : kImplScaled;  // RTN's two variants
+      rowg ? launch_rowg<kRTN, FAKE, T, kRtn>(p, stream, op) : launch_flat<kRTN, FAKE, T, kRtn>(p, stream, op);
       break;
+    }
     case kSR:
-      rowg ? launch_rowg<kSR, FAKE, T>(p, stream, op) : launch_flat<kSR, FAKE, T>(p, stream, op);
+      rowg ? launch_rowg<kSR, FAKE, T, kSrGuided>(p, stream, op) : launch_flat<kSR, FAKE, T, kSrGuided>(p, stream, op);
       break;
     case kGuidedCompact:
-      launch_flat<kGuidedCompact, FAKE, T>(p, stream, op);
+      launch_flat<kGuidedCompact, FAKE, T, kSrGuided>(p, stream, op);
       break;
     default:
-      launch_flat<kGuidedFull, FAKE, T>(p, stream, op);
+      launch_flat<kGuidedFull, FAKE, T, kSrGuided>(p, stream, op);
+      break;
+  }
+}
+
+// TRACE_EXT_QUANT_IMPL, read per call so that one process can time the variants: "bits" selects the previous SR /
+// guided element code (e2m1_*_bits), "rtn-sat" the RTN saturated after packing; unset (or anything else) the
+// scaled-domain SR / guided code and the fminf-saturated RTN.
+int quant_impl() {
+  const char* v = std::getenv("TRACE_EXT_QUANT_IMPL");
+  if (v != nullptr && std::strcmp(v, "bits") == 0) return kImplBits;
+  if (v != nullptr && std::strcmp(v, "rtn-sat") == 0) return kImplRtnSat;
+  return kImplScaled;
+}
+
+template <bool FAKE, typename T>
+void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_t stream, const char* op) {
+  switch (quant_impl()) {
+    case kImplBits:
+      launch_quant_impl<FAKE, T, kImplBits>(p, rounding, rowg, stream, op);
+      break;
+    case kImplRtnSat:
+      launch_quant_impl<FAKE, T, kImplRtnSat>(p, rounding, rowg, stream, op);
+      break;
+    default:
+      launch_quant_impl<FAKE, T, kImplScaled>(p, rounding, rowg, stream, op);
       break;
   }
 }

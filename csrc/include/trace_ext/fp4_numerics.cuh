@@ -196,6 +196,122 @@ __device__ __forceinline__ uint32_t e2m1_pack8_x2m14(const float (&q)[8]) {
   return lo | hi;
 }
 
+// prmt.b32 (byte permute) with PTX's full selector: bit 3 of a selector nibble replicates the sign (bit 7) of the
+// selected byte over the result byte.
+__device__ __forceinline__ uint32_t prmt_b32(uint32_t a, uint32_t b, uint32_t selector) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+  return d;
+}
+
+// min of two pairs of unsigned 16-bit lanes (one instruction on sm_90+).
+__device__ __forceinline__ uint32_t min_u16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("min.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// RTN as e2m1_rn_grid_x2m14 but without the saturation: u >= 6 * 2^-14 (finite) rounds to a value >= 6 * 2^-14 that
+// e2m1_pack8_abs_x2m14<true> saturates. (Rounding is monotone and 6 * 2^-14 is on the grid, so saturating after
+// rounding equals rounding the saturated u; u * (2^22 + 1) stays finite for u < 2^100.) Checked in numpy emulation
+// (tests/test_rtn_sat_pack_emulation.py).
+__device__ __forceinline__ float e2m1_rn_grid_unsat_x2m14(float u) {
+  const float small = __fsub_rn(__fadd_rn(u, 256.0f), 256.0f);
+  const float p = __fmul_rn(u, 4194305.0f);
+  const float big = __fsub_rn(p, __fsub_rn(p, u));
+  return u < 0x1p-13f ? small : big;
+}
+
+// The signs (bit 31) of eight sign sources s_i as bytes of 0x00 / 0xFF: .even = s0 s2 s4 s6, .odd = s1 s3 s5 s7.
+// prmt selector 0xFB: byte 0 = sign of a's byte 3, byte 1 = sign of b's byte 3; 0x5410 joins two such pairs.
+// (Taken before the element math, so that two words instead of eight sources stay live.)
+struct SignBytes8 {
+  uint32_t even, odd;
+};
+__device__ __forceinline__ SignBytes8 sign_bytes8(const uint32_t (&s)[8]) {
+  return SignBytes8{prmt_b32(prmt_b32(s[0], s[2], 0xFBu), prmt_b32(s[4], s[6], 0xFBu), 0x5410u),
+                    prmt_b32(prmt_b32(s[1], s[3], 0xFBu), prmt_b32(s[5], s[7], 0xFBu), 0x5410u)};
+}
+
+// Eight non-negative grid values g_i * 2^-14 and their signs (sign_bytes8) -> one word of eight 4-bit codes, nibble
+// i = element i. kSaturate: the g_i may be unsaturated (any value >= 6 * 2^-14, +inf included, means code 7); the
+// fp16 pairs are then saturated by one unsigned 16-bit min per pair (fp16 bits of non-negative values order like the
+// values; 6 * 2^-14 is 0x0E00). Otherwise every g_i must be <= 6 * 2^-14. Packed as in e2m1_pack8_x2m14 (the high
+// bytes now hold only code bits 1..3, so no masks); the sign bytes give bit 3 of each nibble (instead of one OR per
+// element into the float).
+template <bool kSaturate>
+__device__ __forceinline__ uint32_t e2m1_pack8_abs_x2m14(const float (&g)[8], SignBytes8 sb) {
+  const __half2 f02 = __floats2half2_rn(g[0], g[2]), f46 = __floats2half2_rn(g[4], g[6]);
+  const __half2 f13 = __floats2half2_rn(g[1], g[3]), f57 = __floats2half2_rn(g[5], g[7]);
+  uint32_t h02 = *reinterpret_cast<const uint32_t*>(&f02), h46 = *reinterpret_cast<const uint32_t*>(&f46);
+  uint32_t h13 = *reinterpret_cast<const uint32_t*>(&f13), h57 = *reinterpret_cast<const uint32_t*>(&f57);
+  if constexpr (kSaturate) {
+    constexpr uint32_t kSat = 0x0E000E00u;  // fp16 bits of 6 * 2^-14, twice
+    h02 = min_u16x2(h02, kSat);
+    h46 = min_u16x2(h46, kSat);
+    h13 = min_u16x2(h13, kSat);
+    h57 = min_u16x2(h57, kSat);
+  }
+  const uint32_t even = __byte_perm(h02, h46, 0x7531);  // bytes: q0 q2 q4 q6, code at bits 1..3, nothing else
+  const uint32_t odd = __byte_perm(h13, h57, 0x7531);   // bytes: q1 q3 q5 q7
+  return (even >> 1) | (odd << 3) | (sb.even & 0x08080808u) | (sb.odd & 0x80808080u);
+}
+
+// ---- SR and guided rounding in the same 2^-14-scaled domain ----------------------------------------------------
+// Inputs: a = min(v * 2^-14, 6 * 2^-14) with v >= 2^-100 or v == 0 (the quantize kernels' fast path guarantees it,
+// so a is zero or a normal float). Grid values q * 2^-14 come back as floats for e2m1_pack8_abs_x2m14<false>; guided
+// rounding then works on eight packed codes at once. All checked in numpy emulation
+// (tests/test_scaled_sr_guided_emulation.py, and once exhaustively: tools/exhaustive_scaled_sr_guided.py).
+
+// The lower bracket end lo (largest grid value <= a). Below 2 (a < 2^-13) the grid is the multiples of 2^-15: floor
+// by a round-down add of 256 (ulp 2^-15); from 1 up (a >= 2^-14) it is "2 significant bits": floor by masking the low
+// 22 mantissa bits. Each is >= the true floor outside its own range (a floor to a finer grid, or a mask that leaves a
+// value <= a), so the smaller of the two is the floor everywhere.
+__device__ __forceinline__ float e2m1_floor_grid_x2m14(float a) {
+  const float small = __fsub_rn(__fadd_rd(a, 256.0f), 256.0f);
+  const float big = __uint_as_float(__float_as_uint(a) & 0xFFC00000u);
+  return fminf(small, big);
+}
+
+// SPEC 4 from a and the random word: with lo = floor, w the width of the bracket above lo and k = word >> 8, the
+// magnitude is hi = lo + w iff k 2^-24 < (a - lo) / w, i.e. iff the real number lo + k (w 2^-24) is < a. k (w 2^-24)
+// is exact, so one round-down FMA decides it exactly: fl_rd(y) < a <=> y < a for a float a. On the grid (a == lo, the
+// reference's lo == hi) fl_rd(lo + ...) >= a, so lo is kept without a test. w is 2^-15 below 2^-13, else half of the
+// binade of a (which is lo's binade there): w 2^-24 = max(2^e(a) 2^-25, 2^-39), taken from a so that it does not
+// wait for lo.
+__device__ __forceinline__ float e2m1_sr_grid_x2m14(float a, uint32_t random_word) {
+  const float lo = e2m1_floor_grid_x2m14(a);
+  const float w24 = fmaxf(__fmul_rn(__uint_as_float(__float_as_uint(a) & 0x7F800000u), 0x1p-25f), 0x1p-39f);
+  const float k = __uint2float_rn(random_word >> 8);  // exact (< 2^24)
+  return __fmaf_rd(k, w24, lo) < a ? __fmaf_rn(w24, 16777216.0f, lo) : lo;
+}
+
+// The 8 bits b (element i = bit i) as the code LSBs of eight nibbles (nibble i = element i); inverse of nibble_lsbs.
+__device__ __forceinline__ uint32_t bits_to_nibble_lsbs(uint32_t b) {
+  b &= 0xFFu;
+  b = (b | (b << 12)) & 0x000F000Fu;
+  b = (b | (b << 6)) & 0x03030303u;
+  return (b | (b << 3)) & 0x11111111u;
+}
+
+// Guided rounding on eight packed codes. lo_codes: the codes of the lower bracket ends with v's signs
+// (e2m1_pack8_x2m14 of the signed floors); off_grid: nibble i = 1 iff element i is off the grid (a != lo, so
+// hi = lo + 1 <= 7 and adding 1 never carries out of the nibble), else 0.
+// Compact (SPEC 5): hi iff off the grid and the rollout's bit differs from lo's LSB (then it equals hi's LSB).
+__device__ __forceinline__ uint32_t e2m1_guided_compact_pack8(uint32_t lo_codes, uint32_t off_grid,
+                                                              uint32_t rollout_lsbs) {
+  return lo_codes + (off_grid & (lo_codes ^ rollout_lsbs));
+}
+// Full (SPEC 5): hi iff off the grid, the rollout's code has v's sign and its magnitude reaches hi = lo + 1, i.e. is
+// > lo. Per nibble (8 + R_m) - L_m - 1 lies in [0, 14] (no borrow between nibbles) and has bit 3 set iff R_m > L_m.
+// (A rollout of the other sign reaches hi only when hi == 0, which is on the grid.)
+__device__ __forceinline__ uint32_t e2m1_guided_full_pack8(uint32_t lo_codes, uint32_t off_grid,
+                                                           uint32_t rollout_codes) {
+  const uint32_t gt = (rollout_codes | 0x88888888u) - (lo_codes & 0x77777777u) - 0x11111111u;
+  const uint32_t take = gt & ~(rollout_codes ^ lo_codes);  // bit 3 of each nibble: R_m > L_m and same sign
+  return lo_codes + (off_grid & (take >> 3));
+}
+
 // SPEC 5, compact guidance: the bracket end whose mantissa bit (code LSB) equals the rollout's bit.
 __device__ __forceinline__ uint32_t e2m1_guided_compact_magnitude(float a, uint32_t mantissa_bit) {
   E2M1Bracket b = e2m1_bracket(a);

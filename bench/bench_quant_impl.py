@@ -1,0 +1,95 @@
+"""A/B of the NVFP4 quantize element-code variants in one process (TRACE_EXT_QUANT_IMPL is read per call):
+"scaled" (default: SR / guided in the 2^-14-scaled domain, RTN saturated per element), "bits" (the previous SR /
+guided code) and "rtn-sat" (RTN saturated after packing), on 2^26 and 2^28 bf16 elements (H200).
+
+Each (op, shape) is timed for every variant in two interleaved rounds (A B C A B C; the better median of the two is
+kept) so that clock / thermal drift between variants cancels; the codes of every variant are checked equal first.
+Timing: bench.common.do_bench_cold (median, L2 flushed before every call); % of the device-to-device copy bandwidth
+measured in the same run, bytes counted as in bench_quant.py.
+Run from the repo root with the package installed:  python bench/bench_quant_impl.py
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, print_table, write_results  # noqa: E402
+
+import trace_ext  # noqa: E402
+from trace_ext import reference as ref  # noqa: E402
+
+SHAPES = ((16384, 4096), (65536, 4096))  # 2^26 and 2^28 elements
+VARIANTS = ("scaled", "bits", "rtn-sat")
+ENV = "TRACE_EXT_QUANT_IMPL"
+
+
+def set_variant(v: str) -> None:
+    if v == "scaled":
+        os.environ.pop(ENV, None)
+    else:
+        os.environ[ENV] = v
+
+
+def main() -> None:
+    b = trace_ext.backends()
+    if not b["kernels_usable"]:
+        raise SystemExit(f"compiled kernels unusable: {b['kernels_unusable_reason']}")
+    op = torch.ops.trace_ext
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"copy bandwidth: {copy_gbs:.1f} GB/s")
+    rows = []
+    for R, K in SHAPES:
+        n = R * K
+        x = torch.randn(R, K, device="cuda", dtype=torch.bfloat16)
+        g = ref.nvfp4_global_scale(x, "row").contiguous()
+        set_variant("scaled")
+        codes, scales, g_out, _ = op.nvfp4_quantize(x, None, 0, 0, 0, None, None, None, False, False)
+        x_train = (x.float() * (1 + 1e-3 * torch.randn_like(x, dtype=torch.float32))).to(torch.bfloat16)
+        mbits = ref.mantissa_bits_of_codes(codes)
+        q_bytes = 2 * n + n // 2 + n // 16
+        compact = R * (K // 8 + K // 16 + 4)
+        full = R * (K // 2 + K // 16 + 4)
+        cases = [
+            ("nvfp4 rtn (per-row g fused)", q_bytes + 4 * R,
+             lambda: op.nvfp4_quantize(x, None, 0, 0, 0, None, None, None, False, False)),
+            ("nvfp4 rtn (g given)", q_bytes + 8 * R,
+             lambda: op.nvfp4_quantize(x, g, 0, 0, 0, None, None, None, False, False)),
+            ("nvfp4 sr (per-row g fused)", q_bytes + 4 * R,
+             lambda: op.nvfp4_quantize(x, None, 1, 7, 0, None, None, None, False, False)),
+            ("nvfp4 sr (g given)", q_bytes + 8 * R,
+             lambda: op.nvfp4_quantize(x, g, 1, 7, 0, None, None, None, False, False)),
+            ("nvfp4 guided compact", q_bytes + 4 * R + compact,
+             lambda: op.nvfp4_quantize(x_train, None, 2, 0, 0, scales, g_out, mbits, False, False)),
+            ("nvfp4 guided full", q_bytes + 4 * R + full,
+             lambda: op.nvfp4_quantize(x_train, None, 3, 0, 0, scales, g_out, codes, False, False)),
+        ]
+        for name, nbytes, fn in cases:
+            outs = {}
+            for v in VARIANTS:
+                set_variant(v)
+                outs[v] = fn()[0]
+            same = all(torch.equal(outs[v], outs["scaled"]) for v in VARIANTS)
+            best = {v: float("inf") for v in VARIANTS}
+            for _ in range(2):
+                for v in VARIANTS:
+                    set_variant(v)
+                    best[v] = min(best[v], do_bench_cold(fn))
+            for v in VARIANTS:
+                gbs = nbytes / (best[v] * 1e-3) / 1e9
+                rows.append({"op": name, "shape": f"{R}x{K}", "variant": v, "ms": best[v], "GB/s": gbs,
+                             "% copy": 100.0 * gbs / copy_gbs, "vs bits": best["bits"] / best[v],
+                             "codes equal": same})
+        set_variant("scaled")
+        del x, x_train, codes, scales, g_out, mbits
+        torch.cuda.empty_cache()
+    print_table(rows)
+    path = write_results("quant_impl_h200", rows, env_stamp("python bench/bench_quant_impl.py"),
+                         notes=f"copy bandwidth {copy_gbs:.1f} GB/s; variants via {ENV} (read per call)")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""NVFP4 quantize element code, every variant: the scaled-domain code (default), the previous SR / guided code
+(TRACE_EXT_QUANT_IMPL=bits) and RTN saturated after packing (TRACE_EXT_QUANT_IMPL=rtn-sat), read per call, bit for
+bit against the reference on values dense around every E2M1 grid point and rounding threshold, with every rollout
+payload (guided), threshold-adjacent SR draws from many seeds, and saturating quotients (RTN). Blocks are built so
+that the divisor t is exactly 1 (rollout scale byte 0x38 with g = 1; or a leading +-6 with g = 1 for RTN / SR), so
+v = x and the values hit the thresholds exactly.
+Run: pytest tests/gpu/test_quant_impl_gpu.py -q   (on the H200, with the extension built)
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trace_ext import ops
+from trace_ext import reference as ref
+from trace_ext.tensor import GuidanceRecord
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+GRID = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+@pytest.fixture(params=("scaled", "bits", "rtn-sat"))
+def impl(request, monkeypatch):
+    if request.param == "scaled":
+        monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
+    else:
+        monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", request.param)
+    return request.param
+
+
+def dense_magnitudes(ulps: int, top: float = 6.0, extra=()) -> np.ndarray:
+    """Every float32 within `ulps` of each grid point, tie and binade edge (<= top), plus 0."""
+    centers = [c for c in GRID + TIES + (0.125, 0.0625) if c <= top] + list(extra)
+    out = [np.zeros(1, dtype=np.float32)]
+    for c in centers:
+        b = int(np.array([c], dtype=np.float32).view(np.uint32)[0])
+        out.append(np.arange(b - ulps, b + ulps + 1, dtype=np.uint32).view(np.float32))
+    v = np.concatenate(out)
+    return v[v <= top]
+
+
+def blocks_led_by_six(mags: np.ndarray, seed: int) -> torch.Tensor:
+    """Rows of 16-element blocks, element 0 = +-6 (so s = 1 and t = 1 with g = 1), the others +-mags."""
+    rng = np.random.default_rng(seed)
+    mags = mags[rng.permutation(mags.size)]
+    mags = np.concatenate([mags, np.zeros((-mags.size) % 15, dtype=np.float32)]).reshape(-1, 15)
+    lead = np.full((mags.shape[0], 1), 6.0, dtype=np.float32)
+    b = np.concatenate([lead, mags], axis=1)
+    b = np.where(rng.integers(0, 2, b.shape) > 0, -b, b).astype(np.float32)
+    b = np.concatenate([b, np.zeros(((-b.shape[0]) % 64, 16), dtype=np.float32)])  # 64 blocks per row
+    return torch.from_numpy(b.reshape(-1, 1024)).to(DEV)
+
+
+def assert_codes(qc, qr, what):
+    assert torch.equal(qc.codes, qr.codes), f"{what}: {int((qc.codes != qr.codes).sum())} code bytes differ"
+    assert torch.equal(qc.scales, qr.scales), f"{what}: scales differ"
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_rtn_dense_thresholds_and_saturation(impl, dtype):
+    x = blocks_led_by_six(dense_magnitudes(512), 0).to(dtype)
+    one = torch.ones(1, device=DEV)
+    assert_codes(ops.nvfp4_quantize(x, one, backend="cuda"), ops.nvfp4_quantize(x, one, backend="reference"),
+                 f"rtn {impl} {dtype}")
+    # tiny g: the scale byte saturates at 448 and quotients reach ~2^40 (fp16 overflow of u; saturation)
+    for gv in (2.0**-20, 2.0**-40):
+        g = torch.tensor([gv], device=DEV)
+        xs = (x.float() * torch.exp2(torch.randint(-8, 8, x.shape, device=DEV).float())).to(dtype)
+        assert_codes(ops.nvfp4_quantize(xs, g, backend="cuda"), ops.nvfp4_quantize(xs, g, backend="reference"),
+                     f"rtn sat {impl} {dtype} g={gv}")
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_sr_dense_thresholds_many_seeds(impl, dtype):
+    x = blocks_led_by_six(dense_magnitudes(256), 1).to(dtype)
+    one = torch.ones(1, device=DEV)
+    for seed, offset in ((0, 0), (7, 3), (2**40 + 1, 2**33), (123456789, 1)):
+        kw = {"rounding": "sr", "seed": seed, "offset": offset}
+        assert_codes(ops.nvfp4_quantize(x, one, backend="cuda", **kw),
+                     ops.nvfp4_quantize(x, one, backend="reference", **kw), f"sr {impl} {dtype} {seed}")
+
+
+def guided_inputs(kind: str, dtype):
+    """x = every dense value (both signs, above 6 too) with every payload, t = 1 through the rollout's record."""
+    mags = dense_magnitudes(256, top=1e30, extra=(8.0, 12.0, 2.0**-99, 2.0**-100, 1e30))
+    n_pay = 2 if kind == "compact" else 16
+    v = np.repeat(np.concatenate([mags, -mags]), n_pay)
+    pay = np.tile(np.arange(n_pay), 2 * mags.size)
+    perm = np.random.default_rng(2).permutation(v.size)
+    v, pay = v[perm], pay[perm]
+    pad = (-v.size) % 1024
+    v = np.concatenate([v, np.zeros(pad, dtype=np.float32)]).reshape(-1, 1024)
+    pay = np.concatenate([pay, np.zeros(pad, dtype=pay.dtype)]).reshape(-1, 1024)
+    R, K = v.shape
+    p = torch.from_numpy(pay).to(DEV)
+    if kind == "compact":
+        payload = ref.pack_mantissa_bits(p)
+    else:
+        payload = (p[:, 0::2] | (p[:, 1::2] << 4)).to(torch.uint8)
+    rec = GuidanceRecord(kind=kind, payload=payload.contiguous(),
+                         scales=torch.full((R, K // 16), 0x38, dtype=torch.uint8, device=DEV),
+                         g=torch.ones(R, device=DEV))
+    return torch.from_numpy(v).to(DEV).to(dtype), rec
+
+
+@pytest.mark.parametrize("kind", ("compact", "full"))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_guided_every_payload_dense_values(impl, kind, dtype):
+    x, rec = guided_inputs(kind, dtype)
+    kw = {"rounding": "guided", "guidance": rec}
+    assert_codes(ops.nvfp4_quantize(x, backend="cuda", **kw), ops.nvfp4_quantize(x, backend="reference", **kw),
+                 f"guided {kind} {impl} {dtype}")
+
+
+def test_impls_agree_on_random_activations(monkeypatch):
+    """The variants give identical codes on random activations in every mode (the A/B is fair)."""
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    x = torch.randn(64, 4096, generator=gen, device=DEV).to(torch.bfloat16)
+    rec = {k: ref.guidance_from_quantized(ref.nvfp4_quantize((x.float() * 1.001).to(torch.bfloat16)), k)
+           for k in ("compact", "full")}
+    cases = [{}, {"rounding": "sr", "seed": 9, "offset": 4}]
+    cases += [{"rounding": "guided", "guidance": r} for r in rec.values()]
+    for kw in cases:
+        monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
+        a = ops.nvfp4_quantize(x, backend="cuda", **kw)
+        for variant in ("bits", "rtn-sat"):
+            monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", variant)
+            b = ops.nvfp4_quantize(x, backend="cuda", **kw)
+            assert torch.equal(a.codes, b.codes), (variant, list(kw))
