@@ -6,7 +6,8 @@ Shapes: the large-M rows of bench_gemm.py (M in {1024, 4096, 16384} x the Mixtra
 partial-wave shapes (Qwen3 gate_up at M = 4096, Mixtral w2 at M = 4097). Per row: cuBLAS bf16 in the same run,
 W4A16 and W4A4 (activation quantization included) under dp / streamk / auto, and whether streamk and dp give the
 same bits (they must). Timing as bench_gemm.py: do_bench median with a cold L2, 4 weight sets rotated.
-Run: python bench/bench_wgmma_sched.py (wgmma_sched_h200.{json,md} in $BENCH_OUT or bench/results/).
+Run: python bench/bench_wgmma_sched.py (wgmma_sched_h200.{json,md} in $BENCH_OUT or bench/results/);
+SCHED_PARTIAL_ONLY=1 keeps only the rows whose data-parallel wave efficiency is < 0.9 (where auto may differ).
 """
 from __future__ import annotations
 
@@ -52,11 +53,13 @@ def main():
     for N, K, Ms in SHAPES:
         sets = _dense_weight_sets(N, K)
         for M in Ms:
+            tiles, waves, eff, auto = _plan(M, N, K, sms)
+            if os.environ.get("SCHED_PARTIAL_ONLY") == "1" and eff >= 0.9:
+                continue
             a = torch.randn(M, K, device=DEV).bfloat16()
             nw = _rot([s[0] for s in sets])
             nb = _rot([s[1] for s in sets])
             flops = 2 * M * N * K
-            tiles, waves, eff, auto = _plan(M, N, K, sms)
             base = _bench_or_nan(lambda: torch.matmul(a, nb().T), rep_ms=100)
             row = {"shape": f"M={M} N={N} K={K}", "tiles": tiles, "waves": waves, "dp_eff": eff, "auto": auto,
                    "cublas_ms": base}
