@@ -713,16 +713,6 @@ int* ticket_buffer(const at::Tensor& like, cudaStream_t stream, int n) {
   return buf.data_ptr<int>();
 }
 
-int sm_count(int dev) {
-  static int counts[kMaxDevices] = {};
-  int sms = dev < kMaxDevices ? counts[dev] : 0;
-  if (sms == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    if (dev < kMaxDevices) counts[dev] = sms;
-  }
-  return sms;
-}
-
 // Flat-stream launch: one resident wave (kMinBlocks CTAs per SM); the kernel uses at most one warp per 2 tiles
 // (grouped: the tile count is only known on the device, from offsets).
 template <int MT8, bool kAFp4, int kStages, int kMinBlocks, bool kGrouped>

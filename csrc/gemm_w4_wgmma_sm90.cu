@@ -903,15 +903,6 @@ void prepare_rs_kernel(Kernel kernel, bool (&attr_set)[kMaxDevices], int dev, co
   }
 }
 
-int sm_count(int dev) {
-  static int cache[kMaxDevices] = {};
-  if (dev < kMaxDevices && cache[dev] > 0) return cache[dev];
-  int n = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-  if (dev < kMaxDevices) cache[dev] = n;
-  return n;
-}
-
 // Scheduler of a dense RS launch. TRACE_EXT_WGMMA_SCHED (read per call): "dp" always one CTA per tile, "streamk"
 // the stream-K kernel for every dense shape, unset / "auto" the rule below. TRACE_EXT_WGMMA_SK_CTAS=<n> (read per
 // call, tests): n stream-K CTAs instead of one per SM (at most one per SM).

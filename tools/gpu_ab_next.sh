@@ -12,7 +12,7 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.lo
   timeout "$secs" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   echo "=== $name rc=$rc $((SECONDS - t0))s"; tail -${TAILN:-6} "$OUT/$name.log"
 }
-make gpu-build > "$OUT/build.log" 2>&1 || { tail -40 $T/build.log; exit 1; }
+make gpu-build > "$OUT/build.log" 2>&1 || { cp $T/build.log "$OUT/build_full.log"; grep -n -B3 -A12 "error" $T/build.log | grep -v "^.*pip-setuptools" | head -120; exit 1; }
 echo "built in ${SECONDS}s"
 P="python3 -m pytest -q -p no:cacheprovider -x --tb=short"
 step t_sk 120 $P tests/gpu/test_gemm_gpu.py -k "stream_k or scheduler"

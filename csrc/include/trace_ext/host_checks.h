@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
 
@@ -16,19 +17,20 @@
 
 namespace trace_ext {
 
-// Multiprocessors of the current device, cached per device (the attribute query is not free on every call).
-inline int current_sm_count() {
+// Multiprocessors of device `dev`, cached per device (the attribute query is not free on every call).
+inline int sm_count(int dev) {
   constexpr int kMaxDevices = 64;
   static int cached[kMaxDevices] = {};
-  const int dev = c10::cuda::current_device();
-  if (dev < 0 || dev >= kMaxDevices) return 132;
-  if (cached[dev] == 0) {
-    int n = 0;
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    cached[dev] = n > 0 ? n : 1;
-  }
-  return cached[dev];
+  if (dev >= 0 && dev < kMaxDevices && cached[dev] > 0) return cached[dev];
+  int n = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  n = n > 0 ? n : 1;
+  if (dev >= 0 && dev < kMaxDevices) cached[dev] = n;
+  return n;
 }
+
+// Multiprocessors of the current device.
+inline int current_sm_count() { return sm_count(c10::cuda::current_device()); }
 
 inline void check_cuda(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda(), "trace_ext: ", name, " must be a CUDA tensor, got ", t.device());
