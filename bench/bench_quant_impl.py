@@ -1,6 +1,6 @@
 """A/B of the NVFP4 quantize element-code variants in one process (TRACE_EXT_QUANT_IMPL is read per call):
-"scaled" (default: SR / guided in the 2^-14-scaled domain, RTN saturated per element), "bits" (the previous SR /
-guided code) and "rtn-sat" (RTN saturated after packing), on 2^26 and 2^28 bf16 elements (H200).
+"default" (SR / guided in the 2^-14-scaled domain, RTN saturated after packing), "bits" (the previous SR / guided
+code) and "rtn-fminf" (RTN saturated per element by fminf), on 2^26 and 2^28 bf16 elements (H200).
 
 Each (op, shape) is timed for every variant in two interleaved rounds (A B C A B C; the better median of the two is
 kept) so that clock / thermal drift between variants cancels; the codes of every variant are checked equal first.
@@ -22,12 +22,12 @@ import trace_ext  # noqa: E402
 from trace_ext import reference as ref  # noqa: E402
 
 SHAPES = ((16384, 4096), (65536, 4096))  # 2^26 and 2^28 elements
-VARIANTS = ("scaled", "bits", "rtn-sat")
+VARIANTS = ("default", "bits", "rtn-fminf")
 ENV = "TRACE_EXT_QUANT_IMPL"
 
 
 def set_variant(v: str) -> None:
-    if v == "scaled":
+    if v == "default":
         os.environ.pop(ENV, None)
     else:
         os.environ[ENV] = v
@@ -45,7 +45,7 @@ def main() -> None:
         n = R * K
         x = torch.randn(R, K, device="cuda", dtype=torch.bfloat16)
         g = ref.nvfp4_global_scale(x, "row").contiguous()
-        set_variant("scaled")
+        set_variant("default")
         codes, scales, g_out, _ = op.nvfp4_quantize(x, None, 0, 0, 0, None, None, None, False, False)
         x_train = (x.float() * (1 + 1e-3 * torch.randn_like(x, dtype=torch.float32))).to(torch.bfloat16)
         mbits = ref.mantissa_bits_of_codes(codes)
@@ -71,7 +71,7 @@ def main() -> None:
             for v in VARIANTS:
                 set_variant(v)
                 outs[v] = fn()[0]
-            same = all(torch.equal(outs[v], outs["scaled"]) for v in VARIANTS)
+            same = all(torch.equal(outs[v], outs["default"]) for v in VARIANTS)
             best = {v: float("inf") for v in VARIANTS}
             for _ in range(2):
                 for v in VARIANTS:
@@ -82,7 +82,7 @@ def main() -> None:
                 rows.append({"op": name, "shape": f"{R}x{K}", "variant": v, "ms": best[v], "GB/s": gbs,
                              "% copy": 100.0 * gbs / copy_gbs, "vs bits": best["bits"] / best[v],
                              "codes equal": same})
-        set_variant("scaled")
+        set_variant("default")
         del x, x_train, codes, scales, g_out, mbits
         torch.cuda.empty_cache()
     print_table(rows)

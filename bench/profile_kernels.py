@@ -69,9 +69,9 @@ def kv_cases():
     yield "kv decode B32 Hq32 Hkv4 S8K", lambda: op.fp4kv_decode_attention(
         q, kc, ks, vc, vs, table, seq_lens, 1 / math.sqrt(D), 0.01, 0.02, 0)
 
-    def heads():  # the heads kernel (TRACE_EXT_KV_DECODE_IMPL is read per call)
+    def g8():  # the swapped-operand g8 kernel, the default before the heads kernel (the switch is read per call)
         saved = os.environ.get("TRACE_EXT_KV_DECODE_IMPL")
-        os.environ["TRACE_EXT_KV_DECODE_IMPL"] = "heads"
+        os.environ["TRACE_EXT_KV_DECODE_IMPL"] = "g8"
         try:
             return op.fp4kv_decode_attention(q, kc, ks, vc, vs, table, seq_lens, 1 / math.sqrt(D), 0.01, 0.02, 0)
         finally:
@@ -80,7 +80,7 @@ def kv_cases():
             else:
                 os.environ["TRACE_EXT_KV_DECODE_IMPL"] = saved
 
-    yield "kv decode heads B32 Hq32 Hkv4 S8K", heads
+    yield "kv decode g8 B32 Hq32 Hkv4 S8K", g8
     args = append_inputs(gen)
     yield "kv append B8 x 4096", lambda: op.fp4kv_append(*args)
 

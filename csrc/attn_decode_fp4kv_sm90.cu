@@ -68,8 +68,9 @@
 //   other KV heads' CTAs read the rest of each line) and 8-byte scale pieces (one 32-byte sector each), 96
 //   sector requests per 2304 bytes. Next steps: the 4 warps of a CTA on 4 KV heads of the same tokens (one
 //   contiguous page block per tile, 16-byte scale copies), and fewer loader instructions per tile.
-// - That restructure is fp4kv_decode_kernel_heads (TRACE_EXT_KV_DECODE_IMPL=heads, opt-in until measured; notes
-//   at its definition and in notes/NEXT_kv_decode_layout.md): grid (split, H_kv / 4, sequence), warp w = KV head
+// - That restructure is fp4kv_decode_kernel_heads (the default where it applies since the H200 A/B at 9bba77a:
+//   1.06-1.26x over g8, B8 S32K 58%, B1 S128K 50% of copy; TRACE_EXT_KV_DECODE_IMPL=g8 selects the g8 kernel; notes
+//   at its definition and in notes/GPU_RESULTS.md): grid (split, H_kv / 4, sequence), warp w = KV head
 //   4 hg + w, the CTA copies each 16-token tile as 16-byte pieces of the contiguous 4-head runs (one address per
 //   thread per tile, one table load per page) into a shared 4-stage ring, one __syncthreads per tile, no
 //   cross-warp merge. SASS (sm_90a, D = 128), static loop body per warp and 16-token tile: 475 instructions vs
@@ -1632,11 +1633,13 @@ __global__ void __launch_bounds__(kWideWarps * 32) fp4kv_decode_combine_wide_ker
 
 // ---- host ------------------------------------------------------------------------------------------------
 
-// Kernel variants: the G <= 8 swapped-operand kernel (default when G <= 8), the M = 16 heads kernel with Q in
-// shared memory (default for G > 8; TRACE_EXT_KV_DECODE_IMPL=qsmem forces it) and with Q in registers
-// (TRACE_EXT_KV_DECODE_IMPL=old: the kernel before the occupancy work). Read per call, so that one process can
-// time all three. TRACE_EXT_KV_DECODE_IMPL=heads selects the heads kernel (4 KV heads per CTA, CTA-shared contiguous
-// tile copies) where it applies (G <= 8, H_kv % 4 == 0, 16-byte aligned cache bases), else the default.
+// Kernel variants, read per call so that one process can time them all: the heads kernel (4 KV heads per CTA,
+// CTA-shared contiguous tile copies; default where it applies: G <= 8, H_kv % 4 == 0, 16-byte aligned cache
+// bases; H200 A/B 1.06-1.26x over the swapped-operand kernel, bench/results/kv_h200.md), the G <= 8
+// swapped-operand kernel (default for other G <= 8 shapes; TRACE_EXT_KV_DECODE_IMPL=g8 selects it wherever G <= 8),
+// the M = 16 kernel with Q in shared memory (default for G > 8; TRACE_EXT_KV_DECODE_IMPL=qsmem forces it) and with
+// Q in registers (TRACE_EXT_KV_DECODE_IMPL=old: the kernel before the occupancy work). Any other value (e.g. the
+// former opt-in "heads") selects the default.
 enum DecodeImpl : int { kImplRegQ = 0, kImplSmemQ = 1, kImplSwap = 2, kImplHeads = 3 };
 using DecodeKernelFn = void (*)(DecodeParams);
 
@@ -1667,8 +1670,9 @@ int decode_impl(int group, bool heads_ok) {
   const char* env = std::getenv("TRACE_EXT_KV_DECODE_IMPL");
   if (env != nullptr && std::strcmp(env, "old") == 0) return kImplRegQ;
   if (env != nullptr && std::strcmp(env, "qsmem") == 0) return kImplSmemQ;
-  if (env != nullptr && std::strcmp(env, "heads") == 0 && group <= 8 && heads_ok) return kImplHeads;
-  return group <= 8 ? kImplSwap : kImplSmemQ;
+  if (env != nullptr && std::strcmp(env, "g8") == 0 && group <= 8) return kImplSwap;
+  if (group > 8) return kImplSmemQ;
+  return heads_ok ? kImplHeads : kImplSwap;
 }
 
 template <int D, int kImpl>

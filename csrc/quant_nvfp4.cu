@@ -29,7 +29,8 @@
 //   by prmt sign replication). All were checked against reference.py: RTN over every non-negative float, the
 //   scaled SR / guided floor, off-grid test and SR threshold over every float in [2^-100, 8] (numpy emulation), the
 //   division in exact arithmetic near every rounding midpoint. TRACE_EXT_QUANT_IMPL=bits keeps the previous SR /
-//   guided code (codes read off the float's bits, e2m1_*_bits), =rtn-sat an RTN saturated after packing (A/B).
+//   guided code (codes read off the float's bits, e2m1_*_bits); RTN saturates after packing (one min.u16x2 per
+//   fp16 pair), =rtn-fminf keeps the per-element fminf saturation (A/B; bench/results/quant_impl_h200.md).
 // - SR: one philox4x32_10 call per 4 elements (counter = flat element index / 4, SPEC 4), with the seed's key
 //   schedule precomputed on the host (philox4x32_10_scheduled: keys are constant-bank operands of the XORs).
 //   SR / guided skip the per-element tiny-quotient test when a block-level bound on the smallest nonzero |x|
@@ -65,9 +66,10 @@ constexpr int kMaxTeam = 512;                                // largest row team
 constexpr int kRowBlocksPerLane = 2;                         // fused per-row g: whole blocks per lane of a row team
 constexpr int64_t kFusedMaxK = int64_t(kMaxTeam) * kRowBlocksPerLane * kNvfp4Block;  // 16384: longest row on chip
 constexpr int kMinTeam = 1;
-constexpr int kImplScaled = 0;   // element code in the 2^-14-scaled domain (default)
+constexpr int kImplScaled = 0;   // element code in the 2^-14-scaled domain, RTN saturated per element by fminf
+                                 // (TRACE_EXT_QUANT_IMPL=rtn-fminf)
 constexpr int kImplBits = 1;     // previous SR / guided code (TRACE_EXT_QUANT_IMPL=bits); RTN as kImplScaled
-constexpr int kImplRtnSat = 2;   // RTN saturated after packing (TRACE_EXT_QUANT_IMPL=rtn-sat); else as kImplScaled
+constexpr int kImplRtnSat = 2;   // default: RTN saturated after packing (H200 A/B: 1.01-1.05x); else as kImplScaled
 static_assert(kChunkElems % 8 == 0, "a chunk must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kNvfp4Block % 8 == 0, "a block must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 2 blocks x 16 elements");
@@ -697,13 +699,13 @@ void launch_quant_impl(const QuantParams& p, int64_t rounding, bool rowg, cudaSt
 }
 
 // TRACE_EXT_QUANT_IMPL, read per call so that one process can time the variants: "bits" selects the previous SR /
-// guided element code (e2m1_*_bits), "rtn-sat" the RTN saturated after packing; unset (or anything else) the
-// scaled-domain SR / guided code and the fminf-saturated RTN.
+// guided element code (e2m1_*_bits), "rtn-fminf" the RTN saturated per element by fminf; unset (or anything else)
+// the scaled-domain SR / guided code and the RTN saturated after packing.
 int quant_impl() {
   const char* v = std::getenv("TRACE_EXT_QUANT_IMPL");
   if (v != nullptr && std::strcmp(v, "bits") == 0) return kImplBits;
-  if (v != nullptr && std::strcmp(v, "rtn-sat") == 0) return kImplRtnSat;
-  return kImplScaled;
+  if (v != nullptr && std::strcmp(v, "rtn-fminf") == 0) return kImplScaled;
+  return kImplRtnSat;
 }
 
 template <bool FAKE, typename T>

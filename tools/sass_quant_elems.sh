@@ -24,7 +24,7 @@ def demangle(k):
 names = {k: demangle(k) for k in funcs if "probe" in k}
 base = next(sum(funcs[k].values()) for k, d in names.items() if "probe_baseline" in d)
 label = {"0": "rtn", "1": "sr", "2": "guided compact", "3": "guided full"}
-impl = {"0": "scaled", "1": "bits", "2": "rtn-sat"}
+impl = {"0": "scaled (rtn-fminf)", "1": "bits", "2": "default (rtn saturated after packing)"}
 print(f"baseline (loads + stores): {base} instructions")
 print("mode             impl     total  per elem  top opcodes (whole probe)")
 for k, d in sorted(names.items(), key=lambda kv: kv[1]):

@@ -197,8 +197,9 @@ def test_decode_fused_split_combine_matches_combine_kernel(monkeypatch):
         assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
 
 
-# The heads kernel (TRACE_EXT_KV_DECODE_IMPL=heads: 4 KV heads per CTA, CTA-shared contiguous tile copies) runs
-# where G <= 8 and H_kv % 4 == 0; elsewhere the switch falls back to the default kernel. Extra cases: page sizes
+# The heads kernel (4 KV heads per CTA, CTA-shared contiguous tile copies; the default) runs where G <= 8 and
+# H_kv % 4 == 0, the g8 swapped-operand kernel elsewhere for G <= 8 (TRACE_EXT_KV_DECODE_IMPL=g8 selects it wherever
+# G <= 8): both are checked on every case below. Extra cases: page sizes
 # that are not multiples of the 16-token tile (tiles straddle pages, several table loads per tile), 8 KV heads
 # (two head groups per sequence), and a head group past the first (grid.y > 0) with G = 1.
 HEADS_CASES = DECODE_CASES + [
@@ -208,19 +209,21 @@ HEADS_CASES = DECODE_CASES + [
 ]
 
 
+@pytest.mark.parametrize("impl", ["heads", "g8"])
 @pytest.mark.parametrize("lens, Hq, Hkv, D, P", HEADS_CASES)
-def test_decode_heads_kernel_error_at_most_twice_sdpa_bf16(lens, Hq, Hkv, D, P, monkeypatch):
-    """The heads kernel meets the same bound as the default kernel on every decode case (and falls back where it
-    does not apply)."""
-    monkeypatch.setenv("TRACE_EXT_KV_DECODE_IMPL", "heads")
+def test_decode_heads_and_g8_kernels_error_at_most_twice_sdpa_bf16(lens, Hq, Hkv, D, P, impl, monkeypatch):
+    """The heads kernel and the g8 kernel meet the same bound on every decode case (each falls back where it does
+    not apply)."""
+    monkeypatch.setenv("TRACE_EXT_KV_DECODE_IMPL", impl)
     test_decode_error_at_most_twice_sdpa_bf16(lens, Hq, Hkv, D, P)
 
 
+@pytest.mark.parametrize("impl", ["heads", "g8"])
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 64, 1000])
-def test_decode_heads_kernel_split_counts_agree(num_splits, monkeypatch):
+def test_decode_heads_and_g8_kernels_split_counts_agree(num_splits, impl, monkeypatch):
     """Explicit split counts with the heads kernel (empty splits, splits shorter than a tile, and past 2^16 partial
     floats per head group, where the separate combine kernel takes over)."""
-    monkeypatch.setenv("TRACE_EXT_KV_DECODE_IMPL", "heads")
+    monkeypatch.setenv("TRACE_EXT_KV_DECODE_IMPL", impl)
     lens = [2000, 5, 333]
     cache, table, seq_lens, *_ = make_cache(lens, 8, 128, 16, seed=3)
     q = torch.randn(3, 32, 128, device=DEV).to(torch.bfloat16)
@@ -229,10 +232,11 @@ def test_decode_heads_kernel_split_counts_agree(num_splits, monkeypatch):
     assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
 
 
-def test_decode_heads_kernel_fused_split_combine_matches_combine_kernel(monkeypatch):
+@pytest.mark.parametrize("impl", ["heads", "g8"])
+def test_decode_heads_and_g8_kernels_fused_split_combine_matches_combine_kernel(impl, monkeypatch):
     """The heads kernel's in-kernel split-K finish (last CTA per (sequence, head group)) equals the separate combine
     kernel bit for bit, over back-to-back launches with different split counts, G = 4 and 8, empty sequences."""
-    monkeypatch.setenv("TRACE_EXT_KV_DECODE_IMPL", "heads")
+    monkeypatch.setenv("TRACE_EXT_KV_DECODE_IMPL", impl)
     lens = [3000, 5, 0, 777]
     for Hq, Hkv, D in ((16, 4, 128), (64, 8, 64)):
         cache, table, seq_lens, *_ = make_cache(lens, Hkv, D, 16, seed=11)

@@ -1,5 +1,5 @@
-"""NVFP4 quantize element code, every variant: the scaled-domain code (default), the previous SR / guided code
-(TRACE_EXT_QUANT_IMPL=bits) and RTN saturated after packing (TRACE_EXT_QUANT_IMPL=rtn-sat), read per call, bit for
+"""NVFP4 quantize element code, every variant: the scaled-domain code with RTN saturated after packing (default),
+the previous SR / guided code (TRACE_EXT_QUANT_IMPL=bits) and RTN saturated per element (=rtn-fminf), read per call, bit for
 bit against the reference on values dense around every E2M1 grid point and rounding threshold, with every rollout
 payload (guided), threshold-adjacent SR draws from many seeds, and saturating quotients (RTN). Blocks are built so
 that the divisor t is exactly 1 (rollout scale byte 0x38 with g = 1; or a leading +-6 with g = 1 for RTN / SR), so
@@ -23,9 +23,9 @@ GRID = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
-@pytest.fixture(params=("scaled", "bits", "rtn-sat"))
+@pytest.fixture(params=("default", "bits", "rtn-fminf"))
 def impl(request, monkeypatch):
-    if request.param == "scaled":
+    if request.param == "default":
         monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
     else:
         monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", request.param)
@@ -127,7 +127,7 @@ def test_impls_agree_on_random_activations(monkeypatch):
     for kw in cases:
         monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
         a = ops.nvfp4_quantize(x, backend="cuda", **kw)
-        for variant in ("bits", "rtn-sat"):
+        for variant in ("bits", "rtn-fminf"):
             monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", variant)
             b = ops.nvfp4_quantize(x, backend="cuda", **kw)
             assert torch.equal(a.codes, b.codes), (variant, list(kw))
