@@ -4,6 +4,7 @@
 # Every step has its own time limit so that a hang still returns the logs of the steps before it.
 #   OUT=/some/dir tools/gpu_ab_next.sh
 set -u
+[ -f COMMIT ] && export TRACE_EXT_COMMIT=${TRACE_EXT_COMMIT:-$(cat COMMIT)}  # .snap has no .git: stamp the snapshot's commit
 T=/tmp/trace_ext_out
 mkdir -p "$OUT"
 step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log, print the tail
