@@ -25,6 +25,27 @@
 //    epilogue (__threadfence = MEMBAR.SC + ERRBAR + L1 invalidate in every thread, CTA barriers, ticket round
 //    trips) among the top stalls; grouped CTAs (one per N tile and expert, 2 tiles per warp) had the same short
 //    streams. The stream kernel has no CTA barrier after its prologue, one launch wave and its arrivals at the end.
+//  - TRACE_EXT_DECODE_IMPL=pair / pair2 (opt-in, dense only, N % 32 == 0; read at every call so that one process
+//    can time them against the default): the flat streams of the default, but each item is a PAIR of adjacent
+//    16-row blocks at one 256-K super-tile (2 x 2304 B in one ring slot). Why, from the static SASS of the default
+//    stream kernel at <= 8 rows (sm_90a, 80 registers): 416 instructions per 4096-weight tile = 3.25 thread
+//    instructions per weight (LOP3 0.88, IMAD 0.50, SHF 0.40, HMUL2 0.50; HMMA 0.12), all 16 MMAs of a tile
+//    chained on ONE accumulator, and the activation fragments reloaded for every tile (8 x LDG.128 per lane at
+//    8 rows: 4 KB per 2.3 KB of weights, 8 / 16 KB at 16 / 32 rows, K = 4096 of 32 rows = 256 KB, far beyond the L1
+//    left beside the rings: the L2 hit rate of 48 % and the LDG stalls), their latency exposed once per tile.
+//    The pair item loads each activation fragment once for both blocks (half the activation traffic per weight),
+//    runs two independent MMA chains per warp, and halves the per-item bookkeeping: 736 instructions per 8192
+//    weights = 2.88 per weight (static, <= 8 rows). pair: 3 CTAs per SM (80 registers, one item = 4.6 KB ahead
+//    per warp, 110 KB per SM); pair2: 2 CTAs per SM (127 registers, 2 items ahead) and, at <= 8 rows of bf16,
+//    the NEXT item's activation fragments in flight while this one is computed (no L1 / L2 latency per item);
+//    32 rows: both 2 CTAs, 2 items ahead. CTAs are rounded up to whole rounds over the SMs when fewer than the
+//    resident wave (the default's one-warp-per-2-tiles cap leaves 7168 x 4096 unbalanced: 2 CTAs on some SMs,
+//    1 on others). Numbers: the same exact products and fp32 MMA sums as the default; only the K split between
+//    warps differs, so a few outputs round differently (both within the SPEC 7 bound; deterministic).
+//    Not done here: the FP4 expansion is still 11 integer ops per 8 weights (pairs 0-2: 1-2 ops, pair 3: 6); no
+//    single-word (nor two-word funnel) re-encoding expands every pair with one shift + one AND (the bf16 bit
+//    positions {6,7,8,15} + 16 cannot tile 32 bits by shifts), but one that splits pair 3 into two shift classes
+//    (4 ops) is a change of reference_gemm.to_decode_layout (a second packed form), not of this file.
 //  - TRACE_EXT_DECODE_IMPL=ring (the path of de2a673, dense and grouped): every warp streams its super-tiles
 //    through its own cp.async ring in shared memory (3-4 slots of 2304 B, 2-3 super-tiles in flight per warp),
 //    each lane copying and reading back only its own 72 bytes, so cp.async.wait_group orders the copy before the
@@ -723,7 +744,7 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
   const int KT = K / kSuperK;
   const int n_groups = N / (16 * NB);
   const int T = n_groups * KT;  // items (< 2^31, checked on the host)
-  const int W = (int)min((int64_t)n_warps, max((int64_t)1, (int64_t)T / 2));
+  const int W = min(n_warps, T);  // never more warps than items (the ticket counts rely on every warp owning one)
   const int w = blockIdx.x * kDecWarps + warp_id;
   if (T == 0 || w >= W) return;  // warp-uniform; no barrier below
   const int j0 = (int)stream_first_tile(w, T, W), j1 = (int)stream_first_tile(w + 1, T, W);
@@ -987,7 +1008,7 @@ void launch_decode_stream(const GemmParams& p, const at::Tensor& like, cudaStrea
   check_launch("fp4_linear (decode)");
 }
 
-// Pair-stream launch (TRACE_EXT_DECODE_IMPL=pair, dense): one resident wave, at most one warp per 2 items.
+// Pair-stream launch (TRACE_EXT_DECODE_IMPL=pair / pair2, dense): one resident wave.
 template <int MT8, bool kAFp4, int kStages, int kMinBlocks, bool kPrefA = false>
 void launch_decode_pair(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
   auto kernel = gemm_w4_decode_pair_kernel<MT8, kAFp4, kStages, kMinBlocks, kPrefA>;
@@ -1007,12 +1028,18 @@ void launch_decode_pair(const GemmParams& p, const at::Tensor& like, cudaStream_
   const int n_groups = p.N / (16 * kPairNB);
   const int64_t T = (int64_t)n_groups * (p.K / kSuperK);
   TORCH_CHECK(T < (int64_t{1} << 31), "trace_ext: weight too large for the decode GEMM (2^31 tiles)");
-  const int64_t warps = std::max<int64_t>(
-      1, std::min<int64_t>((int64_t)kMinBlocks * sm_count(dev) * kDecWarps, std::max<int64_t>(1, T / 2)));
-  const int ctas = (int)((warps + kDecWarps - 1) / kDecWarps);
+  // about one warp per 2 items, but with whole rounds of CTAs over the SMs when that is less than the resident
+  // wave (e.g. M = 1, 7168 x 4096: 3584 items -> 224 CTAs would put 2 CTAs on 92 SMs and 1 on 40; 264 CTAs of
+  // 1.7 items per warp put 2 on each), and never more warps than items
+  const int64_t sms = sm_count(dev);
+  const int64_t cap = (int64_t)kMinBlocks * sms;  // resident CTAs
+  int64_t ctas = std::min<int64_t>(cap, ((T + 1) / 2 + kDecWarps - 1) / kDecWarps);
+  ctas = std::min<int64_t>(cap, (ctas + sms - 1) / sms * sms);
+  const int64_t warps = std::max<int64_t>(1, std::min<int64_t>(ctas * kDecWarps, T));
+  ctas = (warps + kDecWarps - 1) / kDecWarps;
   at::Tensor ws = at::empty({warps * 2 * kPairNB * MT8 * 4 * 32}, like.options().dtype(at::kFloat));
   int* tickets = ticket_buffer(like, stream, n_groups);
-  kernel<<<ctas, kDecThreads, kRing, stream>>>(p, ws.data_ptr<float>(), tickets, (int)warps);
+  kernel<<<(int)ctas, kDecThreads, kRing, stream>>>(p, ws.data_ptr<float>(), tickets, (int)warps);
   check_launch("fp4_linear (decode)");
 }
 
