@@ -36,8 +36,8 @@
 //    The pair item loads each activation fragment once for both blocks (half the activation traffic per weight),
 //    runs two independent MMA chains per warp, and halves the per-item bookkeeping: 736 instructions per 8192
 //    weights = 2.88 per weight (static, <= 8 rows). pair: 3 CTAs per SM (80 registers, one item = 4.6 KB ahead
-//    per warp, 110 KB per SM); pair2: 2 CTAs per SM (127 registers, 2 items ahead) and, at <= 8 rows of bf16,
-//    the NEXT item's activation fragments in flight while this one is computed (no L1 / L2 latency per item);
+//    per warp, 110 KB per SM); pair2: 2 CTAs per SM (<= 128 registers, 2 items ahead) with the bf16 activation
+//    fragments of the NEXT item (<= 8 rows) / 64-K step (<= 16 rows) in flight while this one is computed;
 //    32 rows: both 2 CTAs, 2 items ahead. CTAs are rounded up to whole rounds over the SMs when fewer than the
 //    resident wave (the default's one-warp-per-2-tiles cap leaves 7168 x 4096 unbalanced: 2 CTAs on some SMs,
 //    1 on others). Numbers: the same exact products and fp32 MMA sums as the default; only the K split between
@@ -727,9 +727,10 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
 // N % 32 == 0 (else the default runs).
 constexpr int kPairNB = 2;
 
-// kPrefA (<= 8 rows, bf16 activations; needs the 128 registers of 2 CTAs per SM): the next item's activation
-// fragments (4 x 8 registers) are loaded while this item is converted and multiplied, so that no L1 / L2 latency
-// is exposed per item; otherwise they are loaded per 64-K step.
+// kPrefA (bf16 activations; needs the 128 registers of 2 CTAs per SM): <= 8 rows: the next item's activation
+// fragments (4 x 8 registers) are loaded while this item is converted and multiplied; <= 16 rows: those of the
+// next 64-K step (2 x 8), so that no L1 / L2 latency is exposed per item / step; otherwise they are loaded per
+// 64-K step right before use.
 template <int MT8, bool kAFp4, int kStages, int kMinBlocks, bool kPrefA>
 __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
     gemm_w4_decode_pair_kernel(const GemmParams p, float* __restrict__ ws, int* __restrict__ tickets, int n_warps) {
@@ -809,13 +810,16 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
   auto load_a_kt = [&](int kt_a, int kk, uint32_t (&bq)[MT8][8]) {
     load_act_frags<MT8, kAFp4>(p, K, kt_a * kSuperK + kk * 64 + 16 * t, 0, p.M, g, bq);
   };
-  constexpr bool kHoistA = kPrefA && MT8 == 1 && !kAFp4;
-  static_assert(!kPrefA || kHoistA, "activation prefetch: <= 8 rows of bf16 only");
+  constexpr bool kHoistA = kPrefA && MT8 == 1 && !kAFp4;  // whole next item ahead (4 x 8 registers)
+  constexpr bool kStepA = kPrefA && MT8 == 2 && !kAFp4;   // one 64-K step ahead (2 x 8 registers)
+  static_assert(!kPrefA || kHoistA || kStepA, "activation prefetch: <= 16 rows of bf16 only");
   uint32_t bqh[kHoistA ? 4 : 1][MT8][8];  // this item's fragments (kHoistA)
   if constexpr (kHoistA) {
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) load_a_kt(kt, kk, bqh[kk]);
   }
+  uint32_t bqs[MT8][8];  // the next 64-K step's fragments (kStepA), in flight during this step
+  if constexpr (kStepA) load_a_kt(kt, 0, bqs);
   for (int j = j0; j < j1; ++j) {
     auto load_a = [&](int kk, uint32_t (&bq)[MT8][8]) { load_a_kt(kt, kk, bq); };
     uint32_t bqn[kHoistA ? 4 : 1][MT8][8];  // the next item's fragments, in flight during this item
@@ -843,6 +847,18 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
         for (int i = 0; i < MT8; ++i)
 #pragma unroll
           for (int jj = 0; jj < 8; ++jj) bq[i][jj] = bqh[kk][i][jj];
+      } else if constexpr (kStepA) {
+#pragma unroll
+        for (int i = 0; i < MT8; ++i)
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) bq[i][jj] = bqs[i][jj];
+        // next step: this item's kk + 1, or step 0 of the next item (whose k tile follows kt; past the warp's last
+        // item the loads are in range and unused)
+        if (kk < 3) {
+          load_a(kk + 1, bqs);
+        } else {
+          load_a_kt(kt + 1 == KT ? 0 : kt + 1, 0, bqs);
+        }
       } else {
         load_a(kk, bq);
       }
@@ -1183,8 +1199,8 @@ void run_decode_new(const GemmParams& p, int64_t rows_hint, const at::Tensor& li
   const int pair = decode_pair_selected();
   if (pair != 0 && p.N % (16 * kPairNB) == 0) {
     // opt-in pair streams. pair: 3 CTAs per SM (1 item = 4.6 KB ahead per warp, 80 registers) up to 16 rows;
-    // pair2: 2 CTAs per SM (2 items = 9.2 KB ahead per warp, 128 registers), <= 8 rows of bf16 with the next
-    // item's activation fragments in flight; both: 2 CTAs (2 items ahead) for 32 rows
+    // pair2: 2 CTAs per SM (2 items = 9.2 KB ahead per warp, 128 registers), bf16 activation fragments in flight
+    // one item (<= 8 rows) / one 64-K step (<= 16 rows) ahead; both: 2 CTAs (2 items ahead) for 32 rows
     if (p.M <= 8) {
       if (pair == 1) {
         launch_decode_pair<1, kAFp4, 2, 3>(p, like, stream);
@@ -1195,7 +1211,7 @@ void run_decode_new(const GemmParams& p, int64_t rows_hint, const at::Tensor& li
       if (pair == 1) {
         launch_decode_pair<2, kAFp4, 2, 3>(p, like, stream);
       } else {
-        launch_decode_pair<2, kAFp4, 3, 2>(p, like, stream);
+        launch_decode_pair<2, kAFp4, 3, 2, !kAFp4>(p, like, stream);
       }
     } else {
       launch_decode_pair<4, kAFp4, 3, 2>(p, like, stream);
