@@ -25,6 +25,27 @@
 //    epilogue (__threadfence = MEMBAR.SC + ERRBAR + L1 invalidate in every thread, CTA barriers, ticket round
 //    trips) among the top stalls; grouped CTAs (one per N tile and expert, 2 tiles per warp) had the same short
 //    streams. The stream kernel has no CTA barrier after its prologue, one launch wave and its arrivals at the end.
+//  - TRACE_EXT_DECODE_IMPL=pair / pair2 (opt-in, dense only, N % 32 == 0; read at every call so that one process
+//    can time them against the default): the flat streams of the default, but each item is a PAIR of adjacent
+//    16-row blocks at one 256-K super-tile (2 x 2304 B in one ring slot). Why, from the static SASS of the default
+//    stream kernel at <= 8 rows (sm_90a, 80 registers): 416 instructions per 4096-weight tile = 3.25 thread
+//    instructions per weight (LOP3 0.88, IMAD 0.50, SHF 0.40, HMUL2 0.50; HMMA 0.12), all 16 MMAs of a tile
+//    chained on ONE accumulator, and the activation fragments reloaded for every tile (8 x LDG.128 per lane at
+//    8 rows: 4 KB per 2.3 KB of weights, 8 / 16 KB at 16 / 32 rows, K = 4096 of 32 rows = 256 KB, far beyond the L1
+//    left beside the rings: the L2 hit rate of 48 % and the LDG stalls), their latency exposed once per tile.
+//    The pair item loads each activation fragment once for both blocks (half the activation traffic per weight),
+//    runs two independent MMA chains per warp, and halves the per-item bookkeeping: 736 instructions per 8192
+//    weights = 2.88 per weight (static, <= 8 rows). pair: 3 CTAs per SM (80 registers, one item = 4.6 KB ahead
+//    per warp, 110 KB per SM); pair2: 2 CTAs per SM (<= 128 registers, 2 items ahead) with the bf16 activation
+//    fragments of the NEXT item (<= 8 rows) / 64-K step (<= 16 rows) in flight while this one is computed;
+//    32 rows: both 2 CTAs, 2 items ahead. CTAs are rounded up to whole rounds over the SMs when fewer than the
+//    resident wave (the default's one-warp-per-2-tiles cap leaves 7168 x 4096 unbalanced: 2 CTAs on some SMs,
+//    1 on others). Numbers: the same exact products and fp32 MMA sums as the default; only the K split between
+//    warps differs, so a few outputs round differently (both within the SPEC 7 bound; deterministic).
+//    Not done here: the FP4 expansion is still 11 integer ops per 8 weights (pairs 0-2: 1-2 ops, pair 3: 6); no
+//    single-word (nor two-word funnel) re-encoding expands every pair with one shift + one AND (the bf16 bit
+//    positions {6,7,8,15} + 16 cannot tile 32 bits by shifts), but one that splits pair 3 into two shift classes
+//    (4 ops) is a change of reference_gemm.to_decode_layout (a second packed form), not of this file.
 //  - TRACE_EXT_DECODE_IMPL=ring (the path of de2a673, dense and grouped): every warp streams its super-tiles
 //    through its own cp.async ring in shared memory (3-4 slots of 2304 B, 2-3 super-tiles in flight per warp),
 //    each lane copying and reading back only its own 72 bytes, so cp.async.wait_group orders the copy before the
@@ -694,6 +715,260 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
   }
 }
 
+// ---- dense, opt-in (TRACE_EXT_DECODE_IMPL=pair, read per call): flat streams of 16-row block PAIRS ------------
+// Same flat per-warp streams as above, but the unit of work is an item = (pair of adjacent 16-row blocks, 256-K
+// super-tile): both tiles (2 x 2304 B, KT * 2304 B apart) go into one ring slot, each activation fragment is loaded
+// once per item and used by both blocks (half the activation traffic per weight: at M = 8..32 and K = 4096 the
+// fragments of one tile are 4-16 KB through L1 / L2 against 2.3 KB of weights), and each warp runs two independent
+// MMA accumulator chains (the default's 16 MMAs per tile all chain on one accumulator at M <= 8). Half the
+// per-item bookkeeping (ring cursor, waits, segment ends) per weight. Items j = group * KT + kt, warp w streams
+// items [T w / W, T (w + 1) / W); shared groups are reduced exactly as in the stream kernel (partials per warp,
+// one self-resetting ticket per group, the last warp adds them in warp order = K order). Dense only; needs
+// N % 32 == 0 (else the default runs).
+constexpr int kPairNB = 2;
+
+// kPrefA (bf16 activations; needs the 128 registers of 2 CTAs per SM): <= 8 rows: the next item's activation
+// fragments (4 x 8 registers) are loaded while this item is converted and multiplied; <= 16 rows: those of the
+// next 64-K step (2 x 8), so that no L1 / L2 latency is exposed per item / step; otherwise they are loaded per
+// 64-K step right before use.
+template <int MT8, bool kAFp4, int kStages, int kMinBlocks, bool kPrefA>
+__global__ void __launch_bounds__(kDecThreads, kMinBlocks)
+    gemm_w4_decode_pair_kernel(const GemmParams p, float* __restrict__ ws, int* __restrict__ tickets, int n_warps) {
+  static_assert(kStages >= 2, "a cp.async ring needs at least 2 slots");
+  constexpr int NB = kPairNB;
+  constexpr int kFrag = NB * MT8 * 4;           // fp32 accumulators per lane
+  constexpr int kItemBytes = NB * kTileBytes;   // one ring slot
+  extern __shared__ __align__(16) uint8_t dec_ring[];  // [warp][kStages][NB][kTileBytes]
+  const int warp_id = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int K = p.K, N = p.N;
+  const int KT = K / kSuperK;
+  const int n_groups = N / (16 * NB);
+  const int T = n_groups * KT;  // items (< 2^31, checked on the host)
+  const int W = min(n_warps, T);  // never more warps than items (the ticket counts rely on every warp owning one)
+  const int w = blockIdx.x * kDecWarps + warp_id;
+  if (T == 0 || w >= W) return;  // warp-uniform; no barrier below
+  const int j0 = (int)stream_first_tile(w, T, W), j1 = (int)stream_first_tile(w + 1, T, W);
+  const float fold = kAFp4 ? kUnfoldW4A4 : kUnfoldW4A16;
+  const int64_t blk_bytes = (int64_t)KT * kTileBytes;  // block 2 gb -> 2 gb + 1
+  uint8_t* const ring = dec_ring + warp_id * kStages * kItemBytes;
+
+  // issue cursor: item j_issue = gb_i * KT + kt_i; each lane copies and later reads back only its own bytes
+  int j_issue = j0, slot_issue = 0;
+  int gb_i = j0 / KT, kt_i = j0 - gb_i * KT;
+  auto issue_next = [&]() {
+    if (j_issue < j1) {
+      const uint8_t* src = p.w_packed + ((int64_t)gb_i * NB * KT + kt_i) * kTileBytes;
+      uint8_t* dst = ring + slot_issue * kItemBytes;
+#pragma unroll
+      for (int b = 0; b < NB; ++b) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          cp_async16(dst + b * kTileBytes + kk * 512 + lane * 16, src + b * blk_bytes + kk * 512 + lane * 16, true);
+        cp_async8(dst + b * kTileBytes + kCodeBytes + lane * 8, src + b * blk_bytes + kCodeBytes + lane * 8, true);
+      }
+      if (++kt_i == KT) {
+        kt_i = 0;
+        ++gb_i;
+      }
+    }
+    cp_async_commit();  // possibly empty: one group per item for wait_group
+    ++j_issue;
+    slot_issue = slot_issue + 1 == kStages ? 0 : slot_issue + 1;
+  };
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) issue_next();
+
+  float acc[NB][MT8][4];
+#pragma unroll
+  for (int b = 0; b < NB; ++b)
+#pragma unroll
+    for (int i = 0; i < MT8; ++i)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[b][i][c] = 0.f;
+
+  auto store_y = [&](int gb, const float (&v)[NB][MT8][4]) {
+#pragma unroll
+    for (int b = 0; b < NB; ++b)
+#pragma unroll
+      for (int i = 0; i < MT8; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int n = (gb * NB + b) * 16 + g + (c >> 1) * 8, m = 8 * i + 2 * t + (c & 1);
+          if (m >= p.M) continue;
+          const float ga = p.g_a != nullptr ? p.g_a[m] : 1.0f;
+          const float y = __fmul_rn(__fmul_rn(v[b][i][c], fold), __fmul_rn(ga, p.g_w[(int64_t)n * p.gw_stride_n]));
+          p.y[(int64_t)m * N + n] = __float2bfloat16_rn(y);
+        }
+  };
+
+  int gb = j0 / KT, kt = j0 - gb * KT;  // compute cursor
+  const int kt_first = kt;
+  int pending0 = -1, pending1 = -1;  // groups whose partial this warp wrote (slot 0: first group, 1: last group)
+  int slot_rd = 0;
+  // activation fragments of one 64-K step, super-tile kt_a (dense: they depend on kt only)
+  auto load_a_kt = [&](int kt_a, int kk, uint32_t (&bq)[MT8][8]) {
+    load_act_frags<MT8, kAFp4>(p, K, kt_a * kSuperK + kk * 64 + 16 * t, 0, p.M, g, bq);
+  };
+  constexpr bool kHoistA = kPrefA && MT8 == 1 && !kAFp4;  // whole next item ahead (4 x 8 registers)
+  constexpr bool kStepA = kPrefA && MT8 == 2 && !kAFp4;   // one 64-K step ahead (2 x 8 registers)
+  static_assert(!kPrefA || kHoistA || kStepA, "activation prefetch: <= 16 rows of bf16 only");
+  uint32_t bqh[kHoistA ? 4 : 1][MT8][8];  // this item's fragments (kHoistA)
+  if constexpr (kHoistA) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) load_a_kt(kt, kk, bqh[kk]);
+  }
+  uint32_t bqs[MT8][8];  // the next 64-K step's fragments (kStepA), in flight during this step
+  if constexpr (kStepA) load_a_kt(kt, 0, bqs);
+  for (int j = j0; j < j1; ++j) {
+    auto load_a = [&](int kk, uint32_t (&bq)[MT8][8]) { load_a_kt(kt, kk, bq); };
+    uint32_t bqn[kHoistA ? 4 : 1][MT8][8];  // the next item's fragments, in flight during this item
+    if constexpr (kHoistA) {
+      const int kt_n = kt + 1 == KT ? 0 : kt + 1;
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) load_a_kt(kt_n, kk, bqn[kk]);
+    }
+    asm volatile("" ::: "memory");  // the reads of the slot refilled here (previous item) stay before it
+    issue_next();
+    cp_async_wait<kStages - 1>();   // the group of item j is complete
+    asm volatile("" ::: "memory");  // and the reads below stay after the wait
+    const uint8_t* const srd = ring + slot_rd * kItemBytes;
+    slot_rd = slot_rd + 1 == kStages ? 0 : slot_rd + 1;
+    uint2 sv[NB];
+#pragma unroll
+    for (int b = 0; b < NB; ++b) sv[b] = *reinterpret_cast<const uint2*>(srd + b * kTileBytes + kCodeBytes + lane * 8);
+
+    constexpr int kKkUnroll = MT8 >= 2 ? 1 : 4;
+#pragma unroll kKkUnroll
+    for (int kk = 0; kk < 4; ++kk) {
+      uint32_t bq[MT8][8];
+      if constexpr (kHoistA) {
+#pragma unroll
+        for (int i = 0; i < MT8; ++i)
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) bq[i][jj] = bqh[kk][i][jj];
+      } else if constexpr (kStepA) {
+#pragma unroll
+        for (int i = 0; i < MT8; ++i)
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) bq[i][jj] = bqs[i][jj];
+        // next step: this item's kk + 1, or step 0 of the next item (whose k tile follows kt; past the warp's last
+        // item the loads are in range and unused)
+        if (kk < 3) {
+          load_a(kk + 1, bqs);
+        } else {
+          load_a_kt(kt + 1 == KT ? 0 : kt + 1, 0, bqs);
+        }
+      } else {
+        load_a(kk, bq);
+      }
+#pragma unroll
+      for (int b = 0; b < NB; ++b) {
+        const uint32_t sw = kk < 2 ? sv[b].x : sv[b].y;
+        const uint32_t s_lo = scale_bf16x2_folded((uint8_t)((sw >> (16 * (kk & 1))) & 0xFF));
+        const uint32_t s_hi = scale_bf16x2_folded((uint8_t)((sw >> (16 * (kk & 1) + 8)) & 0xFF));
+        const uint4 wq = *reinterpret_cast<const uint4*>(srd + b * kTileBytes + kk * 512 + lane * 16);
+        uint32_t rg[8], rh[8];  // rows g and g+8: pairs 0..7 of the 16-element block
+        decode_word(wq.x, rg);
+        decode_word(wq.y, rg + 4);
+        decode_word(wq.z, rh);
+        decode_word(wq.w, rh + 4);
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+          rg[jj] = bf16x2_mul(rg[jj], s_lo);
+          rh[jj] = bf16x2_mul(rh[jj], s_hi);
+        }
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+          const uint32_t af[4] = {rg[2 * ks], rh[2 * ks], rg[2 * ks + 1], rh[2 * ks + 1]};
+#pragma unroll
+          for (int i = 0; i < MT8; ++i) {
+            const uint32_t bf[2] = {bq[i][2 * ks], bq[i][2 * ks + 1]};
+            mma_bf16_16816(acc[b][i], af, bf);
+          }
+        }
+      }
+    }
+
+    // ---- end of a group segment: the whole group -> Y; part of it -> partial slot
+    if (kt == KT - 1 || j == j1 - 1) {
+      const bool first_seg = gb * KT <= j0;  // the warp's first group
+      if (kt == KT - 1 && (!first_seg || kt_first == 0)) {
+        store_y(gb, acc);
+      } else {
+        float* dst = ws + ((int64_t)w * 2 + (first_seg ? 0 : 1)) * (kFrag * 32) + lane;
+#pragma unroll
+        for (int b = 0; b < NB; ++b)
+#pragma unroll
+          for (int i = 0; i < MT8; ++i)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) __stcg(dst + ((b * MT8 + i) * 4 + c) * 32, acc[b][i][c]);
+        if (first_seg) pending0 = gb; else pending1 = gb;
+      }
+#pragma unroll
+      for (int b = 0; b < NB; ++b)
+#pragma unroll
+        for (int i = 0; i < MT8; ++i)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc[b][i][c] = 0.f;
+      ++gb;
+      kt = 0;
+    } else {
+      ++kt;
+    }
+    if constexpr (kHoistA) {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int i = 0; i < MT8; ++i)
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) bqh[kk][i][jj] = bqn[kk][i][jj];
+    }
+  }
+  cp_async_wait<0>();  // no copy outlives the kernel's shared memory
+
+  // ---- shared groups: arrive (after all of this warp's partial stores), the last warp reduces in warp order
+  if (pending0 < 0 && pending1 < 0) return;
+  __syncwarp();
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int b = q == 0 ? pending0 : pending1;
+    if (b < 0) continue;
+    const int wf = stream_warp_of((int64_t)b * KT, T, W), wl = stream_warp_of((int64_t)b * KT + KT - 1, T, W);
+    int last = 0;
+    if (lane == 0) {
+      int ticket;
+      // release: this warp's partial stores (ordered before lane 0 by the warp barrier) before the ticket
+      asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;\n" : "=r"(ticket) : "l"(tickets + b) : "memory");
+      last = ticket == wl - wf;
+      if (last) tickets[b] = 0;  // self-reset for the next launch on this stream
+    }
+    last = __shfl_sync(0xffffffffu, last, 0);
+    if (!last) continue;
+    // acquire (lane 0's acq_rel atomic, then the warp barrier): the other warps' partials are visible in L2
+    __syncwarp();
+    float v[NB][MT8][4];
+#pragma unroll
+    for (int bb = 0; bb < NB; ++bb)
+#pragma unroll
+      for (int i = 0; i < MT8; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) v[bb][i][c] = 0.f;
+    for (int ww = wf; ww <= wl; ++ww) {
+      const int slot = stream_first_tile(ww, T, W) < (int64_t)b * KT ? 1 : 0;  // started in an earlier group
+      const float* src = ws + ((int64_t)ww * 2 + slot) * (kFrag * 32) + lane;
+#pragma unroll
+      for (int bb = 0; bb < NB; ++bb)
+#pragma unroll
+        for (int i = 0; i < MT8; ++i)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            v[bb][i][c] = __fadd_rn(v[bb][i][c], __ldcg(src + ((bb * MT8 + i) * 4 + c) * 32));
+    }
+    store_y(b, v);
+  }
+}
+
 bool decode_supported(const GemmParams& p) {
   return p.w_packed != nullptr && p.N % 16 == 0 && p.K % kSuperK == 0 && p.K > 0;
 }
@@ -746,6 +1021,41 @@ void launch_decode_stream(const GemmParams& p, const at::Tensor& like, cudaStrea
   at::Tensor ws = at::empty({warps * 2 * MT8 * 4 * 32}, like.options().dtype(at::kFloat));  // 2 partials / warp
   int* tickets = ticket_buffer(like, stream, (int)(max_units * n_blocks));
   kernel<<<ctas, kDecThreads, smem, stream>>>(p, ws.data_ptr<float>(), tickets, (int)warps);
+  check_launch("fp4_linear (decode)");
+}
+
+// Pair-stream launch (TRACE_EXT_DECODE_IMPL=pair / pair2, dense): one resident wave.
+template <int MT8, bool kAFp4, int kStages, int kMinBlocks, bool kPrefA = false>
+void launch_decode_pair(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
+  auto kernel = gemm_w4_decode_pair_kernel<MT8, kAFp4, kStages, kMinBlocks, kPrefA>;
+  constexpr int kRing = kDecWarps * kStages * kPairNB * kTileBytes;  // the warps' cp.async rings
+  static_assert(kMinBlocks * (kRing + 1024) <= 228 * 1024,
+                "decode pair rings of kMinBlocks CTAs (+1 KB driver reserve each) must fit one SM's shared memory");
+  static bool attr_set[kMaxDevices] = {};
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev >= kMaxDevices || !attr_set[dev]) {
+    require_kernel_image(kernel, "fp4_linear (decode)");
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRing));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        (int)cudaSharedmemCarveoutMaxShared));
+    if (dev < kMaxDevices) attr_set[dev] = true;
+  }
+  const int n_groups = p.N / (16 * kPairNB);
+  const int64_t T = (int64_t)n_groups * (p.K / kSuperK);
+  TORCH_CHECK(T < (int64_t{1} << 31), "trace_ext: weight too large for the decode GEMM (2^31 tiles)");
+  // about one warp per 2 items, but with whole rounds of CTAs over the SMs when that is less than the resident
+  // wave (e.g. M = 1, 7168 x 4096: 3584 items -> 224 CTAs would put 2 CTAs on 92 SMs and 1 on 40; 264 CTAs of
+  // 1.7 items per warp put 2 on each), and never more warps than items
+  const int64_t sms = sm_count(dev);
+  const int64_t cap = (int64_t)kMinBlocks * sms;  // resident CTAs
+  int64_t ctas = std::min<int64_t>(cap, ((T + 1) / 2 + kDecWarps - 1) / kDecWarps);
+  ctas = std::min<int64_t>(cap, (ctas + sms - 1) / sms * sms);
+  const int64_t warps = std::max<int64_t>(1, std::min<int64_t>(ctas * kDecWarps, T));
+  ctas = (warps + kDecWarps - 1) / kDecWarps;
+  at::Tensor ws = at::empty({warps * 2 * kPairNB * MT8 * 4 * 32}, like.options().dtype(at::kFloat));
+  int* tickets = ticket_buffer(like, stream, n_groups);
+  kernel<<<(int)ctas, kDecThreads, kRing, stream>>>(p, ws.data_ptr<float>(), tickets, (int)warps);
   check_launch("fp4_linear (decode)");
 }
 
@@ -816,6 +1126,16 @@ DecodeImpl decode_impl() {
   return impl;
 }
 
+// TRACE_EXT_DECODE_IMPL=pair / pair2 (dense decode only; grouped calls keep the default): read at every call, so
+// that one process can time the default and the pair kernels interleaved (1: pair, 2: pair2, 0: anything else,
+// which leaves the default untouched).
+int decode_pair_selected() {
+  const char* v = std::getenv("TRACE_EXT_DECODE_IMPL");
+  if (v == nullptr) return 0;
+  const std::string s = v;
+  return s == "pair" ? 1 : s == "pair2" ? 2 : 0;
+}
+
 template <bool kAFp4>
 void run_decode_old(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream) {
   if (rows_hint <= 8) {
@@ -876,6 +1196,28 @@ void run_decode_new(const GemmParams& p, int64_t rows_hint, const at::Tensor& li
     return;
   }
   TORCH_CHECK(p.M <= 32, "trace_ext: dense decode GEMM takes at most 32 rows");
+  const int pair = decode_pair_selected();
+  if (pair != 0 && p.N % (16 * kPairNB) == 0) {
+    // opt-in pair streams. pair: 3 CTAs per SM (1 item = 4.6 KB ahead per warp, 80 registers) up to 16 rows;
+    // pair2: 2 CTAs per SM (2 items = 9.2 KB ahead per warp, 128 registers), bf16 activation fragments in flight
+    // one item (<= 8 rows) / one 64-K step (<= 16 rows) ahead; both: 2 CTAs (2 items ahead) for 32 rows
+    if (p.M <= 8) {
+      if (pair == 1) {
+        launch_decode_pair<1, kAFp4, 2, 3>(p, like, stream);
+      } else {
+        launch_decode_pair<1, kAFp4, 3, 2, !kAFp4>(p, like, stream);
+      }
+    } else if (p.M <= 16) {
+      if (pair == 1) {
+        launch_decode_pair<2, kAFp4, 2, 3>(p, like, stream);
+      } else {
+        launch_decode_pair<2, kAFp4, 3, 2, !kAFp4>(p, like, stream);
+      }
+    } else {
+      launch_decode_pair<4, kAFp4, 3, 2>(p, like, stream);
+    }
+    return;
+  }
   if (p.M <= 8) {
     launch_decode_stream<1, kAFp4, 4, 3, false>(p, like, stream);
   } else if (p.M <= 16) {

@@ -404,3 +404,120 @@ def test_gpu_errors():
                                torch.zeros(3, dtype=torch.int64, device=DEV), None)
     with pytest.raises(ValueError):
         O.fp4_grouped_linear(a, wg, torch.tensor([0, 5, 4], dtype=torch.int32, device=DEV), validate=True)
+
+
+# ---- dense decode: opt-in pair-stream kernel (TRACE_EXT_DECODE_IMPL=pair, read at every call) ------------------
+
+# (N, K): the three dense decode shapes of the benchmark, the real projections above that the decode layout takes,
+# and small ones where one 32-row group is split over several warps (few items: the shared-group tickets and the
+# partial sums of every split position) or where N % 32 != 0 (the default kernel runs instead)
+PAIR_SHAPES = [
+    (14336, 4096), (4096, 14336), (7168, 4096),
+    (1536, 2048), (2048, 768), (2048, 1024), (4096, 7168), (7168, 2048),
+    (32, 256), (64, 1024), (96, 2304), (48, 512),
+]
+PAIR_MS = [1, 2, 3, 7, 8, 9, 13, 16, 17, 24, 31, 32]
+PAIR_IMPLS = ("pair", "pair2")  # 3 CTAs per SM / 2 CTAs per SM with activation prefetch (<= 8 rows)
+
+
+def _impl(monkeypatch, impl):
+    if impl is None:
+        monkeypatch.delenv("TRACE_EXT_DECODE_IMPL", raising=False)
+    else:
+        monkeypatch.setenv("TRACE_EXT_DECODE_IMPL", impl)
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("N,K", PAIR_SHAPES, ids=[f"N{n}_K{k}" for n, k in PAIR_SHAPES])
+def test_decode_pair_kernel_matches_f64_reference(monkeypatch, N, K, mode):
+    """Protects the pair-stream decode kernels (pair, pair2): every dense decode shape of the benchmark and the real projections,
+    M = 1..32 incl. odd M (8 / 16 / 32-row configurations and their zero-padded rows), within the f64 contract;
+    same shape and dtype as the default kernel; repeatable bits (tickets self-reset, fixed reduction order), also
+    when calls of the default kernel on the same stream come in between."""
+    w = _quant_w(N, K)
+    wp = O.prepare_fp4_weight(w)
+    w64 = _w64(w)
+    for M in PAIR_MS:
+        a = torch.randn(M, K, device=DEV).bfloat16()
+        if mode == "w4a4":
+            a = ref.nvfp4_quantize(a)
+        a64 = _a64(a)
+        _impl(monkeypatch, None)
+        y0 = O.fp4_linear(a, wp, backend="cuda")
+        for impl in PAIR_IMPLS:
+            _impl(monkeypatch, impl)
+            y1 = O.fp4_linear(a, wp, backend="cuda")
+            assert y1.shape == y0.shape == (M, N) and y1.dtype == y0.dtype == torch.bfloat16
+            _check(y1, a64, w64, f"{impl} N={N} K={K} M={M} {mode}")
+            _impl(monkeypatch, None)
+            O.fp4_linear(a, wp, backend="cuda")
+            _impl(monkeypatch, impl)
+            assert torch.equal(O.fp4_linear(a, wp, backend="cuda"), y1), f"second {impl} call differs (M={M})"
+
+
+def test_decode_pair_kernel_adversarial(monkeypatch):
+    """Protects the pair kernel on adversarial data: the largest codes (+-6) with the largest scale (448) in every
+    block against large activations of both signs (outputs that cancel to ~0 and outputs near the bf16 range),
+    a NaN scale byte (its output column NaN, SPEC 2, the rest finite), all-zero activations rows among nonzero
+    ones, and subnormal-scale blocks (E4M3 0x01)."""
+    N, K = 1536, 2048
+    codes = torch.randint(0, 256, (N, K // 2), device=DEV, dtype=torch.uint8)
+    codes[: N // 4] = 0x77  # +6, +6
+    codes[N // 4 : N // 2] = 0xFF  # -6, -6
+    scales = torch.randint(0, 0x7F, (N, K // 16), device=DEV, dtype=torch.uint8)
+    scales[: N // 2] = 0x7E  # 448
+    scales[N // 2 : N // 2 + 64] = 0x01  # smallest subnormal scale
+    w = NVFP4Tensor(codes, scales, torch.full((1,), 1e-2, device=DEV), shape=(N, K))
+    w64 = _w64(w)
+    for M in (1, 5, 16, 29, 32):
+        a = (torch.randn(M, K, device=DEV) * 1e3).bfloat16()
+        a[:, K // 2 :] = -a[:, : K // 2]  # exact cancellation of the two halves against repeated codes
+        if M > 1:
+            a[M // 2] = 0
+        for impl in (None, *PAIR_IMPLS):
+            _impl(monkeypatch, impl)
+            _check(O.fp4_linear(a, O.prepare_fp4_weight(w), backend="cuda"), a.double(), w64, f"adv M={M} {impl}")
+    wn = _quantized_w(256, 2048)
+    wn.scales[37, 5] = 0x7F
+    for impl in PAIR_IMPLS:
+        _impl(monkeypatch, impl)
+        for M in (1, 8, 16, 32):
+            y = O.fp4_linear(torch.randn(M, 2048, device=DEV).bfloat16(), O.prepare_fp4_weight(wn), backend="cuda")
+            assert torch.isnan(y[:, 37]).all() and torch.isfinite(y[:, :37]).all() and torch.isfinite(y[:, 38:]).all()
+
+
+def test_decode_pair_switch_keeps_errors_and_grouped(monkeypatch):
+    """Protects the switch: under TRACE_EXT_DECODE_IMPL=pair the errors of the dense entry are those of the default
+    (SPEC 10 types), and grouped calls (not covered by the pair kernel) still run the default and match it bit for
+    bit."""
+    w = _quant_w(64, 256)
+    wp = O.prepare_fp4_weight(w)
+    a = torch.randn(4, 256, device=DEV).bfloat16()
+    ops = torch.ops.trace_ext
+    g = w.g[:1].contiguous()
+    bad_calls = [
+        lambda: O.fp4_linear(a.cpu(), wp, backend="cuda"),
+        lambda: ops.fp4_linear(a.float(), None, None, w.codes, w.scales, g, wp.packed),
+        lambda: ops.fp4_linear(a[:, :128].contiguous(), None, None, w.codes, w.scales, g, wp.packed),
+        lambda: ops.fp4_linear(a, None, None, w.codes, w.scales, g, wp.packed[:-1].contiguous()),
+    ]
+    for call in bad_calls:
+        kinds = []
+        for impl in (None, *PAIR_IMPLS):
+            _impl(monkeypatch, impl)
+            with pytest.raises(Exception) as ei:
+                call()
+            kinds.append(type(ei.value))
+        assert all(k is kinds[0] for k in kinds), kinds
+    E, N, K = 128, 1536, 2048
+    wg = O.prepare_fp4_weight(_quant_w(N, K, E))
+    counts = torch.tensor(_routed_counts(4, E, 8, torch.Generator().manual_seed(5)))
+    offsets = torch.zeros(E + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    offsets = offsets.to(DEV)
+    ag = torch.randn(32, K, device=DEV).bfloat16()
+    _impl(monkeypatch, None)
+    y0 = O.fp4_grouped_linear(ag, wg, offsets, backend="cuda")
+    for impl in PAIR_IMPLS:
+        _impl(monkeypatch, impl)
+        assert torch.equal(O.fp4_grouped_linear(ag, wg, offsets, backend="cuda"), y0), impl
