@@ -82,6 +82,24 @@
 //   (PRMT with 0); a PRMT lookup table needs masked selectors and a separate sign merge (more instructions). The
 //   cheaper path is sm_100a's cvt.rn.f16x2.e2m1x2 (1 instruction per 2 codes), which pairs the two nibbles of a
 //   byte and so needs Q gathered in that k order.
+// - heads8 (opt-in, TRACE_EXT_KV_DECODE_IMPL=heads8, where the heads kernel applies): Nsight Compute of the heads
+//   kernel (B32 Hq32 Hkv4 S8K, 8 splits = 256 CTAs = 0.39 waves of its 5 CTAs per SM) showed 1.9 CTAs = 7.5 warps
+//   resident per SM, 50% of cycles without an eligible warp, fixed-latency dependencies the top stall, DRAM 46%:
+//   latency / issue bound with too few warps, and more splits do not help (8 / 12 / 16 splits: 49 / 49 / 48% of
+//   copy: shorter streams, more partial writes). heads8 = fp4kv_decode_kernel_heads<D, 2>: the same grid and split
+//   model, 8 warps per CTA, two per KV head (warp sets 0 and 1) on alternate 16-token tiles: a ring stage holds 32
+//   tokens (two tiles in the 4-warp layout, back to back), 256 threads copy it (same per-thread copy plan, one
+//   __syncthreads per stage), set s computes tile 2 i + s of stage i with the unchanged per-tile code. At the end set
+//   1's (m, l, O) is merged into set 0's registers through shared memory (merge_warp_sets: rescale both to the common
+//   max, as merge_warps does; set 0 then runs the 4-warp epilogue, and the fused split finish is the same
+//   heads_split_finish, so fused == combine kernel bit for bit still holds). So every SM holds 2 x 8 = 16 warps on the
+//   same 256-CTA grid (2x the warps, same stream lengths, no extra partials). Budget: __launch_bounds__(256, 2) =
+//   128 registers (121 used at D = 128, no spills; the loop body per warp and tile is 476 SASS instructions vs 475),
+//   78 KB dynamic shared memory at D = 128 (4 stages x 2 tiles; 2 CTAs = 156 KB of the 228 KB). choose_splits is
+//   unchanged: with its cost model every benchmarked case picks a split count with 2 CTAs on the busiest SM (B32 S8K
+//   8, B64 S4K 4, B8 S32K 16, B1 S128K 126), i.e. all CTAs resident for both variants; bench/bench_kv_heads_ab.py
+//   sweeps the splits of heads8 to check it. Same split bounds as the 4-warp kernel, but a set sums every other tile
+//   and the two sets are merged at the end, so heads8 agrees with it to rounding, not bit for bit.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
@@ -1101,6 +1119,7 @@ __device__ __forceinline__ const uint8_t* pinned_ptr(const uint8_t* x) {
 // Requirements (else the g8 / qsmem kernels run): G <= 8, H_kv % 4 == 0, 16-byte aligned cache bases.
 constexpr int kHeadsPerCta = kWarps;   // KV heads per CTA, one per warp
 constexpr int kMinBlocksHeads = 5;     // CTAs per SM (<= 102 registers, 5 x 38 KB shared at D = 128)
+constexpr int kMinBlocksHeads8 = 2;    // heads8 (8 warps): CTAs per SM (<= 128 registers, 2 x 78 KB shared at D = 128)
 constexpr int64_t kHeadsFusedMax = 1 << 16;  // partial floats (splits x 4 G x D) the fused finish of one CTA reads
 
 template <int D>
@@ -1161,14 +1180,14 @@ static_assert(heads_layout_shortcuts_hold<64>() && heads_layout_shortcuts_hold<1
 // kernel), restructured for 4 G rows: the weights of each row once into shared memory (the drained stage ring;
 // rows x splits <= kHeadsFusedMax / D floats), then each thread sums float4 columns with the loads of 4 splits in
 // flight, instead of a dependent load chain per output element.
-template <int D>
+template <int D, int kNT = kThreads>
 __device__ __forceinline__ void heads_split_finish(const DecodeParams& p, uint8_t* smem, int hg, int b) {
   const int rows = kHeadsPerCta * p.group, n = p.num_splits;
   const int64_t bh0 = (int64_t)b * p.heads_q + (int64_t)hg * kHeadsPerCta * p.group;
   float* f_sm = reinterpret_cast<float*>(smem);  // [rows][n]
   float* l_sm = f_sm + rows * n;                 // [rows]
   float* m_sm = l_sm + rows;                     // [rows], log2 units
-  for (int row = threadIdx.x; row < rows; row += kThreads) {
+  for (int row = threadIdx.x; row < rows; row += kNT) {
     const float* lp = p.lse_part + (bh0 + row) * n;
     float m = -INFINITY;
 #pragma unroll 8
@@ -1189,7 +1208,7 @@ __device__ __forceinline__ void heads_split_finish(const DecodeParams& p, uint8_
   }
   __syncthreads();
   constexpr int kCols = D / 4;
-  for (int idx = threadIdx.x; idx < rows * kCols; idx += kThreads) {
+  for (int idx = threadIdx.x; idx < rows * kCols; idx += kNT) {
     const int row = idx / kCols, c4 = idx % kCols;
     const float* fw = f_sm + row * n;
     const float4* op = reinterpret_cast<const float4*>(p.o_part + (bh0 + row) * n * D) + c4;
@@ -1214,15 +1233,64 @@ __device__ __forceinline__ void heads_split_finish(const DecodeParams& p, uint8_
   }
 }
 
+// heads8: the cross-warp merge of the two warps of one KV head (sets 0 and 1, the same lane layout): set 1 stores
+// its (O, m, l) lane-major in the drained ring ([head][value][lane] floats: conflict free), set 0 rescales both to
+// the common max (weights 2^(m_set - m), 0 for a set that saw no token, as in merge_warps) and adds them in
+// registers, then writes the output with the 4-warp kernel's epilogue. Called by all threads of the CTA.
 template <int D>
-__global__ void __launch_bounds__(kThreads, kMinBlocksHeads) fp4kv_decode_kernel_heads(const DecodeParams p) {
+__device__ __forceinline__ void merge_warp_sets(uint8_t* smem, int warp, int set, int lane, float (&o)[D / 16][4],
+                                                float (&m_run)[2], float (&l_run)[2]) {
+  constexpr int kVals = D / 16 * 4 + 4;  // O accumulators, m[2], l[2]
+  static_assert(kWarps * kVals * 32 * 4 <= HGeo<D>::kSmem, "the merge buffer fits in the drained ring");
+  float* buf = reinterpret_cast<float*>(smem) + warp * kVals * 32 + lane;
+  __syncthreads();  // every warp is done with its last stage
+  if (set == 1) {
+#pragma unroll
+    for (int m = 0; m < D / 16; ++m) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) buf[(4 * m + e) * 32] = o[m][e];
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      buf[(kVals - 4 + h) * 32] = m_run[h];
+      buf[(kVals - 2 + h) * 32] = l_run[h];
+    }
+  }
+  __syncthreads();
+  if (set != 0) return;
+  float f0[2], f1[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float m1 = buf[(kVals - 4 + h) * 32], l1 = buf[(kVals - 2 + h) * 32];
+    const float m_all = fmaxf(m_run[h], m1);
+    f0[h] = m_run[h] == -INFINITY ? 0.0f : exp2f(m_run[h] - m_all);
+    f1[h] = m1 == -INFINITY ? 0.0f : exp2f(m1 - m_all);
+    l_run[h] = __fadd_rn(__fmul_rn(f0[h], l_run[h]), __fmul_rn(f1[h], l1));
+    m_run[h] = m_all;
+  }
+#pragma unroll
+  for (int m = 0; m < D / 16; ++m) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      o[m][e] = __fadd_rn(__fmul_rn(f0[e & 1], o[m][e]), __fmul_rn(f1[e & 1], buf[(4 * m + e) * 32]));
+  }
+}
+
+template <int D, int kSets>
+__global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads : kMinBlocksHeads8)
+    fp4kv_decode_kernel_heads(const DecodeParams p) {
   using G = Geo<D>;
   using H = HGeo<D>;
   constexpr int kMTiles = D / 16;  // M tiles of O^T
+  static_assert(kSets == 1 || kSets == 2, "one or two warps per KV head");
+  constexpr int kSetTokens = kSets * kTile;               // tokens per stage (one 16-token tile per warp set)
+  constexpr int kSetStage = kSets * H::kStageBytes;        // a stage: kSets tiles of the 4-warp layout, back to back
   extern __shared__ __align__(128) uint8_t smem[];
 
   const int split = blockIdx.x, hg = blockIdx.y, b = blockIdx.z;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // warp = the KV head inside the group; set = which tile of a stage this warp computes (heads8: two warps per head)
+  const int warp = kSets == 1 ? threadIdx.x / 32 : (threadIdx.x / 32) % kWarps, lane = threadIdx.x % 32;
+  const int set = kSets == 1 ? 0 : (int)(threadIdx.x / 32) / kWarps;
   const int r = lane / 4, c = lane % 4;  // MMA fragment row / column group
   const int kv_head = hg * kHeadsPerCta + warp;
 
@@ -1232,11 +1300,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksHeads) fp4kv_decode_kernel
   const int start = split * chunk_len;
   const int end = min(len, start + chunk_len);
   const int n_tiles = end > start ? (end - start + kTile - 1) / kTile : 0;
+  const int n_stages = (n_tiles + kSets - 1) / kSets;  // stages of kSets tiles (the last may hold one)
 
-  // ---- copy plan of this thread: token tt of every tile, chunks sub (+ 8), one scale chunk if sub < 2 kScaleChunks
+  // ---- copy plan of this thread: token tt of every stage, chunks sub (+ 8), one scale chunk if sub < 2 kScaleChunks
   const int tt = threadIdx.x / 8, sub = threadIdx.x % 8;
   const int psize = p.page_size;
-  const int step_col = kTile / psize, step_slot = kTile % psize;
+  const int step_col = kSetTokens / psize, step_slot = kSetTokens % psize;
   // this thread's token in the next tile to issue, its page slot, its block-table entry and page id (loaded one
   // tile ahead, and only when the token moves to another table column)
   int tok = start + tt;
@@ -1251,9 +1320,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksHeads) fp4kv_decode_kernel
   const uint32_t sub_bytes = pinned(sub * 16);  // this thread's chunk inside a token's run
   uint32_t issue_stage = 0;  // stage offset of the next tile to issue
   // chunk sub + 8 of a token lies one line after chunk sub, under the same swizzle mask: one register
-  const uint32_t dst_code = pinned(heads_code_offset<D>(tt, sub));
-  const uint32_t dst_scale = pinned(2 * H::kCodeTile + (sub >= H::kScaleChunks ? H::kScaleTile : 0) +
-                                    tt * H::kScaleRow + (sub % H::kScaleChunks) * 16);
+  // (heads8: token tt of a stage is token tt % 16 of its tile tt / 16)
+  const int tile_off = kSets == 1 ? 0 : (tt / kTile) * H::kStageBytes;
+  const int ttt = kSets == 1 ? tt : tt % kTile;
+  const uint32_t dst_code = pinned(tile_off + heads_code_offset<D>(ttt, sub));
+  const uint32_t dst_scale = pinned(tile_off + 2 * H::kCodeTile + (sub >= H::kScaleChunks ? H::kScaleTile : 0) +
+                                    ttt * H::kScaleRow + (sub % H::kScaleChunks) * 16);
   const uint32_t smem_base = smem_addr(smem);
 
   // Copies the next tile (tiles are issued in order, once each: tile j goes to stage j % kStages) and steps the
@@ -1270,9 +1342,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksHeads) fp4kv_decode_kernel
       cp_async_16(stage + H::kCodeTile + dst_code + 128 * j, p.v_codes + code_off + 128 * j, bytes);
     }
     if (has_scale) cp_async_16(stage + dst_scale, scale_src + (size_t)row * G::kScaleBytes, bytes);
-    issue_stage = issue_stage == (kStages - 1) * H::kStageBytes ? 0u : issue_stage + H::kStageBytes;
+    issue_stage = issue_stage == (kStages - 1) * kSetStage ? 0u : issue_stage + kSetStage;
     // next tile of this thread's token: same page unless the column moves (then one table load)
-    tok += kTile;
+    tok += kSetTokens;
     slot += step_slot;
     tp += step_col;
     bool moved = step_col != 0;
@@ -1282,7 +1354,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksHeads) fp4kv_decode_kernel
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < n_tiles) issue();
+    if (s < n_stages) issue();
     cp_async_commit();
   }
 
@@ -1341,17 +1413,20 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksHeads) fp4kv_decode_kernel
   // offsets of tokens r (K) and 2c, 2c + 1 (V) are registers; the rest are immediates of the shared loads.
   constexpr int kHeadChunks = D / 32;  // 16-byte chunks of one head's code row
   constexpr int kToken8 = 8 * H::kTokBytes;
-  const int k_off0 = pinned(D == 128 ? heads_code_offset<D>(r, warp * kHeadChunks + c)
-                                     : heads_code_offset<D>(r, warp * kHeadChunks + c / 2) + (c % 2) * 8);
-  const int ks_off0 = pinned(2 * H::kCodeTile + r * H::kScaleRow + warp * G::kScaleBytes + (D == 128 ? 2 * c : c));
+  const int set_off = set * H::kStageBytes;  // heads8: this warp set's tile inside a stage
+  const int k_off0 = pinned(set_off + (D == 128 ? heads_code_offset<D>(r, warp * kHeadChunks + c)
+                                                : heads_code_offset<D>(r, warp * kHeadChunks + c / 2) + (c % 2) * 8));
+  const int ks_off0 =
+      pinned(set_off + 2 * H::kCodeTile + r * H::kScaleRow + warp * G::kScaleBytes + (D == 128 ? 2 * c : c));
   const int k_off[2] = {k_off0, k_off0 + kToken8};
   const int ks_off[2] = {ks_off0, ks_off0 + 8 * H::kScaleRow};
   const int voff = r * G::kVBytes;  // this thread's block inside a head's code row
-  const int v_off0 = pinned(H::kCodeTile + heads_code_offset<D>(2 * c, warp * kHeadChunks + voff / 16) + voff % 16);
+  const int v_off0 =
+      pinned(set_off + H::kCodeTile + heads_code_offset<D>(2 * c, warp * kHeadChunks + voff / 16) + voff % 16);
   const int v_off1 =
-      pinned(H::kCodeTile + heads_code_offset<D>(2 * c + 1, warp * kHeadChunks + voff / 16) + voff % 16);
+      pinned(set_off + H::kCodeTile + heads_code_offset<D>(2 * c + 1, warp * kHeadChunks + voff / 16) + voff % 16);
   const int v_off[4] = {v_off0, v_off1, v_off0 + kToken8, v_off1 + kToken8};
-  const int vs_off0 = pinned(2 * H::kCodeTile + H::kScaleTile + 2 * c * H::kScaleRow + warp * G::kScaleBytes +
+  const int vs_off0 = pinned(set_off + 2 * H::kCodeTile + H::kScaleTile + 2 * c * H::kScaleRow + warp * G::kScaleBytes +
                              r * (D / 8) / kNvfp4Block);
   const int vs_off[4] = {vs_off0, vs_off0 + H::kScaleRow, vs_off0 + 8 * H::kScaleRow, vs_off0 + 9 * H::kScaleRow};
 
@@ -1361,14 +1436,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksHeads) fp4kv_decode_kernel
   float m_run[2] = {-INFINITY, -INFINITY};  // heads 2c, 2c + 1
   float l_run[2] = {0.0f, 0.0f};
 
-  for (int i = 0; i < n_tiles; ++i) {
+  for (int i = 0; i < n_stages; ++i) {
     cp_async_wait<kStages - 2>();
-    __syncthreads();  // tile i landed for all threads; every warp is done with tile i - 1's stage
-    if (i + kStages - 1 < n_tiles) issue();
+    __syncthreads();  // stage i landed for all threads; every warp is done with stage i - 1
+    if (i + kStages - 1 < n_stages) issue();
     cp_async_commit();
 
-    const uint8_t* st = smem + (i % kStages) * H::kStageBytes;
-    const int t0 = start + i * kTile;
+    const uint8_t* st = smem + (i % kStages) * kSetStage;
+    const int tile = kSets * i + set;  // heads8: set 1's tile of the last stage may lie past the split
+    if (kSets > 1 && tile >= n_tiles) continue;
+    const int t0 = start + tile * kTile;
 
     // ---- S^T = K.Q^T (as in the g8 kernel) ----
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -1513,10 +1590,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksHeads) fp4kv_decode_kernel
     l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 8);
     l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 16);
   }
+  // heads8: set 1's (m, l, O) joins set 0's warp of the same head; set 0 writes the result
+  if constexpr (kSets > 1) merge_warp_sets<D>(smem, warp, set, lane, o, m_run, l_run);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int head = 2 * c + h;
-    if (head >= p.group) continue;
+    if (head >= p.group || set != 0) continue;
     const int64_t bh = (int64_t)b * p.heads_q + (int64_t)kv_head * p.group + head;
     // merge_warps' formulas at one warp: f = exp2(m - m) = 1, o_all = 1 * o, l_all = 1 * l
     const bool empty = !(l_run[h] > 0.0f);
@@ -1559,7 +1638,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksHeads) fp4kv_decode_kernel
   __syncthreads();
   if (!last_split) return;
   __threadfence();
-  heads_split_finish<D>(p, smem, hg, b);
+  heads_split_finish<D, kSets * kThreads>(p, smem, hg, b);
 }
 
 // Combine the splits of one (sequence, query head) (TRACE_EXT_KV_DECODE_COMBINE=kernel: the separate pass).
@@ -1638,9 +1717,10 @@ __global__ void __launch_bounds__(kWideWarps * 32) fp4kv_decode_combine_wide_ker
 // bases; H200 A/B 1.06-1.26x over the swapped-operand kernel, bench/results/kv_h200.md), the G <= 8
 // swapped-operand kernel (default for other G <= 8 shapes; TRACE_EXT_KV_DECODE_IMPL=g8 selects it wherever G <= 8),
 // the M = 16 kernel with Q in shared memory (default for G > 8; TRACE_EXT_KV_DECODE_IMPL=qsmem forces it) and with
-// Q in registers (TRACE_EXT_KV_DECODE_IMPL=old: the kernel before the occupancy work). Any other value (e.g. the
-// former opt-in "heads") selects the default.
-enum DecodeImpl : int { kImplRegQ = 0, kImplSmemQ = 1, kImplSwap = 2, kImplHeads = 3 };
+// Q in registers (TRACE_EXT_KV_DECODE_IMPL=old: the kernel before the occupancy work). TRACE_EXT_KV_DECODE_IMPL=heads8
+// (opt-in, where the heads kernel applies) selects the heads kernel with two warps per KV head (8 warps per CTA).
+// Any other value (e.g. the former opt-in "heads") selects the default.
+enum DecodeImpl : int { kImplRegQ = 0, kImplSmemQ = 1, kImplSwap = 2, kImplHeads = 3, kImplHeads8 = 4 };
 using DecodeKernelFn = void (*)(DecodeParams);
 
 template <int D, int kImpl>
@@ -1648,7 +1728,9 @@ DecodeKernelFn decode_kernel() {
   if constexpr (kImpl == kImplSwap) {
     return fp4kv_decode_kernel_g8<D>;
   } else if constexpr (kImpl == kImplHeads) {
-    return fp4kv_decode_kernel_heads<D>;
+    return fp4kv_decode_kernel_heads<D, 1>;
+  } else if constexpr (kImpl == kImplHeads8) {
+    return fp4kv_decode_kernel_heads<D, 2>;
   } else {
     return fp4kv_decode_kernel<D, kImpl == kImplSmemQ>;
   }
@@ -1657,13 +1739,19 @@ DecodeKernelFn decode_kernel() {
 // Dynamic shared memory of a kernel variant.
 template <int D, int kImpl>
 constexpr int decode_smem() {
-  return kImpl == kImplHeads ? HGeo<D>::kSmem : Geo<D>::kSmem;
+  return kImpl == kImplHeads ? HGeo<D>::kSmem : kImpl == kImplHeads8 ? 2 * HGeo<D>::kSmem : Geo<D>::kSmem;
+}
+
+// Threads per CTA of a kernel variant.
+template <int kImpl>
+constexpr int decode_threads() {
+  return kImpl == kImplHeads8 ? 2 * kThreads : kThreads;
 }
 
 // CTAs along grid.y: KV heads, or groups of kHeadsPerCta KV heads for the heads kernel.
 template <int kImpl>
 int head_ctas(int heads_kv) {
-  return kImpl == kImplHeads ? heads_kv / kHeadsPerCta : heads_kv;
+  return kImpl == kImplHeads || kImpl == kImplHeads8 ? heads_kv / kHeadsPerCta : heads_kv;
 }
 
 int decode_impl(int group, bool heads_ok) {
@@ -1672,6 +1760,7 @@ int decode_impl(int group, bool heads_ok) {
   if (env != nullptr && std::strcmp(env, "qsmem") == 0) return kImplSmemQ;
   if (env != nullptr && std::strcmp(env, "g8") == 0 && group <= 8) return kImplSwap;
   if (group > 8) return kImplSmemQ;
+  if (env != nullptr && std::strcmp(env, "heads8") == 0 && heads_ok) return kImplHeads8;
   return heads_ok ? kImplHeads : kImplSwap;
 }
 
@@ -1682,7 +1771,7 @@ int choose_splits(int batch_heads, int64_t max_len, int device) {
   if (cached_sms[slot] == 0) {
     int sms = 0, per_sm = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_kernel<D, kImpl>(), kThreads,
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_kernel<D, kImpl>(), decode_threads<kImpl>(),
                                                   decode_smem<D, kImpl>());
     cached_per_sm[slot] = per_sm;
     cached_sms[slot] = sms;
@@ -1755,6 +1844,10 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
     // per SM; set before choose_splits reads the occupancy
     cudaFuncSetAttribute(decode_kernel<D, kImpl>(), cudaFuncAttributePreferredSharedMemoryCarveout,
                          cudaSharedmemCarveoutMaxShared);
+    // heads8 at D = 128 takes 78 KB of dynamic shared memory (past the 48 KB default limit)
+    if constexpr (decode_smem<D, kImpl>() > 48 * 1024)
+      cudaFuncSetAttribute(decode_kernel<D, kImpl>(), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           decode_smem<D, kImpl>());
     carveout_set[device & 63] = true;
   }
   const int splits = num_splits_arg > 0
@@ -1771,14 +1864,14 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
     // heads kernel: the last CTA of a (sequence, head group) combines 4 G query heads over all splits; past
     // kHeadsFusedMax partial floats per CTA that serial tail (one CTA per group, e.g. 2 groups x 126 splits at
     // B = 1) would cost more than a launch of the wide combine kernel, which runs B * Hq CTAs in parallel
-    wide = kImpl == kImplHeads && (int64_t)splits * kHeadsPerCta * p.group * D > kHeadsFusedMax;
+    wide = (kImpl == kImplHeads || kImpl == kImplHeads8) && (int64_t)splits * kHeadsPerCta * p.group * D > kHeadsFusedMax;
     p.split_counters = fused_combine() && !wide ? split_counters((int64_t)batch * p.heads_kv, q) : nullptr;
   }
   const DecodeKernelFn kernel = decode_kernel<D, kImpl>();
   require_kernel_image(kernel, "fp4kv_decode_attention");
   auto stream = c10::cuda::getCurrentCUDAStream();
   dim3 grid(splits, head_ctas<kImpl>(p.heads_kv), batch);
-  kernel<<<grid, kThreads, decode_smem<D, kImpl>(), stream>>>(p);
+  kernel<<<grid, decode_threads<kImpl>(), decode_smem<D, kImpl>(), stream>>>(p);
   check_launch("fp4kv_decode_attention");
   if (splits > 1 && wide) {
     fp4kv_decode_combine_wide_kernel<D><<<batch * p.heads_q, kWideWarps * 32, 0, stream>>>(
@@ -1877,6 +1970,8 @@ std::tuple<at::Tensor, at::Tensor> fp4kv_decode_attention_cuda(const at::Tensor&
     constexpr int kD = decltype(d_tag)::value;
     if (impl == kImplHeads) {
       launch<kD, kImplHeads>(p, (int)B, (int)num_splits, max_len, q, out, lse);
+    } else if (impl == kImplHeads8) {
+      launch<kD, kImplHeads8>(p, (int)B, (int)num_splits, max_len, q, out, lse);
     } else if (impl == kImplSwap) {
       launch<kD, kImplSwap>(p, (int)B, (int)num_splits, max_len, q, out, lse);
     } else if (impl == kImplSmemQ) {

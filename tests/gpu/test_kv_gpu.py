@@ -199,7 +199,8 @@ def test_decode_fused_split_combine_matches_combine_kernel(monkeypatch):
 
 # The heads kernel (4 KV heads per CTA, CTA-shared contiguous tile copies; the default) runs where G <= 8 and
 # H_kv % 4 == 0, the g8 swapped-operand kernel elsewhere for G <= 8 (TRACE_EXT_KV_DECODE_IMPL=g8 selects it wherever
-# G <= 8): both are checked on every case below. Extra cases: page sizes
+# G <= 8): both are checked on every case below, and so is the opt-in heads8 variant (TRACE_EXT_KV_DECODE_IMPL=heads8:
+# 8 warps per CTA, two per KV head on alternate tiles, merged in shared memory at the end). Extra cases: page sizes
 # that are not multiples of the 16-token tile (tiles straddle pages, several table loads per tile), 8 KV heads
 # (two head groups per sequence), and a head group past the first (grid.y > 0) with G = 1.
 HEADS_CASES = DECODE_CASES + [
@@ -209,7 +210,7 @@ HEADS_CASES = DECODE_CASES + [
 ]
 
 
-@pytest.mark.parametrize("impl", ["heads", "g8"])
+@pytest.mark.parametrize("impl", ["heads", "g8", "heads8"])
 @pytest.mark.parametrize("lens, Hq, Hkv, D, P", HEADS_CASES)
 def test_decode_heads_and_g8_kernels_error_at_most_twice_sdpa_bf16(lens, Hq, Hkv, D, P, impl, monkeypatch):
     """The heads kernel and the g8 kernel meet the same bound on every decode case (each falls back where it does
@@ -218,7 +219,7 @@ def test_decode_heads_and_g8_kernels_error_at_most_twice_sdpa_bf16(lens, Hq, Hkv
     test_decode_error_at_most_twice_sdpa_bf16(lens, Hq, Hkv, D, P)
 
 
-@pytest.mark.parametrize("impl", ["heads", "g8"])
+@pytest.mark.parametrize("impl", ["heads", "g8", "heads8"])
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 64, 1000])
 def test_decode_heads_and_g8_kernels_split_counts_agree(num_splits, impl, monkeypatch):
     """Explicit split counts with the heads kernel (empty splits, splits shorter than a tile, and past 2^16 partial
@@ -232,7 +233,7 @@ def test_decode_heads_and_g8_kernels_split_counts_agree(num_splits, impl, monkey
     assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
 
 
-@pytest.mark.parametrize("impl", ["heads", "g8"])
+@pytest.mark.parametrize("impl", ["heads", "g8", "heads8"])
 def test_decode_heads_and_g8_kernels_fused_split_combine_matches_combine_kernel(impl, monkeypatch):
     """The heads kernel's in-kernel split-K finish (last CTA per (sequence, head group)) equals the separate combine
     kernel bit for bit, over back-to-back launches with different split counts, G = 4 and 8, empty sequences."""
@@ -258,8 +259,10 @@ def test_decode_heads_and_g8_kernels_fused_split_combine_matches_combine_kernel(
         assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
 
 
-def test_decode_with_large_and_tiny_query_rows():
+@pytest.mark.parametrize("impl", ["default", "heads8"])
+def test_decode_with_large_and_tiny_query_rows(impl, monkeypatch):
     """Q rows of very different magnitudes (the kernel rescales each row by a power of two) and a zero row."""
+    monkeypatch.setenv("TRACE_EXT_KV_DECODE_IMPL", impl)
     lens = [700]
     cache, table, seq_lens, *_ = make_cache(lens, 2, 128, 16, seed=5)
     q = torch.randn(1, 8, 128, device=DEV)
@@ -371,3 +374,51 @@ def test_opcheck_on_cuda():
         torch.ops.trace_ext.fp4kv_append.default,
         (*[t.clone() for t in cache.tensors()], k, v, table, cu, torch.zeros_like(seq_lens), cache.g_k, cache.g_v),
     )
+
+
+# ---- heads8 (TRACE_EXT_KV_DECODE_IMPL=heads8): two warps per KV head, merged at the end --------------------------
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 3])
+@pytest.mark.parametrize("lens", [[1], [16], [17], [32], [48], [4095], [1, 16, 17, 31, 0, 4096]], ids=str)
+def test_decode_heads8_matches_heads_and_reference(lens, num_splits, monkeypatch):
+    """heads8 against the reference (same bound) and against the 4-warp heads kernel (both are the same arithmetic
+    per tile; only the order in which tiles are summed differs, so they agree to a few bf16 ulps): lengths where
+    the second warp of a head gets no tile (1, 16), one partial tile (17, 48) or an odd number of tiles, with
+    explicit and automatic splits, H_kv = 8 (two head groups), G = 4."""
+    cache, table, seq_lens, *_ = make_cache(lens, 8, 128, 16, seed=sum(lens) + 1)
+    q = torch.randn(len(lens), 32, 128, device=DEV).to(torch.bfloat16)
+    monkeypatch.setenv("TRACE_EXT_KV_DECODE_IMPL", "heads8")
+    o8, l8 = ops.fp4kv_decode_attention(q, cache, table, seq_lens, 0.1, num_splits=num_splits, backend="cuda")
+    monkeypatch.setenv("TRACE_EXT_KV_DECODE_IMPL", "heads")
+    o4, l4 = ops.fp4kv_decode_attention(q, cache, table, seq_lens, 0.1, num_splits=num_splits, backend="cuda")
+    err, err_sdpa, lse_err = errors_vs_reference(o8, l8, q, cache, table, seq_lens, 0.1)
+    assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
+    torch.testing.assert_close(o8.float(), o4.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(l8, l4, rtol=0, atol=1e-4)
+
+
+def test_decode_heads8_merges_sets_with_far_apart_maxima(monkeypatch):
+    """One dominant key in a tile of one warp set and none in the other's (then the reverse): the cross-warp merge
+    must weight the set with the far smaller max by 2^(m_set - m) (underflowing to 0), not add it unscaled."""
+    monkeypatch.setenv("TRACE_EXT_KV_DECODE_IMPL", "heads8")
+    Hkv, D, P = 4, 128, 16
+    lens = [64, 64]
+    gen = torch.Generator(device=DEV).manual_seed(21)
+    k = torch.randn(sum(lens), Hkv, D, generator=gen, device=DEV)
+    v = torch.randn(sum(lens), Hkv, D, generator=gen, device=DEV)
+    q = torch.randn(len(lens), 16, D, generator=gen, device=DEV)
+    for b, tok in ((0, 5), (1, 64 + 21)):  # tile 0 (set 0) of sequence 0, tile 1 (set 1) of sequence 1
+        k[tok] = q[b].reshape(Hkv, 4, D)[:, 0] * 40.0
+    k, v, q = k.to(torch.bfloat16), v.to(torch.bfloat16), q.to(torch.bfloat16)
+    g_k = float(k.float().abs().max()) / 2688.0
+    g_v = float(v.float().abs().max()) / 2688.0
+    cache = PagedFP4KVCache(16, P, Hkv, D, device=DEV, g_k=g_k, g_v=g_v)
+    table = torch.arange(16, device=DEV, dtype=torch.int32).reshape(2, 8)
+    cu = torch.tensor([0, 64, 128], dtype=torch.int32, device=DEV)
+    ops.fp4kv_append(cache, k, v, table, cu, torch.zeros(2, dtype=torch.int32, device=DEV), backend="cuda")
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    for n in (1, 2):
+        out, lse = ops.fp4kv_decode_attention(q, cache, table, seq_lens, 0.1, num_splits=n, backend="cuda")
+        err, err_sdpa, lse_err = errors_vs_reference(out, lse, q, cache, table, seq_lens, 0.1)
+        assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
