@@ -35,6 +35,15 @@
 //   schedule precomputed on the host (philox4x32_10_scheduled: keys are constant-bank operands of the XORs).
 //   SR / guided skip the per-element tiny-quotient test when a block-level bound on the smallest nonzero |x|
 //   proves it false for every element (quantize_block).
+// - TRACE_EXT_QUANT_IMPL=lean (opt-in, for A/B): RTN by one magic add whose magic number is a power of two taken
+//   from u's exponent bits (e2m1_rn_grid_pow2_x2m14: LOP3, VIMNMX, two FFMAs per element instead of four FADDs, an FMUL,
+//   an FSETP and a predicated FADD), in the flat, lean and per-row kernels. Quantize (not fake) with linear scales
+//   and a 32-bit block walk goes through nvfp4_quant_lean_kernel (RTN, guided; SR stays on the flat kernel, where
+//   ptxas keeps it within 64 registers without spilling): per-tile row division replaced by a grid-stride step, one
+//   g hoisted, rollout scale bytes loaded with x, no per-block output-pointer tests. Per-row kernel: the warp's row
+//   amax by one redux.sync (teams of >= 32 threads), codes / scales stores untested. Static SASS of the bf16 RTN
+//   flat tile (2 blocks of 16 per lane) on sm_90a: ~565 instructions on the hot path instead of ~712 (profile of
+//   the default), no spills (the default RTN flat kernel: 16 / 48 bytes).
 // - Swizzled scales: written at their 128x4 offsets; the zero padding is written by the same launch
 //   (a grid-stride pass over the padded bytes of the last row tile and the last column chunk of each tile).
 #include <ATen/ATen.h>
@@ -351,7 +360,8 @@ __device__ __forceinline__ void process_block(const QuantParams& p, const float 
   } else {
     s = kE4M3NaN;
   }
-  if (p.codes != nullptr) reinterpret_cast<uint2*>(p.codes)[fb] = make_uint2(codes[0], codes[1]);
+  constexpr bool kOutputsKnown = IMPL == kImplLean && !FAKE;  // lean quantize: codes and scales always exist
+  if (kOutputsKnown || p.codes != nullptr) reinterpret_cast<uint2*>(p.codes)[fb] = make_uint2(codes[0], codes[1]);
   if constexpr (FAKE) {
     float y[kNvfp4Block];
     dequant_codes<kNvfp4Block>(codes, s, g, y);
@@ -360,7 +370,7 @@ __device__ __forceinline__ void process_block(const QuantParams& p, const float 
   if (p.mbits != nullptr) {
     reinterpret_cast<uint16_t*>(p.mbits)[fb] = (uint16_t)(nibble_lsbs(codes[0]) | (nibble_lsbs(codes[1]) << 8));
   }
-  if (p.scales != nullptr) {
+  if (kOutputsKnown || p.scales != nullptr) {
     if (p.swizzle) {
       p.scales[swizzled_scale_offset(row, kbi, p.kb_pad)] = s;
     } else {
@@ -683,8 +693,12 @@ __global__ void __launch_bounds__(kMaxTeam) nvfp4_quant_rowg_kernel(const QuantP
   }
   // Row reduction of the finite amax: shuffles within a warp (or a sub-warp team), then across the team's warps.
   const int width = team < 32 ? team : 32;
-  for (int off = width / 2; off > 0; off /= 2) {
-    finite_max = max(finite_max, __shfl_xor_sync(0xFFFFFFFFu, finite_max, off, width));
+  if (IMPL == kImplLean && team >= 32) {
+    finite_max = __reduce_max_sync(0xFFFFFFFFu, finite_max);  // lean: one redux.sync instead of 5 shuffles + maxes
+  } else {
+    for (int off = width / 2; off > 0; off /= 2) {
+      finite_max = max(finite_max, __shfl_xor_sync(0xFFFFFFFFu, finite_max, off, width));
+    }
   }
   if (team > 32) {
     const int warp = threadIdx.x / 32;
