@@ -526,7 +526,7 @@ __global__ void __launch_bounds__(kFlatThreads) nvfp4_quant_flat_kernel(const Qu
 // and scales are known to exist (no per-block pointer tests, no swizzle / fake-quant branches). RTN elements use
 // e2m1_rn_grid_pow2_x2m14 (quantize_elems, kImplLean).
 struct LeanWalk {
-  uint32_t total_blocks;   // rows * kb; total_blocks + stride_blocks < 2^32 (host-checked)
+  uint32_t total_blocks;   // rows * kb; total_blocks + stride_blocks < 2^31 (host-checked)
   uint32_t stride_blocks;  // blocks between a warp's consecutive tiles: warps in the grid * kWarpBlocks
   uint32_t kb;             // blocks per row
   uint32_t step_rows;      // stride_blocks / kb
@@ -822,7 +822,7 @@ bool launch_lean(const QuantParams& p, cudaStream_t stream, const char* op) {
   const int64_t total = p.rows * p.kb;
   const int64_t grid = std::max<int64_t>(1, div_up(flat_warps(p) * 32, kFlatThreads));
   const int64_t stride = grid * (kFlatThreads / 32) * kWarpBlocks;
-  if (total + stride >= (int64_t(1) << 32)) return false;
+  if (total + stride >= (int64_t(1) << 31)) return false;  // also keeps kbi + step_kbi < 2 kb < 2^32
   const LeanWalk w{(uint32_t)total, (uint32_t)stride, (uint32_t)p.kb, (uint32_t)(stride / p.kb),
                    (uint32_t)(stride % p.kb)};
   constexpr bool kGuided = MODE == kGuidedCompact || MODE == kGuidedFull;

@@ -179,8 +179,10 @@ def test_lean_walk_against_reference(monkeypatch, R, K, dtype):
 
 @pytest.mark.parametrize("R,K", LEAN_SHAPES[:2])
 def test_lean_capture_and_swizzle_match_default(monkeypatch, R, K):
-    """capture (mbits from the lean kernel) and swizzle (the flat kernel with the lean RTN) equal the default."""
+    """capture (mbits from the lean kernel), swizzle (per-row kernel with the lean RTN) and fake quantization (flat /
+    per-row kernels with the lean RTN, bf16 out), per-row g fused and given, equal the default."""
     x = lean_input(R, K, torch.bfloat16, 3)
+    g_rows = ref.nvfp4_global_scale(x, "row").contiguous() * 0.71
     out = {}
     for variant in ("default", "lean"):
         if variant == "default":
@@ -188,9 +190,15 @@ def test_lean_capture_and_swizzle_match_default(monkeypatch, R, K):
         else:
             monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", variant)
         out[variant] = (ops.nvfp4_quantize(x, capture=True, backend="cuda"),
-                        ops.nvfp4_quantize(x, swizzle=True, backend="cuda"))
-    (qa, reca), qsa = out["default"]
-    (qb, recb), qsb = out["lean"]
+                        ops.nvfp4_quantize(x, swizzle=True, backend="cuda"),
+                        ops.nvfp4_fake_quantize(x, backend="cuda"),
+                        ops.nvfp4_fake_quantize(x, g_rows, backend="cuda"),
+                        ops.nvfp4_quantize(x, g_rows, swizzle=True, backend="cuda"))
+    (qa, reca), qsa, fa, fga, qsga = out["default"]
+    (qb, recb), qsb, fb, fgb, qsgb = out["lean"]
     assert_same(qa, qb, "capture codes")
     assert torch.equal(reca.payload, recb.payload), "capture mbits"
     assert_same(qsa, qsb, "swizzled")
+    assert_same(qsga, qsgb, "swizzled, g given (flat kernel)")
+    assert torch.equal(fa.view(torch.int16), fb.view(torch.int16)), "fake quant, fused g"
+    assert torch.equal(fga.view(torch.int16), fgb.view(torch.int16)), "fake quant, g given"
