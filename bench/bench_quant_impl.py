@@ -1,12 +1,15 @@
 """A/B of the NVFP4 quantize element-code variants in one process (TRACE_EXT_QUANT_IMPL is read per call):
 "default" (SR / guided in the 2^-14-scaled domain, RTN saturated after packing), "bits" (the previous SR / guided
-code) and "rtn-fminf" (RTN saturated per element by fminf), on 2^26 and 2^28 bf16 elements (H200).
+code), "rtn-fminf" (RTN saturated per element by fminf) and "lean" (RTN by the power-of-two magic add; quantize with
+linear scales through the lean flat kernel), on 2^26 and 2^28 bf16 elements (H200).
 
 Each (op, shape) is timed for every variant in two interleaved rounds (A B C A B C; the better median of the two is
-kept) so that clock / thermal drift between variants cancels; the codes of every variant are checked equal first.
+kept) so that clock / thermal drift between variants cancels; every output (codes, scales, g, mbits) of every variant is
+checked equal to the default's first.
 Timing: bench.common.do_bench_cold (median, L2 flushed before every call); % of the device-to-device copy bandwidth
 measured in the same run, bytes counted as in bench_quant.py.
 Run from the repo root with the package installed:  python bench/bench_quant_impl.py
+(about 50 s for all four variants; QUANT_IMPL_VARIANTS=lean python bench/bench_quant_impl.py: default vs lean, ~25 s)
 """
 from __future__ import annotations
 
@@ -22,7 +25,9 @@ import trace_ext  # noqa: E402
 from trace_ext import reference as ref  # noqa: E402
 
 SHAPES = ((16384, 4096), (65536, 4096))  # 2^26 and 2^28 elements
-VARIANTS = ("default", "bits", "rtn-fminf")
+# QUANT_IMPL_VARIANTS=default,lean times a subset ("default" is always first: codes are compared against it)
+VARIANTS = ("default",) + tuple(
+    v for v in os.environ.get("QUANT_IMPL_VARIANTS", "bits,rtn-fminf,lean").split(",") if v and v != "default")
 ENV = "TRACE_EXT_QUANT_IMPL"
 
 
@@ -57,6 +62,10 @@ def main() -> None:
              lambda: op.nvfp4_quantize(x, None, 0, 0, 0, None, None, None, False, False)),
             ("nvfp4 rtn (g given)", q_bytes + 8 * R,
              lambda: op.nvfp4_quantize(x, g, 0, 0, 0, None, None, None, False, False)),
+            ("nvfp4 rtn swizzled", q_bytes + 4 * R,
+             lambda: op.nvfp4_quantize(x, None, 0, 0, 0, None, None, None, True, False)),
+            ("nvfp4 capture (rtn + mbits)", q_bytes + 4 * R + n // 8,
+             lambda: op.nvfp4_quantize(x, None, 0, 0, 0, None, None, None, False, True)),
             ("nvfp4 sr (per-row g fused)", q_bytes + 4 * R,
              lambda: op.nvfp4_quantize(x, None, 1, 7, 0, None, None, None, False, False)),
             ("nvfp4 sr (g given)", q_bytes + 8 * R,
@@ -70,8 +79,8 @@ def main() -> None:
             outs = {}
             for v in VARIANTS:
                 set_variant(v)
-                outs[v] = fn()[0]
-            same = all(torch.equal(outs[v], outs["default"]) for v in VARIANTS)
+                outs[v] = fn()
+            same = all(torch.equal(a, b) for v in VARIANTS for a, b in zip(outs[v], outs["default"]))
             best = {v: float("inf") for v in VARIANTS}
             for _ in range(2):
                 for v in VARIANTS:
@@ -80,7 +89,8 @@ def main() -> None:
             for v in VARIANTS:
                 gbs = nbytes / (best[v] * 1e-3) / 1e9
                 rows.append({"op": name, "shape": f"{R}x{K}", "variant": v, "ms": best[v], "GB/s": gbs,
-                             "% copy": 100.0 * gbs / copy_gbs, "vs bits": best["bits"] / best[v],
+                             "% copy": 100.0 * gbs / copy_gbs,
+                             "vs default": best["default"] / best[v],
                              "codes equal": same})
         set_variant("default")
         del x, x_train, codes, scales, g_out, mbits

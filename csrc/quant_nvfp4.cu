@@ -35,6 +35,15 @@
 //   schedule precomputed on the host (philox4x32_10_scheduled: keys are constant-bank operands of the XORs).
 //   SR / guided skip the per-element tiny-quotient test when a block-level bound on the smallest nonzero |x|
 //   proves it false for every element (quantize_block).
+// - TRACE_EXT_QUANT_IMPL=lean (opt-in, for A/B): RTN by one magic add whose magic number is a power of two taken
+//   from u's exponent bits (e2m1_rn_grid_pow2_x2m14: LOP3, VIMNMX, two FFMAs per element instead of four FADDs, an FMUL,
+//   an FSETP and a predicated FADD), in the flat, lean and per-row kernels. Quantize (not fake) with linear scales
+//   and a 32-bit block walk goes through nvfp4_quant_lean_kernel (RTN, guided; SR stays on the flat kernel, where
+//   ptxas keeps it within 64 registers without spilling): per-tile row division replaced by a grid-stride step, one
+//   g hoisted, rollout scale bytes loaded with x, no per-block output-pointer tests. Per-row kernel: the warp's row
+//   amax by one redux.sync (teams of >= 32 threads), codes / scales stores untested. Static SASS of the bf16 RTN
+//   flat tile (2 blocks of 16 per lane) on sm_90a: ~565 instructions on the hot path instead of ~712 (profile of
+//   the default), no spills (the default RTN flat kernel: 16 / 48 bytes).
 // - Swizzled scales: written at their 128x4 offsets; the zero padding is written by the same launch
 //   (a grid-stride pass over the padded bytes of the last row tile and the last column chunk of each tile).
 #include <ATen/ATen.h>
@@ -70,6 +79,8 @@ constexpr int kImplScaled = 0;   // element code in the 2^-14-scaled domain, RTN
                                  // (TRACE_EXT_QUANT_IMPL=rtn-fminf)
 constexpr int kImplBits = 1;     // previous SR / guided code (TRACE_EXT_QUANT_IMPL=bits); RTN as kImplScaled
 constexpr int kImplRtnSat = 2;   // default: RTN saturated after packing (H200 A/B: 1.01-1.05x); else as kImplScaled
+constexpr int kImplLean = 3;     // TRACE_EXT_QUANT_IMPL=lean: RTN by the power-of-two magic add, quantize (not fake)
+                                 // with linear scales through nvfp4_quant_lean_kernel; SR / guided code as kImplScaled
 static_assert(kChunkElems % 8 == 0, "a chunk must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kNvfp4Block % 8 == 0, "a block must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 2 blocks x 16 elements");
@@ -136,7 +147,22 @@ __device__ __forceinline__ void quantize_elems(const float (&x)[N], float t, flo
                                                const QuantParams& p, uint32_t guide_bits, uint2 guide_codes,
                                                uint32_t (&w)[N / 8]) {
   // ctr0: Philox counter of element 0 (flat element index / 4, SPEC 4)
-  if constexpr (MODE == kRTN && FAST && IMPL == kImplRtnSat) {
+  if constexpr (MODE == kRTN && FAST && IMPL == kImplLean) {
+    // RTN (lean): as kImplRtnSat below, the grid value by e2m1_rn_grid_pow2_x2m14 (LOP3, VIMNMX and two FFMAs per
+    // element instead of four FADDs, an FMUL, an FSETP and a predicated FADD).
+    const float t14 = __fmul_rn(t, 16384.0f), r14 = __fmul_rn(r, 0x1p-14f);
+#pragma unroll
+    for (int k = 0; k < N / 8; ++k) {
+      uint32_t s[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s[i] = __float_as_uint(x[8 * k + i]);
+      const SignBytes8 sb = sign_bytes8(s);
+      float g[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) g[i] = e2m1_rn_grid_pow2_x2m14(div_rn_with_rcp(fabsf(x[8 * k + i]), t14, r14));
+      w[k] = e2m1_pack8_abs_x2m14<true>(g, sb);
+    }
+  } else if constexpr (MODE == kRTN && FAST && IMPL == kImplRtnSat) {
     // RTN: u = fl(|x| / t) * 2^-14 by the scaled reciprocal division, rounded in fp32 without saturation
     // (e2m1_rn_grid_unsat_x2m14); codes read off fp16 bits, saturated two at a time by an unsigned 16-bit min, signs
     // (x's: t > 0, -0.0 included) placed by byte permutes (e2m1_pack8_abs_x2m14<true>). 0.8 fewer instructions per
@@ -334,7 +360,8 @@ __device__ __forceinline__ void process_block(const QuantParams& p, const float 
   } else {
     s = kE4M3NaN;
   }
-  if (p.codes != nullptr) reinterpret_cast<uint2*>(p.codes)[fb] = make_uint2(codes[0], codes[1]);
+  constexpr bool kOutputsKnown = IMPL == kImplLean && !FAKE;  // lean quantize: codes and scales always exist
+  if (kOutputsKnown || p.codes != nullptr) reinterpret_cast<uint2*>(p.codes)[fb] = make_uint2(codes[0], codes[1]);
   if constexpr (FAKE) {
     float y[kNvfp4Block];
     dequant_codes<kNvfp4Block>(codes, s, g, y);
@@ -343,7 +370,7 @@ __device__ __forceinline__ void process_block(const QuantParams& p, const float 
   if (p.mbits != nullptr) {
     reinterpret_cast<uint16_t*>(p.mbits)[fb] = (uint16_t)(nibble_lsbs(codes[0]) | (nibble_lsbs(codes[1]) << 8));
   }
-  if (p.scales != nullptr) {
+  if (kOutputsKnown || p.scales != nullptr) {
     if (p.swizzle) {
       p.scales[swizzled_scale_offset(row, kbi, p.kb_pad)] = s;
     } else {
@@ -490,6 +517,145 @@ __global__ void __launch_bounds__(kFlatThreads) nvfp4_quant_flat_kernel(const Qu
   if (p.swizzle && p.scales != nullptr) swizzle_pad_zero(p, (int64_t)tid, (int64_t)gridDim.x * blockDim.x);
 }
 
+// ---- lean flat kernel (TRACE_EXT_QUANT_IMPL=lean): the flat kernel's tiling with less per-tile / per-block work ----
+// Taken for quantize (not fake) with linear scales when every block index of the walk fits 32 bits. Differences
+// from nvfp4_quant_flat_kernel, all outside the element arithmetic: 32-bit block indices; each thread divides once
+// and then steps its (row, block column) by the grid stride (LeanWalk: stride / kb and stride % kb from the host)
+// instead of a 64-bit division per tile; one g (g_stride 0) and its reciprocal are loaded / formed once per thread
+// (GSCALAR); the rollout's scale bytes are loaded with x (their first use no longer waits a second latency); codes
+// and scales are known to exist (no per-block pointer tests, no swizzle / fake-quant branches). RTN elements use
+// e2m1_rn_grid_pow2_x2m14 (quantize_elems, kImplLean).
+struct LeanWalk {
+  uint32_t total_blocks;   // rows * kb; total_blocks + stride_blocks < 2^31 (host-checked)
+  uint32_t stride_blocks;  // blocks between a warp's consecutive tiles: warps in the grid * kWarpBlocks
+  uint32_t kb;             // blocks per row
+  uint32_t step_rows;      // stride_blocks / kb
+  uint32_t step_kbi;       // stride_blocks % kb
+};
+
+template <typename T, int MODE, bool GSCALAR>
+__global__ void __launch_bounds__(kFlatThreads, 4) nvfp4_quant_lean_kernel(const QuantParams p, const LeanWalk w) {
+  constexpr bool kGuided = MODE == kGuidedCompact || MODE == kGuidedFull;
+  static_assert(!(GSCALAR && kGuided), "guided rounding reads the rollout's g per row");
+  const uint32_t lane = threadIdx.x % 32;
+  uint32_t fb0 = (blockIdx.x * (uint32_t)kFlatThreads + threadIdx.x) / 32 * kWarpBlocks + lane;
+  uint32_t row0 = fb0 / w.kb;
+  uint32_t kbi0 = fb0 - row0 * w.kb;
+  const T* xp = reinterpret_cast<const T*>(p.x);
+  float g_one = 0.0f, rg_one = 0.0f;
+  if constexpr (GSCALAR) {
+    g_one = __ldg(p.g);
+    rg_one = rcp_g_in_range(g_one);
+  }
+  for (; fb0 < w.total_blocks; fb0 += w.stride_blocks) {
+    BlockRaw<T> raw[kBlocksPerLane];
+#pragma unroll
+    for (int q = 0; q < kBlocksPerLane; ++q) raw[q] = load_block<T>(xp, fb0 + 32 * q, fb0 + 32 * q < w.total_blocks);
+    uint32_t gbits[kBlocksPerLane];
+    uint2 gcodes[kBlocksPerLane];
+    uint8_t gscale[kBlocksPerLane];
+#pragma unroll
+    for (int q = 0; q < kBlocksPerLane; ++q) {
+      const uint32_t fb = fb0 + 32 * q;
+      const bool ok = fb < w.total_blocks;
+      gbits[q] = 0u;
+      gcodes[q] = make_uint2(0u, 0u);
+      gscale[q] = 0;
+      if constexpr (MODE == kGuidedCompact) {
+        if (ok) gbits[q] = __ldg(reinterpret_cast<const uint16_t*>(p.guide_payload) + fb);
+      } else if constexpr (MODE == kGuidedFull) {
+        if (ok) gcodes[q] = __ldg(reinterpret_cast<const uint2*>(p.guide_payload) + fb);
+      }
+      if constexpr (kGuided) {
+        if (ok) gscale[q] = __ldg(p.guide_scales + fb);
+      }
+    }
+    float g[kBlocksPerLane], rg[kBlocksPerLane];
+    if constexpr (GSCALAR) {
+#pragma unroll
+      for (int q = 0; q < kBlocksPerLane; ++q) {
+        g[q] = g_one;
+        rg[q] = rg_one;
+      }
+    } else {
+      // rows of the lane's blocks: block q = 1 is 32 further (one carry step when kb >= 32)
+      uint32_t rows[kBlocksPerLane];
+      uint32_t row = row0, kbi = kbi0;
+#pragma unroll
+      for (int q = 0; q < kBlocksPerLane; ++q) {
+        rows[q] = row;
+        kbi += 32;
+        while (kbi >= w.kb) {
+          kbi -= w.kb;
+          ++row;
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < kBlocksPerLane; ++q) {
+        g[q] = 0.0f;
+        if (fb0 + 32 * q < w.total_blocks) g[q] = __ldg((kGuided ? p.guide_g : p.g) + rows[q]);
+      }
+#pragma unroll
+      for (int q = 0; q < kBlocksPerLane; ++q) {
+        if constexpr (kGuided) {
+          rg[q] = 0.0f;  // the scale byte is the rollout's
+        } else {
+          rg[q] = q > 0 && g[q] == g[q - 1] ? rg[q - 1] : rcp_g_in_range(g[q]);
+        }
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < kBlocksPerLane; ++q) {
+      const uint32_t fb = fb0 + 32 * q;
+      if (fb < w.total_blocks) {
+        float x[kNvfp4Block];
+        const uint32_t mb = unpack_block<T>(raw[q], x);
+        bool finite = mb < 0x7F800000u;
+        uint8_t s;
+        float t;
+        if constexpr (kGuided) {
+          s = gscale[q];
+          t = nvfp4_block_divisor(s, g[q]);
+          finite = finite && isfinite(t);  // a rollout NaN scale makes the block NaN
+        } else {
+          s = nvfp4_scale_byte_rcp(mb, g[q], rg[q]);
+          t = nvfp4_block_divisor(s, g[q]);
+        }
+        uint32_t codes[2] = {0u, 0u};
+        if (finite) {
+          quantize_block<MODE, kNvfp4Block, kImplLean>(x, mb, t, 4 * (uint64_t)fb, p, gbits[q], gcodes[q], codes);
+        } else {
+          s = kE4M3NaN;
+        }
+        reinterpret_cast<uint2*>(p.codes)[fb] = make_uint2(codes[0], codes[1]);
+        if (p.mbits != nullptr) {
+          reinterpret_cast<uint16_t*>(p.mbits)[fb] = (uint16_t)(nibble_lsbs(codes[0]) | (nibble_lsbs(codes[1]) << 8));
+        }
+        p.scales[fb] = s;
+      }
+    }
+    if constexpr (!GSCALAR) {
+      row0 += w.step_rows;
+      kbi0 += w.step_kbi;
+      if (kbi0 >= w.kb) {
+        kbi0 -= w.kb;
+        ++row0;
+      }
+    }
+  }
+  // g_out[r]: the g each block of row r used (given or the rollout's), copied once per row.
+  if (p.g_out != nullptr && p.g_out != p.g) {
+    const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    for (int64_t r = tid; r < p.rows; r += (int64_t)gridDim.x * blockDim.x) {
+      if constexpr (kGuided) {
+        p.g_out[r] = __ldg(p.guide_g + r);
+      } else {
+        p.g_out[r] = __ldg(p.g + r * p.g_stride);
+      }
+    }
+  }
+}
+
 // ---- fused kernel: per-row g computed in the same launch (rows up to kFusedMaxK) ------------------------------
 // A team (power of two, kMinTeam..512 threads) per row: lane l of the team owns the blocks l + team q
 // (q < kRowBlocksPerLane) of its row and loads them with its own 16-byte vectors (contiguous across the team). The
@@ -527,8 +693,12 @@ __global__ void __launch_bounds__(kMaxTeam) nvfp4_quant_rowg_kernel(const QuantP
   }
   // Row reduction of the finite amax: shuffles within a warp (or a sub-warp team), then across the team's warps.
   const int width = team < 32 ? team : 32;
-  for (int off = width / 2; off > 0; off /= 2) {
-    finite_max = max(finite_max, __shfl_xor_sync(0xFFFFFFFFu, finite_max, off, width));
+  if (IMPL == kImplLean && team >= 32) {
+    finite_max = __reduce_max_sync(0xFFFFFFFFu, finite_max);  // lean: one redux.sync instead of 5 shuffles + maxes
+  } else {
+    for (int off = width / 2; off > 0; off /= 2) {
+      finite_max = max(finite_max, __shfl_xor_sync(0xFFFFFFFFu, finite_max, off, width));
+    }
   }
   if (team > 32) {
     const int warp = threadIdx.x / 32;
@@ -638,14 +808,47 @@ void check_float_x(const at::Tensor& x, int64_t block, const char* op) {
 }
 
 
-template <int MODE, bool FAKE, typename T, int IMPL>
-void launch_flat(const QuantParams& p, cudaStream_t stream, const char* op) {
-  auto kernel = nvfp4_quant_flat_kernel<T, MODE, FAKE, IMPL>;
-  require_kernel_image(kernel, op);
-  // warps loop over tiles: about kFlatTilesPerWarp tiles each, but never fewer warps than the GPU holds
+// Warps of the flat kernels: about kFlatTilesPerWarp tiles each, but never fewer warps than the GPU holds.
+int64_t flat_warps(const QuantParams& p) {
   const int64_t n_tiles = div_up(p.rows * p.kb, kWarpBlocks);
   const int64_t resident_warps = int64_t(current_sm_count()) * 64;
-  const int64_t warps = std::max(div_up(n_tiles, kFlatTilesPerWarp), std::min(n_tiles, resident_warps));
+  return std::max(div_up(n_tiles, kFlatTilesPerWarp), std::min(n_tiles, resident_warps));
+}
+
+// nvfp4_quant_lean_kernel where it applies (quantize with codes and linear scales, 32-bit block walk); false if not.
+template <int MODE, typename T>
+bool launch_lean(const QuantParams& p, cudaStream_t stream, const char* op) {
+  if (p.swizzle || p.codes == nullptr || p.scales == nullptr || p.y != nullptr) return false;
+  const int64_t total = p.rows * p.kb;
+  const int64_t grid = std::max<int64_t>(1, div_up(flat_warps(p) * 32, kFlatThreads));
+  const int64_t stride = grid * (kFlatThreads / 32) * kWarpBlocks;
+  if (total + stride >= (int64_t(1) << 31)) return false;  // also keeps kbi + step_kbi < 2 kb < 2^32
+  const LeanWalk w{(uint32_t)total, (uint32_t)stride, (uint32_t)p.kb, (uint32_t)(stride / p.kb),
+                   (uint32_t)(stride % p.kb)};
+  constexpr bool kGuided = MODE == kGuidedCompact || MODE == kGuidedFull;
+  if (!kGuided && p.g_stride == 0) {
+    auto kernel = nvfp4_quant_lean_kernel<T, MODE, !kGuided>;
+    require_kernel_image(kernel, op);
+    kernel<<<(unsigned)grid, kFlatThreads, 0, stream>>>(p, w);
+  } else {
+    auto kernel = nvfp4_quant_lean_kernel<T, MODE, false>;
+    require_kernel_image(kernel, op);
+    kernel<<<(unsigned)grid, kFlatThreads, 0, stream>>>(p, w);
+  }
+  check_launch(op);
+  return true;
+}
+
+template <int MODE, bool FAKE, typename T, int IMPL>
+void launch_flat(const QuantParams& p, cudaStream_t stream, const char* op) {
+  if constexpr (IMPL == kImplLean && !FAKE && MODE != kSR) {  // SR: ptxas spills the lean kernel at 64 registers
+    if (launch_lean<MODE, T>(p, stream, op)) return;
+  }
+  // lean elsewhere: RTN keeps its element code, SR / guided are kImplScaled (no duplicate kernels)
+  constexpr int kImpl = IMPL == kImplLean && MODE != kRTN ? kImplScaled : IMPL;
+  auto kernel = nvfp4_quant_flat_kernel<T, MODE, FAKE, kImpl>;
+  require_kernel_image(kernel, op);
+  const int64_t warps = flat_warps(p);
   const int64_t work_threads = warps * 32;
   int64_t pad_jobs = p.swizzle ? (p.kb_pad / 4) * 512 + (p.rows_pad / 128) * 512 : 0;
   int64_t threads = std::max<int64_t>(work_threads, std::min<int64_t>(pad_jobs, int64_t(1) << 20));
@@ -667,7 +870,8 @@ void launch_rowg(const QuantParams& p, cudaStream_t stream, const char* op) {
     launch_flat<MODE, FAKE, T, IMPL>(q, stream, op);
     return;
   }
-  auto kernel = nvfp4_quant_rowg_kernel<T, MODE, FAKE, IMPL>;
+  constexpr int kImpl = IMPL == kImplLean && MODE != kRTN ? kImplScaled : IMPL;  // lean: RTN's element code only
+  auto kernel = nvfp4_quant_rowg_kernel<T, MODE, FAKE, kImpl>;
   require_kernel_image(kernel, op);
   int team = kMinTeam;
   while ((int64_t)team * kRowBlocksPerLane < p.kb) team *= 2;
@@ -679,10 +883,11 @@ void launch_rowg(const QuantParams& p, cudaStream_t stream, const char* op) {
 
 template <bool FAKE, typename T, int IMPL>
 void launch_quant_impl(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_t stream, const char* op) {
-  constexpr int kSrGuided = IMPL == kImplBits ? kImplBits : kImplScaled;  // SR / guided: two variants
+  // SR / guided: two element codes (lean: kImplScaled's, through the lean kernel where it applies)
+  constexpr int kSrGuided = IMPL == kImplBits || IMPL == kImplLean ? IMPL : kImplScaled;
   switch (rounding) {
     case kRTN: {
-      constexpr int kRtn = IMPL == kImplRtnSat ? kImplRtnSat : kImplScaled;  // RTN's two variants
+      constexpr int kRtn = IMPL == kImplRtnSat || IMPL == kImplLean ? IMPL : kImplScaled;  // RTN's three variants
       rowg ? launch_rowg<kRTN, FAKE, T, kRtn>(p, stream, op) : launch_flat<kRTN, FAKE, T, kRtn>(p, stream, op);
       break;
     }
@@ -700,11 +905,13 @@ void launch_quant_impl(const QuantParams& p, int64_t rounding, bool rowg, cudaSt
 
 // TRACE_EXT_QUANT_IMPL, read per call so that one process can time the variants: "bits" selects the previous SR /
 // guided element code (e2m1_*_bits), "rtn-fminf" the RTN saturated per element by fminf; unset (or anything else)
-// the scaled-domain SR / guided code and the RTN saturated after packing.
+// the scaled-domain SR / guided code and the RTN saturated after packing. "lean": kImplLean (RTN by the power-of-two
+// magic add; quantize with linear scales through nvfp4_quant_lean_kernel).
 int quant_impl() {
   const char* v = std::getenv("TRACE_EXT_QUANT_IMPL");
   if (v != nullptr && std::strcmp(v, "bits") == 0) return kImplBits;
   if (v != nullptr && std::strcmp(v, "rtn-fminf") == 0) return kImplScaled;
+  if (v != nullptr && std::strcmp(v, "lean") == 0) return kImplLean;
   return kImplRtnSat;
 }
 
@@ -716,6 +923,9 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
       break;
     case kImplRtnSat:
       launch_quant_impl<FAKE, T, kImplRtnSat>(p, rounding, rowg, stream, op);
+      break;
+    case kImplLean:
+      launch_quant_impl<FAKE, T, kImplLean>(p, rounding, rowg, stream, op);
       break;
     default:
       launch_quant_impl<FAKE, T, kImplScaled>(p, rounding, rowg, stream, op);

@@ -1,5 +1,6 @@
 """NVFP4 quantize element code, every variant: the scaled-domain code with RTN saturated after packing (default),
-the previous SR / guided code (TRACE_EXT_QUANT_IMPL=bits) and RTN saturated per element (=rtn-fminf), read per call, bit for
+the previous SR / guided code (TRACE_EXT_QUANT_IMPL=bits), RTN saturated per element (=rtn-fminf) and the lean kernel
+with RTN by the power-of-two magic add (=lean; its grid-stride row walk is tested on its own below), read per call, bit for
 bit against the reference on values dense around every E2M1 grid point and rounding threshold, with every rollout
 payload (guided), threshold-adjacent SR draws from many seeds, and saturating quotients (RTN). Blocks are built so
 that the divisor t is exactly 1 (rollout scale byte 0x38 with g = 1; or a leading +-6 with g = 1 for RTN / SR), so
@@ -23,7 +24,7 @@ GRID = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
-@pytest.fixture(params=("default", "bits", "rtn-fminf"))
+@pytest.fixture(params=("default", "bits", "rtn-fminf", "lean"))
 def impl(request, monkeypatch):
     if request.param == "default":
         monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
@@ -127,7 +128,77 @@ def test_impls_agree_on_random_activations(monkeypatch):
     for kw in cases:
         monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
         a = ops.nvfp4_quantize(x, backend="cuda", **kw)
-        for variant in ("bits", "rtn-fminf"):
+        for variant in ("bits", "rtn-fminf", "lean"):
             monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", variant)
             b = ops.nvfp4_quantize(x, backend="cuda", **kw)
             assert torch.equal(a.codes, b.codes), (variant, list(kw))
+
+
+# ---- TRACE_EXT_QUANT_IMPL=lean: the lean kernel's 32-bit block walk (row / column stepped by the grid stride) -------
+# Shapes with more tiles than the GPU holds warps (so warps step over several tiles), block counts per row below 32
+# (several carry steps per lane), not dividing the grid stride, and rows past the fused limit (two-pass path: the
+# lean kernel reads the per-row g of pass 1). Every row gets its own g (a row mix-up changes the codes) and the
+# blocks span many binades.
+
+LEAN_SHAPES = ((40000, 368), (1000, 16016), (3, 16496), (70001, 208))
+
+
+def lean_input(R, K, dtype, seed):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(R, K, generator=gen, device=DEV)
+    x = x * torch.exp2(torch.randint(-20, 20, (R, 1), generator=gen, device=DEV).float())
+    x = x * torch.exp2(torch.randint(-6, 6, (R, K // 16, 1), generator=gen, device=DEV).float()).repeat_interleave(
+        16, dim=1).reshape(R, K)
+    return x.to(dtype)
+
+
+def assert_same(a, b, what):
+    assert torch.equal(a.codes, b.codes), f"{what}: {int((a.codes != b.codes).sum())} code bytes differ"
+    assert torch.equal(a.scales, b.scales), f"{what}: scales differ"
+    assert torch.equal(a.g, b.g), f"{what}: g differs"
+
+
+@pytest.mark.parametrize("R,K", LEAN_SHAPES)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
+def test_lean_walk_against_reference(monkeypatch, R, K, dtype):
+    monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", "lean")
+    x = lean_input(R, K, dtype, R + K)
+    g_rows = ref.nvfp4_global_scale(x, "row").contiguous() * 1.37  # not the fused g: the given g path
+    for what, kw in (("rtn fused g", {}), ("rtn g per row", {"g": g_rows}),
+                     ("rtn one g", {"g": torch.tensor([float(g_rows.max())], device=DEV)})):
+        g = kw.get("g")
+        assert_same(ops.nvfp4_quantize(x, g, backend="cuda"), ops.nvfp4_quantize(x, g, backend="reference"),
+                    f"lean {what} {R}x{K} {dtype}")
+    x_train = (x.float() * (1 + 1e-3 * torch.randn(R, K, device=DEV))).to(dtype)
+    q = ops.nvfp4_quantize(x, backend="reference")
+    for kind in ("compact", "full"):
+        kw = {"rounding": "guided", "guidance": ref.guidance_from_quantized(q, kind)}
+        assert_same(ops.nvfp4_quantize(x_train, backend="cuda", **kw),
+                    ops.nvfp4_quantize(x_train, backend="reference", **kw), f"lean guided {kind} {R}x{K} {dtype}")
+
+
+@pytest.mark.parametrize("R,K", LEAN_SHAPES[:2])
+def test_lean_capture_and_swizzle_match_default(monkeypatch, R, K):
+    """capture (mbits from the lean kernel), swizzle (per-row kernel with the lean RTN) and fake quantization (flat /
+    per-row kernels with the lean RTN, bf16 out), per-row g fused and given, equal the default."""
+    x = lean_input(R, K, torch.bfloat16, 3)
+    g_rows = ref.nvfp4_global_scale(x, "row").contiguous() * 0.71
+    out = {}
+    for variant in ("default", "lean"):
+        if variant == "default":
+            monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
+        else:
+            monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", variant)
+        out[variant] = (ops.nvfp4_quantize(x, capture=True, backend="cuda"),
+                        ops.nvfp4_quantize(x, swizzle=True, backend="cuda"),
+                        ops.nvfp4_fake_quantize(x, backend="cuda"),
+                        ops.nvfp4_fake_quantize(x, g_rows, backend="cuda"),
+                        ops.nvfp4_quantize(x, g_rows, swizzle=True, backend="cuda"))
+    (qa, reca), qsa, fa, fga, qsga = out["default"]
+    (qb, recb), qsb, fb, fgb, qsgb = out["lean"]
+    assert_same(qa, qb, "capture codes")
+    assert torch.equal(reca.payload, recb.payload), "capture mbits"
+    assert_same(qsa, qsb, "swizzled")
+    assert_same(qsga, qsgb, "swizzled, g given (flat kernel)")
+    assert torch.equal(fa.view(torch.int16), fb.view(torch.int16)), "fake quant, fused g"
+    assert torch.equal(fga.view(torch.int16), fgb.view(torch.int16)), "fake quant, g given"

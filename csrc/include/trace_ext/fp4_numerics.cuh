@@ -222,6 +222,20 @@ __device__ __forceinline__ float e2m1_rn_grid_unsat_x2m14(float u) {
   return u < 0x1p-13f ? small : big;
 }
 
+// The same rounding as e2m1_rn_grid_unsat_x2m14 (equal results below 6 * 2^-14, >= 6 * 2^-14 above) in four
+// instructions instead of six: one magic add whose magic number is a power of two picked from u's binade. With
+// E = 2^max(e(u), -14) (u's exponent bits, at least those of 2^-14; +0 and subnormals take 2^-14) and M = E * 2^22,
+// u + M lies in [M, 2M) whose ulp is E / 2, so fl(u + M) is u rounded to a multiple of E / 2, ties to the even
+// multiple (M / ulp = 2^23 is even): 2 significant bits for u >= 2^-14 (RNE to one mantissa bit), multiples of 2^-15
+// below (the magic add of 256). E * 2^22 is exact, so each FMA is one rounding of u + M and of fl(u + M) - M (the
+// latter exact: a multiple of E / 2 in [0, 2E]). u < 2^86 (quotients < 2^100) keeps M finite. Checked in numpy
+// emulation (tests/test_rtn_pow2_magic_emulation.py) against the reference rounding.
+__device__ __forceinline__ float e2m1_rn_grid_pow2_x2m14(float u) {
+  const float e = __uint_as_float(max(__float_as_uint(u) & 0x7F800000u, 0x38800000u));  // 0x38800000 = 2^-14
+  const float s = __fmaf_rn(e, 4194304.0f, u);
+  return __fmaf_rn(-e, 4194304.0f, s);
+}
+
 // The signs (bit 31) of eight sign sources s_i as bytes of 0x00 / 0xFF: .even = s0 s2 s4 s6, .odd = s1 s3 s5 s7.
 // prmt selector 0xFB: byte 0 = sign of a's byte 3, byte 1 = sign of b's byte 3; 0x5410 joins two such pairs.
 // (Taken before the element math, so that two words instead of eight sources stay live.)
