@@ -430,7 +430,8 @@ __global__ void __launch_bounds__(kAppendThreads) fp4kv_append_warp_kernel(const
         scale_word |= r.z << (8 * j);
       }
       if (j % 2 == 1) {  // codes of each block pair as soon as they exist (16-byte aligned: checked on the host)
-        reinterpret_cast<uint4*>(codes)[j / 2] = make_uint4(code[2 * j - 2], code[2 * j - 1], code[2 * j], code[2 * j + 1]);
+        reinterpret_cast<uint4*>(codes)[j / 2] =
+            make_uint4(code[2 * j - 2], code[2 * j - 1], code[2 * j], code[2 * j + 1]);
       }
     }
     if constexpr (kPer == 4) {  // 4-byte aligned: nb % 4 == 0, bases checked on the host
@@ -549,7 +550,9 @@ void fp4kv_append_cuda(at::Tensor& k_codes, at::Tensor& k_scales, at::Tensor& v_
   const bool warp4 = impl_env != nullptr && std::strcmp(impl_env, "warp") == 0;
   const bool warp2 = impl_env != nullptr && std::strcmp(impl_env, "warp2") == 0;
   // Rows of an odd number of blocks (or unaligned cache bases: never for torch allocations) take the default kernel.
-  const auto aligned = [](const at::Tensor& t, uintptr_t a) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % a == 0; };
+  const auto aligned = [](const at::Tensor& t, uintptr_t a) {
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % a == 0;
+  };
   if ((warp4 || warp2) && pair && g_rcp_ok(p.g_k) && g_rcp_ok(p.g_v)) {
     const int wper = (warp4 && nb % 4 == 0 && aligned(k_scales, 4) && aligned(v_scales, 4)) ? 4 : 2;
     auto wkernel = wper == 4 ? fp4kv_append_warp_kernel<4> : fp4kv_append_warp_kernel<2>;
@@ -564,8 +567,14 @@ void fp4kv_append_cuda(at::Tensor& k_codes, at::Tensor& k_scales, at::Tensor& v_
     p.rg_k = 1.0f / p.g_k;  // IEEE single division on the host: fl(1 / g)
     p.rg_v = 1.0f / p.g_v;
     const int64_t per_tensor = T * p.items_per_token;
-    int ctas_per_sm = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, wkernel, kAppendThreads, 0);
+    // CTAs per SM of each instantiation (a property of the kernel image, the same on every device of the build's arch)
+    const auto ctas_of = [](auto kernel) {
+      int n = 0;
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kAppendThreads, 0);
+      return n;
+    };
+    static const int occupancy[2] = {ctas_of(fp4kv_append_warp_kernel<2>), ctas_of(fp4kv_append_warp_kernel<4>)};
+    const int ctas_per_sm = occupancy[wper == 4 ? 1 : 0];
     const int64_t resident_warps = (int64_t)sms * std::max(ctas_per_sm, 1) * kWarpsPerCta;
     // one wave: every warp a contiguous chunk (a multiple of 32 items) of one tensor
     const int64_t want_per_tensor = std::max<int64_t>(1, resident_warps / 2);

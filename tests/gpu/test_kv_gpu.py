@@ -373,7 +373,7 @@ def test_opcheck_on_cuda():
     )
 
 
-# ---- append: warp-stream kernel (TRACE_EXT_KV_APPEND_IMPL=warp / warp2, opt-in) ------------------------------------
+# ---- append: warp-stream kernel (TRACE_EXT_KV_APPEND_IMPL=warp / warp2, opt-in) -------------------------------
 # "warp" takes four blocks per item where D % 64 == 0 (else two, else one), "warp2" at most two; both must write the
 # same bytes as the reference (and so as the default kernel). The switch is read per call.
 
@@ -450,10 +450,10 @@ def test_append_warp_kernel_page_sizes_and_head_counts(impl, P, H, monkeypatch):
 @pytest.mark.parametrize("g", [1.0, 3.0e-3, 2.0**-40, 2.0**45, 2.0**-60])
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_append_warp_kernel_every_bf16_value(impl, g, shuffle, monkeypatch):
-    """Every one of the 65536 bf16 bit patterns once in K and once (negated order) in V, in order (blocks of neighbouring
-    magnitudes: every scale byte, the fast path across its whole range) or shuffled (huge and tiny values in one
-    block: tiny and overflowing quotients); g from the reciprocal path's range (2^-40, 2^45) and outside it
-    (2^-60: the default kernel is used)."""
+    """Every one of the 65536 bf16 bit patterns once in K and once (reversed order) in V, in order (blocks of
+    neighbouring magnitudes: every scale byte, the fast path across its whole range) or shuffled (huge and tiny
+    values in one block: tiny and overflowing quotients); g from the reciprocal path's range (2^-40, 2^45) and
+    outside it (2^-60: the default kernel is used)."""
     H, D, P = 4, 128, 16
     T = 65536 // (H * D)
     bits = torch.arange(65536, dtype=torch.int32, device=DEV)
