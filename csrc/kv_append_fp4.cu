@@ -38,24 +38,28 @@
 // default is unchanged). Nsight on the default at B8 x 4096, H_kv 8, D 128: 22.9 thread instructions per element,
 // issue slots 75% busy, DRAM 55%: issue-bound. The warp-stream kernel cuts the instructions per element:
 // - Work: each warp appends a contiguous chunk of one tensor's items (four blocks of a (token, head) row where
-//   D % 64 == 0, else two), lanes taking items l, l + 32, ...; one wave of warps (occupancy API). A warp step reads
-//   32 consecutive items (two whole tokens at H_kv * D = 1024) with 16-byte loads issued before any math, and writes
-//   16-byte code stores and one 4-byte (2-byte) scale store per lane, contiguous per token. The token, (head, block),
-//   sequence and page advance incrementally (a binary search only when a lane enters another sequence, one
-//   block-table load per page per lane) instead of two divisions, a binary search and a table load per item.
+//   D % 64 == 0, else two), lanes taking items l, l + 32, ...; one full wave of warps (occupancy API), chunks equal
+//   to within an item. A warp step reads 32 consecutive items (4 KB at H_kv * D = 1024, kPer 4) with 16-byte loads
+//   issued before any math, and writes 16-byte code stores and one 4-byte (2-byte) scale store per lane, contiguous
+//   per token. The token, (head, block), sequence and page advance incrementally (a binary search only when a lane
+//   enters another sequence, one block-table load per page per lane) instead of two divisions, a binary search and a
+//   table load per item.
 // - Scale byte: fl(amax / 6) and fl(. / g) by the exact reciprocal division (fl(1/6) and the host's fl(1/g), as
 //   quant_nvfp4.cu's nvfp4_scale_byte_rcp, amax in [2^-47, 2^50], g in [2^-50, 2^50]: other g take the default
 //   kernel); t * 2^14 and fl(1 / t) * 2^-14 come from a 2 x 128-entry shared table indexed by the scale byte (filled
 //   once per CTA: g is fixed per cache), whose reciprocal is NaN where t leaves [2^-100, 2^100], so one compare
-//   (fl(amax * r) <= 2^86) admits a block to the fast path exactly when the default kernel's fast path would.
+//   (fl(amax * r) <= 2^86) admits a block to the fast path only where the default kernel's reciprocal-quotient path
+//   applies too (and amax lies in the scale range above).
 // - Elements (fast path): u = fl(|x| / t) * 2^-14 by div_rn_with_rcp (one FMUL, two FMAs; |x| as an operand
 //   modifier), RTN by one exponent-magic add (e2m1_rn_grid_expmagic_x2m14: integer max, mask, two FMAs, against seven
 //   instructions for the Veltkamp / magic-add pair plus select), fp16 pairs saturated by min_u16x2 after packing (as
 //   kImplRtnSat), signs straight from the bf16 words by sign-replicating byte permutes (fast_codes8). Every other
 //   block (zero, tiny, huge, non-finite, t out of range) calls the default kernel's block path out of line.
-// - Static SASS (sm_90a, ptxas 13.0), fast path: ~13 instructions per element including the per-block amax /
-//   scale / table work, ~1 per element of per-item index work at four blocks per item (default: 22.9 executed).
-//   80 registers at four blocks per item (3 CTAs / SM), 61 at two (=warp2, 4 CTAs / SM); no spills.
+// - Static SASS (sm_90a, ptxas 13.0), fast path: 203 instructions per 16-element block (12.7 per element: amax, scale
+//   byte, table, codes, stores) plus ~73 per item of index and loop work: ~14 per element at four blocks per item,
+//   ~16 at two (Nsight on the default: 22.9 executed). 80 registers at four blocks per item (3 CTAs / SM), 61-62 at
+//   two (=warp2, 4 CTAs / SM); no spills. (A variant keeping the next item's loads in flight during the math needed
+//   ~16 more registers and spilled: not kept.)
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -100,7 +104,7 @@ struct AppendParams {
   int items_per_token;               // H * (D / 16) / kPer items of one token row of one tensor
   uint32_t it_mul, it_shr;           // FastDiv by items_per_token
   int step_tokens, step_items;       // a warp step of 32 items = step_tokens tokens + step_items items
-  int chunk;                         // items per warp (multiple of 32), contiguous
+  int chunk;                         // items per warp, contiguous
   int warps_per_tensor;              // warps [0, w) append K, [w, 2w) append V
   float rg_k, rg_v;                  // fl(1 / g), g in [2^-50, 2^50] (host-checked)
 };
@@ -334,8 +338,8 @@ __device__ __forceinline__ int sequence_of_token_from(const int32_t* __restrict_
 }
 
 // Each warp appends a contiguous chunk of one tensor's items (kPer consecutive blocks of a (token, head) row each),
-// lane l taking items l, l + 32, ...: a warp step reads 32 consecutive items (for H_kv * D = 1024 and kPer 4: two
-// whole tokens, 4 KB) and writes their codes and scales contiguously per token. Token, sequence and page advance
+// lane l taking items l, l + 32, ...: a warp step reads 32 consecutive items (for H_kv * D = 1024 and kPer 4: 4 KB of
+// two or three tokens) and writes their codes and scales contiguously per token. Token, sequence and page advance
 // incrementally (binary search only when a lane crosses into another sequence, block-table load once per page).
 // Per block: the bf16 amax, the scale byte through fl(1/6) and fl(1/g) (exact in range, as quant_nvfp4.cu's
 // nvfp4_scale_byte_rcp), t * 2^14 and fl(1/t) * 2^-14 from a shared table indexed by the scale byte, then the
@@ -576,9 +580,10 @@ void fp4kv_append_cuda(at::Tensor& k_codes, at::Tensor& k_scales, at::Tensor& v_
     static const int occupancy[2] = {ctas_of(fp4kv_append_warp_kernel<2>), ctas_of(fp4kv_append_warp_kernel<4>)};
     const int ctas_per_sm = occupancy[wper == 4 ? 1 : 0];
     const int64_t resident_warps = (int64_t)sms * std::max(ctas_per_sm, 1) * kWarpsPerCta;
-    // one wave: every warp a contiguous chunk (a multiple of 32 items) of one tensor
+    // one full wave: every warp a contiguous chunk of one tensor, chunks equal to within one item (not rounded to
+    // 32 items: that would leave part of the wave empty, up to 6% of the SMs' issue slots at the bench shape)
     const int64_t want_per_tensor = std::max<int64_t>(1, resident_warps / 2);
-    const int64_t chunk = (per_tensor + want_per_tensor * 32 - 1) / (want_per_tensor * 32) * 32;
+    const int64_t chunk = (per_tensor + want_per_tensor - 1) / want_per_tensor;
     p.chunk = (int)chunk;
     p.warps_per_tensor = (int)((per_tensor + chunk - 1) / chunk);
     const int wgrid = (int)((2 * (int64_t)p.warps_per_tensor + kWarpsPerCta - 1) / kWarpsPerCta);
