@@ -503,3 +503,22 @@ def test_append_warp_kernel_matches_default_kernel_on_the_bench_shape(impl, monk
     rows = table[0, 1000 // P : (1000 + chunk) // P + 1].long()
     for x, y in zip(caches[1].tensors(), ref.tensors()):
         assert torch.equal(x[rows], y[rows])
+
+
+def test_append_warp_kernel_rtn_rounding_is_exhaustively_exact():
+    """The warp kernel's RTN (e2m1_rn_grid_expmagic_x2m14: u + M with M = 2^22 * 2^floor(log2 max(u, 2^-14)) in one
+    FMA, minus M; fp16 bits saturated at 0x0E00) emulated in torch float32 on the device for every float32
+    u = v * 2^-14 in [0, 2^90]: the code bits 9..11 equal SPEC e2m1_rn(v) and no other fp16 bit is set."""
+    end, step = 0x6C800000 + 1, 1 << 28
+    for start in range(0, end, step):
+        b = torch.arange(start, min(end, start + step), dtype=torch.int32, device=DEV)
+        u = b.view(torch.float32)
+        m = ((b.clamp(min=0x38800000) & 0x7F800000).view(torch.float32)) * 4194304.0  # exact
+        g = (u + m) - m
+        h = (g.half().view(torch.int16).to(torch.int32) & 0xFFFF).clamp(max=0x0E00)
+        a = u * 16384.0  # exact
+        ref = ((a > 0.25).int() + (a >= 0.75).int() + (a > 1.25).int() + (a >= 1.75).int() + (a > 2.5).int()
+               + (a >= 3.5).int() + (a > 5.0).int())
+        bad = ((h >> 9) != ref) | ((h & 0xF1FF) != 0)
+        assert not bad.any(), f"first mismatch at u bits {hex(int(b[bad.nonzero()[0]]))}"
+        del b, u, m, g, h, a, ref, bad
