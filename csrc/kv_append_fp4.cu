@@ -581,9 +581,10 @@ void fp4kv_append_cuda(at::Tensor& k_codes, at::Tensor& k_scales, at::Tensor& v_
     const int ctas_per_sm = occupancy[wper == 4 ? 1 : 0];
     const int64_t resident_warps = (int64_t)sms * std::max(ctas_per_sm, 1) * kWarpsPerCta;
     // one full wave: every warp a contiguous chunk of one tensor, chunks equal to within one item (not rounded to
-    // 32 items: that would leave part of the wave empty, up to 6% of the SMs' issue slots at the bench shape)
+    // 32 items: that would leave part of the wave empty, up to 6% of the SMs' issue slots at the bench shape), and at
+    // least 32 items (small appends: fewer warps, each with all lanes busy)
     const int64_t want_per_tensor = std::max<int64_t>(1, resident_warps / 2);
-    const int64_t chunk = (per_tensor + want_per_tensor - 1) / want_per_tensor;
+    const int64_t chunk = std::max<int64_t>(32, (per_tensor + want_per_tensor - 1) / want_per_tensor);
     p.chunk = (int)chunk;
     p.warps_per_tensor = (int)((per_tensor + chunk - 1) / chunk);
     const int wgrid = (int)((2 * (int64_t)p.warps_per_tensor + kWarpsPerCta - 1) / kWarpsPerCta);
