@@ -57,9 +57,9 @@
 //   block (zero, tiny, huge, non-finite, t out of range) calls the default kernel's block path out of line.
 // - Static SASS (sm_90a, ptxas 13.0), fast path: 203 instructions per 16-element block (12.7 per element: amax, scale
 //   byte, table, codes), and the loop without its rare branches (sequence change, general blocks) 952 instructions per
-//   64-element item (14.9 per element) at four blocks per item, 511 per 32 (16.0) at two (default: 22.9 executed). 80 registers at four blocks per item (3 CTAs / SM), 61-62 at
-//   two (=warp2, 4 CTAs / SM); no spills. (A variant keeping the next item's loads in flight during the math needed
-//   ~16 more registers and spilled: not kept.)
+//   64-element item (14.9 per element) at four blocks per item, 511 per 32 (16.0) at two (default: 22.9 executed).
+//   80 registers at four blocks per item (3 CTAs / SM), 61-62 at two (=warp2, 4 CTAs / SM); no spills. (A variant
+//   keeping the next item's loads in flight during the math needed ~16 more registers and spilled: not kept.)
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
