@@ -33,6 +33,33 @@
 //   the E2M1 grid with a magic-number add (RNE on a 0.5 / 1 / 2 step grid); an element whose q lies within
 //   2^-18 steps of a rounding tie (where fl(x / t) could round the other way), or any element when 1 / t
 //   overflowed, is redone exactly (fl(x / t), e2m1_rn_magnitude) out of line.
+//
+// Opt-in warp-stream kernel (TRACE_EXT_KV_APPEND_IMPL=warp, read per call; =warp2 caps it at two blocks per item; the
+// default is unchanged). Nsight on the default at B8 x 4096, H_kv 8, D 128: 22.9 thread instructions per element,
+// issue slots 75% busy, DRAM 55%: issue-bound. The warp-stream kernel cuts the instructions per element:
+// - Work: each warp appends a contiguous chunk of one tensor's items (four blocks of a (token, head) row where
+//   D % 64 == 0, else two), lanes taking items l, l + 32, ...; one full wave of warps (occupancy API), chunks equal
+//   to within an item. A warp step reads 32 consecutive items (4 KB at H_kv * D = 1024, kPer 4) with 16-byte loads
+//   issued before any math, and writes 16-byte code stores and one 4-byte (2-byte) scale store per lane, contiguous
+//   per token. The token, (head, block), sequence and page advance incrementally (a binary search only when a lane
+//   enters another sequence, one block-table load per page per lane) instead of two divisions, a binary search and a
+//   table load per item.
+// - Scale byte: fl(amax / 6) and fl(. / g) by the exact reciprocal division (fl(1/6) and the host's fl(1/g), as
+//   quant_nvfp4.cu's nvfp4_scale_byte_rcp, amax in [2^-47, 2^50], g in [2^-50, 2^50]: other g take the default
+//   kernel); t * 2^14 and fl(1 / t) * 2^-14 come from a 2 x 128-entry shared table indexed by the scale byte (filled
+//   once per CTA: g is fixed per cache), whose reciprocal is NaN where t leaves [2^-100, 2^100], so one compare
+//   (fl(amax * r) <= 2^86) admits a block to the fast path only where the default kernel's reciprocal-quotient path
+//   applies too (and amax lies in the scale range above).
+// - Elements (fast path): u = fl(|x| / t) * 2^-14 by div_rn_with_rcp (one FMUL, two FMAs; |x| as an operand
+//   modifier), RTN by one exponent-magic add (e2m1_rn_grid_expmagic_x2m14: integer max, mask, two FMAs, against seven
+//   instructions for the Veltkamp / magic-add pair plus select), fp16 pairs saturated by min_u16x2 after packing (as
+//   kImplRtnSat), signs straight from the bf16 words by sign-replicating byte permutes (fast_codes8). Every other
+//   block (zero, tiny, huge, non-finite, t out of range) calls the default kernel's block path out of line.
+// - Static SASS (sm_90a, ptxas 13.0), fast path: 203 instructions per 16-element block (12.7 per element: amax, scale
+//   byte, table, codes), and the loop without its rare branches (sequence change, general blocks) 952 instructions per
+//   64-element item (14.9 per element) at four blocks per item, 511 per 32 (16.0) at two (default: 22.9 executed).
+//   80 registers at four blocks per item (3 CTAs / SM), 61-62 at two (=warp2, 4 CTAs / SM); no spills. (A variant
+//   keeping the next item's loads in flight during the math needed ~16 more registers and spilled: not kept.)
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -73,6 +100,13 @@ struct AppendParams {
   float g_k, g_v;
   // 1: blocks in range take the reciprocal-quotient element path (default); 0: TRACE_EXT_KV_APPEND_IMPL=old
   int rcp_quotient;
+  // warp-stream kernel (TRACE_EXT_KV_APPEND_IMPL=warp) only
+  int items_per_token;               // H * (D / 16) / kPer items of one token row of one tensor
+  uint32_t it_mul, it_shr;           // FastDiv by items_per_token
+  int step_tokens, step_items;       // a warp step of 32 items = step_tokens tokens + step_items items
+  int chunk;                         // items per warp, contiguous
+  int warps_per_tensor;              // warps [0, w) append K, [w, 2w) append V
+  float rg_k, rg_v;                  // fl(1 / g), g in [2^-50, 2^50] (host-checked)
 };
 
 __device__ __forceinline__ float bf16_bits_to_float(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
@@ -231,6 +265,194 @@ __global__ void __launch_bounds__(kAppendThreads) fp4kv_append_kernel(const Appe
   }
 }
 
+// ---- warp-stream kernel (TRACE_EXT_KV_APPEND_IMPL=warp) -------------------------------------------------------
+constexpr int kWarpsPerCta = kAppendThreads / 32;
+constexpr int kScaleTable = 128;  // E4M3 scale bytes 0..127 (a finite block's byte is <= 0x7E)
+static_assert(kAppendThreads == 2 * kScaleTable, "one thread fills one (t, 1/t) entry of the K and V tables");
+
+// fl(1/6), correctly rounded (as quant_nvfp4.cu's nvfp4_scale_byte_rcp).
+constexpr float kRcp6 = 0x1.555556p-3f;
+
+// RTN(v) * 2^-14 from u = v * 2^-14 (0 <= u <= 2^90), unsaturated: u + M rounds u to a multiple of ulp(M) = M 2^-23 in
+// one FMA, with M = 2^22 * 2^floor(log2 max(u, 2^-14)): steps 2^-15 below u = 2^-13 (v < 2: step 0.5) and half of
+// u's binade above (v in [2, 4): 1, [4, 8): 2), ties to the even multiple = the even E2M1 code; subtracting M is
+// exact. Values >= 6 * 2^-14 stand for code 7 (saturated after packing by min_u16x2). Four instructions (integer
+// max, mask, two FMAs) against seven for e2m1_rn_grid_unsat_x2m14; exhaustively checked (numpy, every float32 u in
+// [0, 2^90]): min(fp16 bits of the result, 0x0E00) >> 9 equals e2m1_rn(u * 2^14) and no other fp16 bit is set.
+__device__ __forceinline__ float e2m1_rn_grid_expmagic_x2m14(float u) {
+  const float e = __uint_as_float(max(__float_as_uint(u), 0x38800000u) & 0x7F800000u);  // 2^floor(log2 max(u, 2^-14))
+  const float r = __fmaf_rn(e, 4194304.0f, u);
+  return __fmaf_rn(-e, 4194304.0f, r);
+}
+
+// Eight codes (nibble i = element i) of bf16 elements 0..7 held in w0..w3 (element 2j in the low half of w_j):
+// unsigned grid values from e2m1_rn_grid_expmagic_x2m14, fp16 pairs saturated by one min_u16x2 each, code bits
+// gathered by two byte permutes (as e2m1_pack8_abs_x2m14<true>); the signs are x's (t > 0, -0.0 included), taken
+// straight from the bf16 words by sign-replicating byte permutes (bytes 1 / 3 of w_j carry the signs).
+__device__ __forceinline__ uint32_t fast_codes8(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, float t14,
+                                                float r14) {
+  const uint32_t w[4] = {w0, w1, w2, w3};
+  float q[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float a = (i & 1) ? __uint_as_float(w[i >> 1] & 0x7FFF0000u) : fabsf(__uint_as_float(w[i >> 1] << 16));
+    q[i] = e2m1_rn_grid_expmagic_x2m14(div_rn_with_rcp(a, t14, r14));
+  }
+  const __half2 f02 = __floats2half2_rn(q[0], q[2]), f46 = __floats2half2_rn(q[4], q[6]);
+  const __half2 f13 = __floats2half2_rn(q[1], q[3]), f57 = __floats2half2_rn(q[5], q[7]);
+  constexpr uint32_t kSat = 0x0E000E00u;  // fp16 bits of 6 * 2^-14, twice
+  const uint32_t h02 = min_u16x2(*reinterpret_cast<const uint32_t*>(&f02), kSat);
+  const uint32_t h46 = min_u16x2(*reinterpret_cast<const uint32_t*>(&f46), kSat);
+  const uint32_t h13 = min_u16x2(*reinterpret_cast<const uint32_t*>(&f13), kSat);
+  const uint32_t h57 = min_u16x2(*reinterpret_cast<const uint32_t*>(&f57), kSat);
+  const uint32_t even = __byte_perm(h02, h46, 0x7531);  // bytes: codes of elements 0 2 4 6 at bits 1..3
+  const uint32_t odd = __byte_perm(h13, h57, 0x7531);   // 1 3 5 7
+  const uint32_t s01 = prmt_b32(w0, w1, 0xFBD9u);       // sign bytes (0x00 / 0xFF) of elements 0 2 1 3
+  const uint32_t s23 = prmt_b32(w2, w3, 0xFBD9u);       // 4 6 5 7
+  const uint32_t s_even = __byte_perm(s01, s23, 0x5410), s_odd = __byte_perm(s01, s23, 0x7632);
+  return (even >> 1) | (odd << 3) | (s_even & 0x08080808u) | (s_odd & 0x80808080u);
+}
+
+// The general block path (quantize_block above, reciprocal path on) out of line: zero / tiny / huge / non-finite
+// blocks, and blocks whose divisor or quotients leave the fast path's range. Returns (codes lo, codes hi, scale).
+__device__ __noinline__ uint3 quantize_block_general(uint4 lo, uint4 hi, float g) {
+  const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  uint8_t s;
+  uint32_t c0, c1;
+  quantize_block(words, g, true, s, c0, c1);
+  return make_uint3(c0, c1, s);
+}
+
+// Largest b in [lo, batch) with cu[b] <= token (cu[lo] <= token).
+__device__ __forceinline__ int sequence_of_token_from(const int32_t* __restrict__ cu, int lo, int batch, int token) {
+  int hi = batch - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldg(cu + mid) <= token) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// Each warp appends a contiguous chunk of one tensor's items (kPer consecutive blocks of a (token, head) row each),
+// lane l taking items l, l + 32, ...: a warp step reads 32 consecutive items (for H_kv * D = 1024 and kPer 4: 4 KB of
+// two or three tokens) and writes their codes and scales contiguously per token. Token, sequence and page advance
+// incrementally (binary search only when a lane crosses into another sequence, block-table load once per page).
+// Per block: the bf16 amax, the scale byte through fl(1/6) and fl(1/g) (exact in range, as quant_nvfp4.cu's
+// nvfp4_scale_byte_rcp), t * 2^14 and fl(1/t) * 2^-14 from a shared table indexed by the scale byte, then the
+// element codes by fast_codes8; any block outside the range where that is exact takes quantize_block_general.
+template <int kPer>
+__global__ void __launch_bounds__(kAppendThreads) fp4kv_append_warp_kernel(const AppendParams p) {
+  static_assert(kPer == 2 || kPer == 4, "two or four blocks per item (one-block rows take the default kernel)");
+  __shared__ float2 table[2][kScaleTable];  // (t * 2^14, fl(1/t) * 2^-14), NaN reciprocal: not in the fast range
+  {
+    const int i = threadIdx.x;
+    const float g = i < kScaleTable ? p.g_k : p.g_v;
+    const float t = nvfp4_block_divisor((uint8_t)(i % kScaleTable), g);
+    const bool in_range = t >= 0x1p-100f && t <= 0x1p100f;  // t == 0 (byte 0) and NaN (0x7F) excluded too
+    table[i / kScaleTable][i % kScaleTable] =
+        make_float2(__fmul_rn(t, 16384.0f), in_range ? __fmul_rn(__frcp_rn(t), 0x1p-14f) : __int_as_float(0x7FC00000));
+  }
+  __syncthreads();
+  const int warp = blockIdx.x * kWarpsPerCta + (int)(threadIdx.x / 32);
+  const int lane = (int)(threadIdx.x % 32);
+  if (warp >= 2 * p.warps_per_tensor) return;
+  const bool is_v = warp >= p.warps_per_tensor;
+  const int w = is_v ? warp - p.warps_per_tensor : warp;
+  const int per_tensor = p.tokens * p.items_per_token;
+  int f = w * p.chunk + lane;
+  const int end = min(w * p.chunk + p.chunk, per_tensor);
+  if (f >= end) return;
+
+  const uint16_t* __restrict__ src_base = is_v ? p.v_new : p.k_new;
+  uint8_t* __restrict__ codes_base = is_v ? p.v_codes : p.k_codes;
+  uint8_t* __restrict__ scales_base = is_v ? p.v_scales : p.k_scales;
+  const float g = is_v ? p.g_v : p.g_k;
+  const float rg = is_v ? p.rg_v : p.rg_k;
+  const float2* tbl = table[is_v ? 1 : 0];
+  const int ni = p.head_dim / (kBlockElems * kPer);  // items per (token, head) row
+  const int nb = p.head_dim / kBlockElems;
+
+  int tok = fast_div(f, p.it_mul, p.it_shr);
+  int c = f - tok * p.items_per_token;
+  int b = sequence_of_token_from(p.cu_seqlens, 0, p.batch, tok);
+  int cu_next = __ldg(p.cu_seqlens + b + 1);
+  int seq_off = __ldg(p.start_pos + b) - __ldg(p.cu_seqlens + b);  // pos = tok + seq_off
+  int pcol = -1;
+  int64_t prow = 0;  // page * P - pcol * P
+  for (; f < end; f += 32) {
+    const int head = fast_div(c, p.ni_mul, p.ni_shr);
+    const int blk = (c - head * ni) * kPer;
+    const uint4* src =
+        reinterpret_cast<const uint4*>(src_base + ((int64_t)tok * p.heads + head) * p.head_dim + blk * kBlockElems);
+    uint4 raw[2 * kPer];
+#pragma unroll
+    for (int j = 0; j < 2 * kPer; ++j) raw[j] = __ldg(src + j);
+
+    if (tok >= cu_next) {  // this lane entered a later sequence
+      b = sequence_of_token_from(p.cu_seqlens, b + 1, p.batch, tok);
+      cu_next = __ldg(p.cu_seqlens + b + 1);
+      seq_off = __ldg(p.start_pos + b) - __ldg(p.cu_seqlens + b);
+      pcol = -1;
+    }
+    const int pos = tok + seq_off;
+    const int col = fast_div(pos, p.page_mul, p.page_shr);
+    if (col != pcol) {  // a new page: one block-table load
+      pcol = col;
+      prow = ((int64_t)__ldg(p.block_table + (int64_t)b * p.max_pages + col) - col) * p.page_size;
+    }
+    const int64_t cache_row = (prow + pos) * p.heads + head;
+    uint8_t* codes = codes_base + cache_row * (p.head_dim / 2) + blk * (kBlockElems / 2);
+    uint8_t* scales = scales_base + cache_row * nb + blk;
+
+    uint32_t code[2 * kPer];
+    uint32_t scale_word = 0u;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const uint4 lo = raw[2 * j], hi = raw[2 * j + 1];
+      uint32_t amax2 = __vmaxu2(__vmaxu2(lo.x & 0x7FFF7FFFu, lo.y & 0x7FFF7FFFu), lo.z & 0x7FFF7FFFu);
+      amax2 = __vmaxu2(__vmaxu2(amax2, lo.w & 0x7FFF7FFFu), hi.x & 0x7FFF7FFFu);
+      amax2 = __vmaxu2(__vmaxu2(amax2, hi.y & 0x7FFF7FFFu), hi.z & 0x7FFF7FFFu);
+      amax2 = __vmaxu2(amax2, hi.w & 0x7FFF7FFFu);
+      const uint32_t amax16 = max(amax2 & 0xFFFFu, amax2 >> 16);  // bf16 bits of the block's max |x|
+      const float amax = bf16_bits_to_float(amax16);
+      // amax in [2^-47, 2^50] (finite, nonzero): fl(amax / 6) and fl(. / g) by the exact reciprocal division
+      const bool scale_fast = amax16 - 0x2800u <= 0x5880u - 0x2800u;
+      const uint8_t s = e4m3_rn(div_rn_with_rcp(div_rn_with_rcp(amax, kE2M1Max, kRcp6), g, rg));
+      const float2 tr = tbl[s & (kScaleTable - 1)];
+      if (scale_fast && __fmul_rn(amax, tr.y) <= 0x1p86f) {  // NaN entry: false
+        code[2 * j] = fast_codes8(lo.x, lo.y, lo.z, lo.w, tr.x, tr.y);
+        code[2 * j + 1] = fast_codes8(hi.x, hi.y, hi.z, hi.w, tr.x, tr.y);
+        scale_word |= (uint32_t)s << (8 * j);
+      } else {
+        const uint3 r = quantize_block_general(lo, hi, g);
+        code[2 * j] = r.x;
+        code[2 * j + 1] = r.y;
+        scale_word |= r.z << (8 * j);
+      }
+      if (j % 2 == 1) {  // codes of each block pair as soon as they exist (16-byte aligned: checked on the host)
+        reinterpret_cast<uint4*>(codes)[j / 2] =
+            make_uint4(code[2 * j - 2], code[2 * j - 1], code[2 * j], code[2 * j + 1]);
+      }
+    }
+    if constexpr (kPer == 4) {  // 4-byte aligned: nb % 4 == 0, bases checked on the host
+      *reinterpret_cast<uint32_t*>(scales) = scale_word;
+    } else {
+      *reinterpret_cast<uint16_t*>(scales) = (uint16_t)scale_word;
+    }
+
+    c += p.step_items;  // next item of this lane: 32 items on
+    tok += p.step_tokens;
+    if (c >= p.items_per_token) {
+      c -= p.items_per_token;
+      ++tok;
+    }
+  }
+}
+
 void check_cache_tensor(const at::Tensor& t, const char* name, int64_t width, const at::Tensor& ref_codes) {
   check_dtype(t, at::kByte, name);
   check_contiguous(t, name);
@@ -323,9 +545,55 @@ void fp4kv_append_cuda(at::Tensor& k_codes, at::Tensor& k_scales, at::Tensor& v_
   TORCH_CHECK_VALUE(std::isfinite(p.g_k) && p.g_k > 0.0f && std::isfinite(p.g_v) && p.g_v > 0.0f,
                     "trace_ext: g_k and g_v must be finite and > 0, got ", g_k, ", ", g_v);
 
-  const int64_t items = 2 * T * H * (nb / per);
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, k_codes.get_device());
+  // TRACE_EXT_KV_APPEND_IMPL=warp: the warp-stream kernel, where its scale-byte reciprocals are exact (g in
+  // [2^-50, 2^50]); other g take the default kernel.
+  const auto g_rcp_ok = [](float g) { return g >= 0x1p-50f && g <= 0x1p50f; };
+  // (=warp2: at most two blocks per item, for A/B timing of the two register footprints)
+  const bool warp4 = impl_env != nullptr && std::strcmp(impl_env, "warp") == 0;
+  const bool warp2 = impl_env != nullptr && std::strcmp(impl_env, "warp2") == 0;
+  // Rows of an odd number of blocks (or unaligned cache bases: never for torch allocations) take the default kernel.
+  const auto aligned = [](const at::Tensor& t, uintptr_t a) {
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % a == 0;
+  };
+  if ((warp4 || warp2) && pair && g_rcp_ok(p.g_k) && g_rcp_ok(p.g_v)) {
+    const int wper = (warp4 && nb % 4 == 0 && aligned(k_scales, 4) && aligned(v_scales, 4)) ? 4 : 2;
+    auto wkernel = wper == 4 ? fp4kv_append_warp_kernel<4> : fp4kv_append_warp_kernel<2>;
+    require_kernel_image(wkernel, op);
+    const int64_t ni = nb / wper;
+    p.items_per_token = (int)(H * ni);
+    const FastDiv fd_it = FastDiv::make((uint32_t)p.items_per_token), fd_ni_w = FastDiv::make((uint32_t)ni);
+    p.it_mul = fd_it.mul, p.it_shr = fd_it.shr;
+    p.ni_mul = fd_ni_w.mul, p.ni_shr = fd_ni_w.shr;
+    p.step_tokens = 32 / p.items_per_token;
+    p.step_items = 32 % p.items_per_token;
+    p.rg_k = 1.0f / p.g_k;  // IEEE single division on the host: fl(1 / g)
+    p.rg_v = 1.0f / p.g_v;
+    const int64_t per_tensor = T * p.items_per_token;
+    // CTAs per SM of each instantiation (a property of the kernel image, the same on every device of the build's arch)
+    const auto ctas_of = [](auto kernel) {
+      int n = 0;
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kAppendThreads, 0);
+      return n;
+    };
+    static const int occupancy[2] = {ctas_of(fp4kv_append_warp_kernel<2>), ctas_of(fp4kv_append_warp_kernel<4>)};
+    const int ctas_per_sm = occupancy[wper == 4 ? 1 : 0];
+    const int64_t resident_warps = (int64_t)sms * std::max(ctas_per_sm, 1) * kWarpsPerCta;
+    // one full wave: every warp a contiguous chunk of one tensor, chunks equal to within one item (not rounded to
+    // 32 items: that would leave part of the wave empty, up to 6% of the SMs' issue slots at the bench shape), and at
+    // least 32 items (small appends: fewer warps, each with all lanes busy)
+    const int64_t want_per_tensor = std::max<int64_t>(1, resident_warps / 2);
+    const int64_t chunk = std::max<int64_t>(32, (per_tensor + want_per_tensor - 1) / want_per_tensor);
+    p.chunk = (int)chunk;
+    p.warps_per_tensor = (int)((per_tensor + chunk - 1) / chunk);
+    const int wgrid = (int)((2 * (int64_t)p.warps_per_tensor + kWarpsPerCta - 1) / kWarpsPerCta);
+    wkernel<<<wgrid, kAppendThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);
+    check_launch(op);
+    return;
+  }
+
+  const int64_t items = 2 * T * H * (nb / per);
   const int64_t want = (items + kAppendThreads - 1) / kAppendThreads;
   const int grid = (int)std::min<int64_t>(want, (int64_t)sms * 16);
   kernel<<<grid, kAppendThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);

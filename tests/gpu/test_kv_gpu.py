@@ -422,3 +422,154 @@ def test_decode_heads8_merges_sets_with_far_apart_maxima(monkeypatch):
         out, lse = ops.fp4kv_decode_attention(q, cache, table, seq_lens, 0.1, num_splits=n, backend="cuda")
         err, err_sdpa, lse_err = errors_vs_reference(out, lse, q, cache, table, seq_lens, 0.1)
         assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
+
+
+# ---- append: warp-stream kernel (TRACE_EXT_KV_APPEND_IMPL=warp / warp2, opt-in) -------------------------------
+# "warp" takes four blocks per item where D % 64 == 0 (else two, else one), "warp2" at most two; both must write the
+# same bytes as the reference (and so as the default kernel). The switch is read per call.
+
+APPEND_WARP_IMPLS = ["warp", "warp2"]
+
+
+def _append_both(impl, monkeypatch, cache_args, k, v, table, cu, sp):
+    """(cache written by the CUDA op under TRACE_EXT_KV_APPEND_IMPL=impl, cache written by the reference)."""
+    a = PagedFP4KVCache(*cache_args[:4], device=DEV, **cache_args[4])
+    b = PagedFP4KVCache(*cache_args[:4], device=DEV, **cache_args[4])
+    monkeypatch.setenv("TRACE_EXT_KV_APPEND_IMPL", impl)
+    ops.fp4kv_append(a, k, v, table, cu, sp, backend="cuda")
+    monkeypatch.delenv("TRACE_EXT_KV_APPEND_IMPL")
+    ops.fp4kv_append(b, k, v, table, cu, sp, backend="reference")
+    return a, b
+
+
+def _assert_same_cache(a, b, what):
+    for name, x, y in zip(("k_codes", "k_scales", "v_codes", "v_scales"), a.tensors(), b.tensors()):
+        bad = x != y
+        assert not bad.any(), f"{what} {name}: {int(bad.sum())} bytes differ, first at {bad.nonzero()[0].tolist()}"
+
+
+@pytest.mark.parametrize("impl", APPEND_WARP_IMPLS)
+@pytest.mark.parametrize("D", [128, 64, 96, 48])
+@pytest.mark.parametrize("g", [1.0, 0.0123])
+def test_append_warp_kernel_is_bit_exact(impl, D, g, monkeypatch):
+    """The warp-stream kernel on adversarial K and V rows (ties, zero and -0 blocks, NaN / Inf, saturating and
+    subnormal scale bytes, magnitudes 2^-20..2^20): prefill chunks, decode tokens and an empty sequence in one launch,
+    starts not page aligned. D = 128 / 64: four blocks per item under "warp"; 96: two; 48 (an odd number of
+    blocks per row): the default kernel."""
+    gen = torch.Generator(device=DEV).manual_seed(1000 + D)
+    H, P = 4, 16
+    counts = [300, 1, 0, 17, 64, 1, 1, 129]
+    start = [5, 4095, 3, 0, 40, 7, 16, 1]
+    B = len(counts)
+    max_pages = 4096 // P + 1
+    pages = B * max_pages
+    table = torch.randperm(pages, generator=gen, device=DEV).reshape(B, max_pages).to(torch.int32)
+    T = sum(counts)
+    k = adversarial_rows(T, H, D, gen)
+    v = adversarial_rows(T, H, D, gen)
+    cu = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    sp = torch.tensor(start, dtype=torch.int32, device=DEV)
+    a, b = _append_both(impl, monkeypatch, (pages, P, H, D, dict(g_k=g, g_v=g * 3)), k, v, table, cu, sp)
+    _assert_same_cache(a, b, f"impl={impl} D={D} g={g}")
+
+
+@pytest.mark.parametrize("impl", APPEND_WARP_IMPLS)
+@pytest.mark.parametrize("P", [1, 7, 16])
+@pytest.mark.parametrize("H", [1, 3, 8])
+def test_append_warp_kernel_page_sizes_and_head_counts(impl, P, H, monkeypatch):
+    """Page sizes 1 / 7 / 16 (a block-table load per token, pages straddled at odd offsets) and H_kv 1 / 3 / 8, so that
+    a warp step of 32 items covers 32, 10 2/3 or 4 tokens (D = 64, four blocks per item: H items per token) and lanes
+    cross sequence and page boundaries inside one step; 40 one-token sequences (decode) after three prefill chunks."""
+    gen = torch.Generator(device=DEV).manual_seed(10 * P + H)
+    D = 64
+    counts = [97, 33, 0, 250] + [1] * 40
+    start = [3, 0, 11, 6] + [int(x) for x in torch.randint(0, 300, (40,), generator=gen)]
+    B = len(counts)
+    max_pages = math.ceil((max(s + c for s, c in zip(start, counts)) + 1) / P)
+    pages = B * max_pages
+    table = torch.randperm(pages, generator=gen, device=DEV).reshape(B, max_pages).to(torch.int32)
+    T = sum(counts)
+    k = adversarial_rows(T, H, D, gen)
+    v = (torch.randn(T, H, D, generator=gen, device=DEV) * 7.0).to(torch.bfloat16)
+    cu = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    sp = torch.tensor(start, dtype=torch.int32, device=DEV)
+    a, b = _append_both(impl, monkeypatch, (pages, P, H, D, dict(g_k=0.37, g_v=1.0)), k, v, table, cu, sp)
+    _assert_same_cache(a, b, f"impl={impl} P={P} H={H}")
+
+
+@pytest.mark.parametrize("impl", APPEND_WARP_IMPLS)
+@pytest.mark.parametrize("g", [1.0, 3.0e-3, 2.0**-40, 2.0**45, 2.0**-60])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_append_warp_kernel_every_bf16_value(impl, g, shuffle, monkeypatch):
+    """Every one of the 65536 bf16 bit patterns once in K and once (reversed order) in V, in order (blocks of
+    neighbouring magnitudes: every scale byte, the fast path across its whole range) or shuffled (huge and tiny
+    values in one block: tiny and overflowing quotients); g from the reciprocal path's range (2^-40, 2^45) and
+    outside it (2^-60: the default kernel is used)."""
+    H, D, P = 4, 128, 16
+    T = 65536 // (H * D)
+    bits = torch.arange(65536, dtype=torch.int32, device=DEV)
+    if shuffle:
+        bits = bits[torch.randperm(65536, generator=torch.Generator(device=DEV).manual_seed(7), device=DEV)]
+    as_bf16 = lambda b: (b - (b >= 32768).to(torch.int32) * 65536).to(torch.int16).view(torch.bfloat16)  # noqa: E731
+    k = as_bf16(bits).view(T, H, D).contiguous()
+    v = as_bf16(bits.flip(0)).view(T, H, D).contiguous()
+    B = 2
+    max_pages = T // P + 2
+    table = torch.arange(B * max_pages, device=DEV, dtype=torch.int32).flip(0).reshape(B, max_pages).contiguous()
+    cu = torch.tensor([0, T // 2 + 3, T], dtype=torch.int32, device=DEV)
+    sp = torch.tensor([9, 0], dtype=torch.int32, device=DEV)
+    a, b = _append_both(impl, monkeypatch, (B * max_pages, P, H, D, dict(g_k=g, g_v=g)), k, v, table, cu, sp)
+    _assert_same_cache(a, b, f"impl={impl} g={g} shuffle={shuffle}")
+
+
+@pytest.mark.parametrize("impl", APPEND_WARP_IMPLS)
+def test_append_warp_kernel_matches_default_kernel_on_the_bench_shape(impl, monkeypatch):
+    """The bench's prefill chunk (8 sequences x 4096 tokens, H_kv 8, D 128, written at token 1000 of shuffled pages)
+    through the default and the warp-stream kernel: identical cache bytes (K outlier channels, as real K has)."""
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    B, H, D, P, chunk = 8, 8, 128, 16, 4096
+    T = B * chunk
+    pages_per_seq = math.ceil(2 * chunk / P)
+    table = torch.randperm(B * pages_per_seq, generator=gen, device=DEV).reshape(B, pages_per_seq).to(torch.int32)
+    k = torch.randn(T, H, D, generator=gen, device=DEV)
+    k[..., ::17] *= 30.0
+    k = k.to(torch.bfloat16)
+    v = torch.randn(T, H, D, generator=gen, device=DEV).to(torch.bfloat16)
+    cu = torch.arange(0, T + 1, chunk, dtype=torch.int32, device=DEV)
+    sp = torch.full((B,), 1000, dtype=torch.int32, device=DEV)
+    caches = []
+    for which in ("default", impl):
+        c = PagedFP4KVCache(B * pages_per_seq, P, H, D, device=DEV, g_k=0.01, g_v=0.02)
+        if which == "default":
+            monkeypatch.delenv("TRACE_EXT_KV_APPEND_IMPL", raising=False)
+        else:
+            monkeypatch.setenv("TRACE_EXT_KV_APPEND_IMPL", which)
+        ops.fp4kv_append(c, k, v, table, cu, sp, backend="cuda")
+        caches.append(c)
+    monkeypatch.delenv("TRACE_EXT_KV_APPEND_IMPL")
+    _assert_same_cache(caches[1], caches[0], f"impl={impl} vs default")
+    # and a slice of it against the reference (the whole chunk is slow on the reference backend)
+    ref = PagedFP4KVCache(B * pages_per_seq, P, H, D, device=DEV, g_k=0.01, g_v=0.02)
+    ops.fp4kv_append(ref, k[:chunk], v[:chunk], table[:1], cu[:2], sp[:1], backend="reference")
+    rows = table[0, 1000 // P : (1000 + chunk) // P + 1].long()
+    for x, y in zip(caches[1].tensors(), ref.tensors()):
+        assert torch.equal(x[rows], y[rows])
+
+
+def test_append_warp_kernel_rtn_rounding_is_exhaustively_exact():
+    """The warp kernel's RTN (e2m1_rn_grid_expmagic_x2m14: u + M with M = 2^22 * 2^floor(log2 max(u, 2^-14)) in one
+    FMA, minus M; fp16 bits saturated at 0x0E00) emulated in torch float32 on the device for every float32
+    u = v * 2^-14 in [0, 2^90]: the code bits 9..11 equal SPEC e2m1_rn(v) and no other fp16 bit is set."""
+    end, step = 0x6C800000 + 1, 1 << 28
+    for start in range(0, end, step):
+        b = torch.arange(start, min(end, start + step), dtype=torch.int32, device=DEV)
+        u = b.view(torch.float32)
+        m = ((b.clamp(min=0x38800000) & 0x7F800000).view(torch.float32)) * 4194304.0  # exact
+        g = (u + m) - m
+        h = (g.half().view(torch.int16).to(torch.int32) & 0xFFFF).clamp(max=0x0E00)
+        a = u * 16384.0  # exact
+        ref = ((a > 0.25).int() + (a >= 0.75).int() + (a > 1.25).int() + (a >= 1.75).int() + (a > 2.5).int()
+               + (a >= 3.5).int() + (a > 5.0).int())
+        bad = ((h >> 9) != ref) | ((h & 0xF1FF) != 0)
+        assert not bad.any(), f"first mismatch at u bits {hex(int(b[bad.nonzero()[0]]))}"
+        del b, u, m, g, h, a, ref, bad
