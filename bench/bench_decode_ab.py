@@ -66,7 +66,8 @@ def _check_pair(a, q, wp):
     y2 = _with_impl("pair2", lambda: O.fp4_linear(a, wp, backend="cuda"))
     assert y0.shape == y1.shape == y2.shape and y0.dtype == y1.dtype == y2.dtype == torch.bfloat16
     a64 = a.double()
-    w64 = R.dequantize_f64(q.codes, q.scales) * q.g.double().reshape(-1)
+    g = q.g.double().reshape(-1)  # one value per tensor, or one per row
+    w64 = R.dequantize_f64(q.codes, q.scales) * (g[:, None] if g.numel() > 1 else g)
     exact = a64 @ w64.T
     ref_bf16 = R.round_to_bf16(exact)
     tol = R.gemm_tolerance(a64, w64, ref_bf16)
