@@ -11,10 +11,10 @@ Targets: >= 75% of copy bandwidth and >= 3.0x SDPA on the first three cases, >= 
 Append row: a 4096-token prefill chunk for 8 sequences (bytes = bf16 K/V read + codes and scales written),
 target >= 70% of copy bandwidth. Extra rows (no target) sweep the split count of two decode cases and the
 page size of the first. The main rows use whatever TRACE_EXT_KV_DECODE_IMPL the run was started with (default:
-the heads kernel, 4 KV heads per CTA with contiguous tile copies); A/B rows "impl=g8" time the previous default,
-the swapped-operand kernel (TRACE_EXT_KV_DECODE_IMPL=g8; the switch is read per call), on every case in the same
-process, with its own split sweep. Rows "impl=heads8" time the opt-in 8-warp heads variant
-(TRACE_EXT_KV_DECODE_IMPL=heads8; interleaved A/B with its split sweep: bench/bench_kv_heads_ab.py).
+the heads8 kernel, 4 KV heads per CTA, two warps per head, contiguous tile copies); A/B rows "impl=g8" time the
+swapped-operand kernel (TRACE_EXT_KV_DECODE_IMPL=g8; the switch is read per call), on every case in the same
+process, with its own split sweep. Rows "impl=heads" time the 4-warp heads kernel (TRACE_EXT_KV_DECODE_IMPL=heads;
+interleaved A/B with heads8's split sweep: bench/bench_kv_heads_ab.py).
 
 Run from the repo root with the package installed:  python bench/bench_kv.py   (< 3 min)
 """
@@ -139,9 +139,9 @@ def decode_rows(copy_gbs, gen):
             for splits in G8_SPLIT_SWEEP.get(name, ()):
                 ms_s = do_bench_cold(lambda: op(q, kc, ks, vc, vs, table, seq_lens, scale, g_k, g_v, splits))
                 sweep.append(_sweep_row(f"decode {name} impl=g8 splits={splits}", ms_s, nbytes, copy_gbs, ms_sdpa))
-        with _impl_env("heads8"):
+        with _impl_env("heads"):
             ms_h = do_bench_cold(lambda: op(q, kc, ks, vc, vs, table, seq_lens, scale, g_k, g_v, 0))
-            row = _sweep_row(f"decode {name} impl=heads8", ms_h, nbytes, copy_gbs, ms_sdpa)
+            row = _sweep_row(f"decode {name} impl=heads", ms_h, nbytes, copy_gbs, ms_sdpa)
             row["target"] = f">={BW_TARGET:.0f}% & >={speed_target:.1f}x (A/B)"
             row["status"] = "PASS" if row["% copy"] >= BW_TARGET and row["speedup"] >= speed_target else "MISS"
             rows.append(row)

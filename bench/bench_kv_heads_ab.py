@@ -1,12 +1,12 @@
-"""A/B of the FP4-KV decode kernels on the H200: the default heads kernel (4 warps per CTA, one per KV head) against
-the opt-in heads8 variant (TRACE_EXT_KV_DECODE_IMPL=heads8: 8 warps per CTA, two per KV head on alternate 16-token
-tiles of the same shared ring, merged at the end), on the four decode cases of bench/bench_kv.py, plus a split sweep
-of heads8.
+"""A/B of the FP4-KV decode kernels on the H200: the 4-warp heads kernel (TRACE_EXT_KV_DECODE_IMPL=heads: one warp
+per KV head; the default until 2071576) against heads8 (the default since; =heads8: 8 warps per CTA, two per KV head
+on alternate 16-token tiles of the same shared ring, merged at the end), on the four decode cases of bench/bench_kv.py,
+plus a split sweep of heads8.
 
 Timing: bench.common.do_bench_cold (median, L2 flushed before every call), the compiled op called directly; the two
 variants are timed alternately (ROUNDS rounds per case, the switch is read per call) and each reports the median of
 its rounds, so clock or thermal drift hits both alike. Bytes, GB/s and % of copy as in bench_kv.py. The "max |diff|"
-column is the largest output difference heads8 vs default (bf16; both are the same arithmetic per tile, summed in a
+column is the largest output difference heads8 vs heads (bf16; both are the same arithmetic per tile, summed in a
 different tile order).
 
 Run from the repo root with the package installed:  python bench/bench_kv_heads_ab.py   (~40 s)
@@ -27,8 +27,9 @@ from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, print_table, wr
 import trace_ext  # noqa: E402
 
 ROUNDS = 3
+BASE = "heads"
 NEW = "heads8"
-# split sweep of heads8 (same grid as the default: H_kv / 4 head groups per sequence, 2 CTAs of 8 warps per SM)
+# split sweep of heads8 (same grid as the 4-warp kernel: H_kv / 4 head groups per sequence, 2 CTAs of 8 warps per SM)
 NEW_SPLIT_SWEEP = {
     "B32 Hq32 Hkv4 S8K": (4, 8, 12),
     "B64 Hq32 Hkv4 S4K": (2, 4, 8),
@@ -57,22 +58,23 @@ def main() -> None:
         def call(splits=0):
             return op(q, kc, ks, vc, vs, table, seq_lens, scale, 0.01, 0.02, splits)
 
-        times = {"default": [], NEW: []}
+        times = {BASE: [], NEW: []}
         for _ in range(ROUNDS):
-            for impl in ("default", NEW):
+            for impl in (BASE, NEW):
                 with _impl_env(impl):
                     times[impl].append(do_bench_cold(call))
-        out_d = call()[0]
+        with _impl_env(BASE):
+            out_d = call()[0]
         with _impl_env(NEW):
             out_n = call()[0]
         diff = (out_d.float() - out_n.float()).abs().max().item()
-        ms_d = statistics.median(times["default"])
-        for impl in ("default", NEW):
+        ms_d = statistics.median(times[BASE])
+        for impl in (BASE, NEW):
             ms = statistics.median(times[impl])
             gbs = nbytes / (ms * 1e-3) / 1e9
             rows.append({
                 "case": f"decode {name} impl={impl}", "ms": ms, "MB": nbytes / 1e6, "GB/s": gbs,
-                "% copy": 100.0 * gbs / copy_gbs, "vs default": ms_d / ms,
+                "% copy": 100.0 * gbs / copy_gbs, "vs heads": ms_d / ms,
                 "rounds ms": " ".join(f"{t:.4f}" for t in times[impl]),
                 "max |diff|": diff if impl == NEW else float("nan"),
             })
@@ -82,16 +84,16 @@ def main() -> None:
                 gbs = nbytes / (ms * 1e-3) / 1e9
                 rows.append({
                     "case": f"decode {name} impl={NEW} splits={splits}", "ms": ms, "MB": nbytes / 1e6, "GB/s": gbs,
-                    "% copy": 100.0 * gbs / copy_gbs, "vs default": ms_d / ms, "rounds ms": "",
+                    "% copy": 100.0 * gbs / copy_gbs, "vs heads": ms_d / ms, "rounds ms": "",
                     "max |diff|": float("nan"),
                 })
         del kc, ks, vc, vs
         torch.cuda.empty_cache()
     print_table(rows)
     notes = (
-        f"copy bandwidth {copy_gbs:.1f} GB/s; head_dim {D}; default = heads kernel (4 warps/CTA), {NEW} = "
-        f"TRACE_EXT_KV_DECODE_IMPL={NEW} (8 warps/CTA); {ROUNDS} interleaved rounds per case, median; vs default = "
-        "default ms / this ms"
+        f"copy bandwidth {copy_gbs:.1f} GB/s; head_dim {D}; {BASE} = TRACE_EXT_KV_DECODE_IMPL={BASE} (4 warps/CTA), "
+        f"{NEW} = TRACE_EXT_KV_DECODE_IMPL={NEW} (8 warps/CTA, the default); {ROUNDS} interleaved rounds per case, "
+        f"median; vs heads = {BASE} ms / this ms"
     )
     path = write_results("kv_heads_ab_h200", rows, env_stamp(), notes)
     print(f"wrote {path}")

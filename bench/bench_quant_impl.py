@@ -1,7 +1,8 @@
 """A/B of the NVFP4 quantize element-code variants in one process (TRACE_EXT_QUANT_IMPL is read per call):
-"default" (SR / guided in the 2^-14-scaled domain, RTN saturated after packing), "bits" (the previous SR / guided
-code), "rtn-fminf" (RTN saturated per element by fminf) and "lean" (RTN by the power-of-two magic add; quantize with
-linear scales through the lean flat kernel), on 2^26 and 2^28 bf16 elements (H200).
+"default" (the lean kernel: RTN by the power-of-two magic add, quantize with linear scales through the lean flat
+kernel; SR / guided in the 2^-14-scaled domain), "rtn-sat" (the previous default: RTN saturated after packing),
+"bits" (the previous SR / guided code) and "rtn-fminf" (RTN saturated per element by fminf), on 2^26 and 2^28 bf16
+elements (H200).
 
 Each (op, shape) is timed for every variant in two interleaved rounds (A B C A B C; the better median of the two is
 kept) so that clock / thermal drift between variants cancels; every output (codes, scales, g, mbits) of every variant is
@@ -9,7 +10,7 @@ checked equal to the default's first.
 Timing: bench.common.do_bench_cold (median, L2 flushed before every call); % of the device-to-device copy bandwidth
 measured in the same run, bytes counted as in bench_quant.py.
 Run from the repo root with the package installed:  python bench/bench_quant_impl.py
-(about 50 s for all four variants; QUANT_IMPL_VARIANTS=lean python bench/bench_quant_impl.py: default vs lean, ~25 s)
+(about 50 s for all four variants; QUANT_IMPL_VARIANTS=rtn-sat python bench/bench_quant_impl.py: two, ~25 s)
 """
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ import trace_ext  # noqa: E402
 from trace_ext import reference as ref  # noqa: E402
 
 SHAPES = ((16384, 4096), (65536, 4096))  # 2^26 and 2^28 elements
-# QUANT_IMPL_VARIANTS=default,lean times a subset ("default" is always first: codes are compared against it)
+# QUANT_IMPL_VARIANTS=default,rtn-sat times a subset ("default" is always first: codes are compared against it)
 VARIANTS = ("default",) + tuple(
-    v for v in os.environ.get("QUANT_IMPL_VARIANTS", "bits,rtn-fminf,lean").split(",") if v and v != "default")
+    v for v in os.environ.get("QUANT_IMPL_VARIANTS", "rtn-sat,bits,rtn-fminf").split(",") if v and v != "default")
 ENV = "TRACE_EXT_QUANT_IMPL"
 
 

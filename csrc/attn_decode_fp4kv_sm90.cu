@@ -1712,14 +1712,13 @@ __global__ void __launch_bounds__(kWideWarps * 32) fp4kv_decode_combine_wide_ker
 
 // ---- host ------------------------------------------------------------------------------------------------
 
-// Kernel variants, read per call so that one process can time them all: the heads kernel (4 KV heads per CTA,
-// CTA-shared contiguous tile copies; default where it applies: G <= 8, H_kv % 4 == 0, 16-byte aligned cache
-// bases; H200 A/B 1.06-1.26x over the swapped-operand kernel, bench/results/kv_h200.md), the G <= 8
-// swapped-operand kernel (default for other G <= 8 shapes; TRACE_EXT_KV_DECODE_IMPL=g8 selects it wherever G <= 8),
-// the M = 16 kernel with Q in shared memory (default for G > 8; TRACE_EXT_KV_DECODE_IMPL=qsmem forces it) and with
-// Q in registers (TRACE_EXT_KV_DECODE_IMPL=old: the kernel before the occupancy work). TRACE_EXT_KV_DECODE_IMPL=heads8
-// (opt-in, where the heads kernel applies) selects the heads kernel with two warps per KV head (8 warps per CTA).
-// Any other value (e.g. the former opt-in "heads") selects the default.
+// Kernel variants, read per call so that one process can time them all: the heads kernels (4 KV heads per CTA,
+// CTA-shared contiguous tile copies) where they apply (G <= 8, H_kv % 4 == 0, 16-byte aligned cache bases): by
+// default heads8 (two warps per KV head on alternate tiles, 8 warps per CTA; H200 A/B at 2071576: 1.04-1.08x over the
+// 4-warp kernel, bench/results/kv_heads_ab_h200.md), TRACE_EXT_KV_DECODE_IMPL=heads the 4-warp kernel (1.06-1.26x
+// over g8); the G <= 8 swapped-operand kernel (default for other G <= 8 shapes; TRACE_EXT_KV_DECODE_IMPL=g8 selects it
+// wherever G <= 8), the M = 16 kernel with Q in shared memory (default for G > 8; =qsmem forces it) and with Q in
+// registers (=old: the kernel before the occupancy work). Any other value selects the default.
 enum DecodeImpl : int { kImplRegQ = 0, kImplSmemQ = 1, kImplSwap = 2, kImplHeads = 3, kImplHeads8 = 4 };
 using DecodeKernelFn = void (*)(DecodeParams);
 
@@ -1760,8 +1759,8 @@ int decode_impl(int group, bool heads_ok) {
   if (env != nullptr && std::strcmp(env, "qsmem") == 0) return kImplSmemQ;
   if (env != nullptr && std::strcmp(env, "g8") == 0 && group <= 8) return kImplSwap;
   if (group > 8) return kImplSmemQ;
-  if (env != nullptr && std::strcmp(env, "heads8") == 0 && heads_ok) return kImplHeads8;
-  return heads_ok ? kImplHeads : kImplSwap;
+  if (env != nullptr && std::strcmp(env, "heads") == 0 && heads_ok) return kImplHeads;
+  return heads_ok ? kImplHeads8 : kImplSwap;
 }
 
 template <int D, int kImpl>

@@ -35,7 +35,8 @@
 //   schedule precomputed on the host (philox4x32_10_scheduled: keys are constant-bank operands of the XORs).
 //   SR / guided skip the per-element tiny-quotient test when a block-level bound on the smallest nonzero |x|
 //   proves it false for every element (quantize_block).
-// - TRACE_EXT_QUANT_IMPL=lean (opt-in, for A/B): RTN by one magic add whose magic number is a power of two taken
+// - Default since the H200 A/B at 2071576 ("lean"; TRACE_EXT_QUANT_IMPL=rtn-sat keeps the previous code; RTN g
+//   given 70.5% -> 82.1% of copy at 2^28, guided full 64.8% -> 70.8%): RTN by one magic add whose magic number is a power of two taken
 //   from u's exponent bits (e2m1_rn_grid_pow2_x2m14: LOP3, VIMNMX, two FFMAs per element instead of four FADDs, an FMUL,
 //   an FSETP and a predicated FADD), in the flat, lean and per-row kernels. Quantize (not fake) with linear scales
 //   and a 32-bit block walk goes through nvfp4_quant_lean_kernel (RTN, guided; SR stays on the flat kernel, where
@@ -78,9 +79,11 @@ constexpr int kMinTeam = 1;
 constexpr int kImplScaled = 0;   // element code in the 2^-14-scaled domain, RTN saturated per element by fminf
                                  // (TRACE_EXT_QUANT_IMPL=rtn-fminf)
 constexpr int kImplBits = 1;     // previous SR / guided code (TRACE_EXT_QUANT_IMPL=bits); RTN as kImplScaled
-constexpr int kImplRtnSat = 2;   // default: RTN saturated after packing (H200 A/B: 1.01-1.05x); else as kImplScaled
-constexpr int kImplLean = 3;     // TRACE_EXT_QUANT_IMPL=lean: RTN by the power-of-two magic add, quantize (not fake)
-                                 // with linear scales through nvfp4_quant_lean_kernel; SR / guided code as kImplScaled
+constexpr int kImplRtnSat = 2;   // RTN saturated after packing (TRACE_EXT_QUANT_IMPL=rtn-sat); else as kImplScaled
+constexpr int kImplLean = 3;     // default: RTN by the power-of-two magic add, quantize (not fake) with linear scales
+                                 // through nvfp4_quant_lean_kernel; SR / guided code as kImplScaled (H200 A/B at
+                                 // 2071576 vs rtn-sat: RTN g given 1.14-1.16x, per-row / swizzled / capture / guided
+                                 // 1.06-1.10x, SR equal; bench/results/quant_impl_h200.md)
 static_assert(kChunkElems % 8 == 0, "a chunk must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kNvfp4Block % 8 == 0, "a block must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 2 blocks x 16 elements");
@@ -517,7 +520,7 @@ __global__ void __launch_bounds__(kFlatThreads) nvfp4_quant_flat_kernel(const Qu
   if (p.swizzle && p.scales != nullptr) swizzle_pad_zero(p, (int64_t)tid, (int64_t)gridDim.x * blockDim.x);
 }
 
-// ---- lean flat kernel (TRACE_EXT_QUANT_IMPL=lean): the flat kernel's tiling with less per-tile / per-block work ----
+// ---- lean flat kernel (default; TRACE_EXT_QUANT_IMPL=lean): the flat kernel's tiling with less per-tile / per-block work ----
 // Taken for quantize (not fake) with linear scales when every block index of the walk fits 32 bits. Differences
 // from nvfp4_quant_flat_kernel, all outside the element arithmetic: 32-bit block indices; each thread divides once
 // and then steps its (row, block column) by the grid stride (LeanWalk: stride / kb and stride % kb from the host)
@@ -904,15 +907,15 @@ void launch_quant_impl(const QuantParams& p, int64_t rounding, bool rowg, cudaSt
 }
 
 // TRACE_EXT_QUANT_IMPL, read per call so that one process can time the variants: "bits" selects the previous SR /
-// guided element code (e2m1_*_bits), "rtn-fminf" the RTN saturated per element by fminf; unset (or anything else)
-// the scaled-domain SR / guided code and the RTN saturated after packing. "lean": kImplLean (RTN by the power-of-two
-// magic add; quantize with linear scales through nvfp4_quant_lean_kernel).
+// guided element code (e2m1_*_bits), "rtn-fminf" the RTN saturated per element by fminf, "rtn-sat" the RTN saturated
+// after packing (the previous default); unset (or anything else, e.g. "lean") kImplLean: RTN by the power-of-two
+// magic add, quantize with linear scales through nvfp4_quant_lean_kernel, the scaled-domain SR / guided code.
 int quant_impl() {
   const char* v = std::getenv("TRACE_EXT_QUANT_IMPL");
   if (v != nullptr && std::strcmp(v, "bits") == 0) return kImplBits;
   if (v != nullptr && std::strcmp(v, "rtn-fminf") == 0) return kImplScaled;
-  if (v != nullptr && std::strcmp(v, "lean") == 0) return kImplLean;
-  return kImplRtnSat;
+  if (v != nullptr && std::strcmp(v, "rtn-sat") == 0) return kImplRtnSat;
+  return kImplLean;
 }
 
 template <bool FAKE, typename T>

@@ -197,10 +197,10 @@ def test_decode_fused_split_combine_matches_combine_kernel(monkeypatch):
         assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
 
 
-# The heads kernel (4 KV heads per CTA, CTA-shared contiguous tile copies; the default) runs where G <= 8 and
-# H_kv % 4 == 0, the g8 swapped-operand kernel elsewhere for G <= 8 (TRACE_EXT_KV_DECODE_IMPL=g8 selects it wherever
-# G <= 8): both are checked on every case below, and so is the opt-in heads8 variant (TRACE_EXT_KV_DECODE_IMPL=heads8:
-# 8 warps per CTA, two per KV head on alternate tiles, merged in shared memory at the end). Extra cases: page sizes
+# The heads kernels (4 KV heads per CTA, CTA-shared contiguous tile copies) run where G <= 8 and H_kv % 4 == 0: by
+# default heads8 (8 warps per CTA, two per KV head on alternate tiles, merged in shared memory at the end), the
+# 4-warp kernel with TRACE_EXT_KV_DECODE_IMPL=heads; the g8 swapped-operand kernel elsewhere for G <= 8
+# (TRACE_EXT_KV_DECODE_IMPL=g8 selects it wherever G <= 8). All three are checked on every case below. Extra cases: page sizes
 # that are not multiples of the 16-token tile (tiles straddle pages, several table loads per tile), 8 KV heads
 # (two head groups per sequence), and a head group past the first (grid.y > 0) with G = 1.
 HEADS_CASES = DECODE_CASES + [
@@ -376,7 +376,7 @@ def test_opcheck_on_cuda():
     )
 
 
-# ---- heads8 (TRACE_EXT_KV_DECODE_IMPL=heads8): two warps per KV head, merged at the end --------------------------
+# ---- heads8 (the default; TRACE_EXT_KV_DECODE_IMPL=heads8): two warps per KV head, merged at the end -------------
 
 
 @pytest.mark.parametrize("num_splits", [0, 1, 3])

@@ -1,6 +1,7 @@
-"""NVFP4 quantize element code, every variant: the scaled-domain code with RTN saturated after packing (default),
-the previous SR / guided code (TRACE_EXT_QUANT_IMPL=bits), RTN saturated per element (=rtn-fminf) and the lean kernel
-with RTN by the power-of-two magic add (=lean; its grid-stride row walk is tested on its own below), read per call, bit for
+"""NVFP4 quantize element code, every variant: the lean kernel with RTN by the power-of-two magic add (default, also
+=lean; its grid-stride row walk is tested on its own below), the scaled-domain code with RTN saturated after packing
+(=rtn-sat, the previous default), the previous SR / guided code (=bits) and RTN saturated per element (=rtn-fminf),
+all selected by TRACE_EXT_QUANT_IMPL, read per call, bit for
 bit against the reference on values dense around every E2M1 grid point and rounding threshold, with every rollout
 payload (guided), threshold-adjacent SR draws from many seeds, and saturating quotients (RTN). Blocks are built so
 that the divisor t is exactly 1 (rollout scale byte 0x38 with g = 1; or a leading +-6 with g = 1 for RTN / SR), so
@@ -24,7 +25,7 @@ GRID = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
-@pytest.fixture(params=("default", "bits", "rtn-fminf", "lean"))
+@pytest.fixture(params=("default", "bits", "rtn-fminf", "rtn-sat"))
 def impl(request, monkeypatch):
     if request.param == "default":
         monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
@@ -128,7 +129,7 @@ def test_impls_agree_on_random_activations(monkeypatch):
     for kw in cases:
         monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
         a = ops.nvfp4_quantize(x, backend="cuda", **kw)
-        for variant in ("bits", "rtn-fminf", "lean"):
+        for variant in ("bits", "rtn-fminf", "rtn-sat"):
             monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", variant)
             b = ops.nvfp4_quantize(x, backend="cuda", **kw)
             assert torch.equal(a.codes, b.codes), (variant, list(kw))
@@ -178,23 +179,20 @@ def test_lean_walk_against_reference(monkeypatch, R, K, dtype):
 
 
 @pytest.mark.parametrize("R,K", LEAN_SHAPES[:2])
-def test_lean_capture_and_swizzle_match_default(monkeypatch, R, K):
+def test_lean_capture_and_swizzle_match_rtn_sat(monkeypatch, R, K):
     """capture (mbits from the lean kernel), swizzle (per-row kernel with the lean RTN) and fake quantization (flat /
-    per-row kernels with the lean RTN, bf16 out), per-row g fused and given, equal the default."""
+    per-row kernels with the lean RTN, bf16 out), per-row g fused and given, equal the previous default (rtn-sat)."""
     x = lean_input(R, K, torch.bfloat16, 3)
     g_rows = ref.nvfp4_global_scale(x, "row").contiguous() * 0.71
     out = {}
-    for variant in ("default", "lean"):
-        if variant == "default":
-            monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
-        else:
-            monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", variant)
+    for variant in ("rtn-sat", "lean"):
+        monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", variant)
         out[variant] = (ops.nvfp4_quantize(x, capture=True, backend="cuda"),
                         ops.nvfp4_quantize(x, swizzle=True, backend="cuda"),
                         ops.nvfp4_fake_quantize(x, backend="cuda"),
                         ops.nvfp4_fake_quantize(x, g_rows, backend="cuda"),
                         ops.nvfp4_quantize(x, g_rows, swizzle=True, backend="cuda"))
-    (qa, reca), qsa, fa, fga, qsga = out["default"]
+    (qa, reca), qsa, fa, fga, qsga = out["rtn-sat"]
     (qb, recb), qsb, fb, fgb, qsgb = out["lean"]
     assert_same(qa, qb, "capture codes")
     assert torch.equal(reca.payload, recb.payload), "capture mbits"
