@@ -18,6 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_gemm import _rot  # noqa: E402
 from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, print_table, write_results  # noqa: E402
 
 import trace_ext.ops as O  # noqa: E402
@@ -46,16 +47,6 @@ def _with_impl(impl, fn):
             os.environ.pop(ENV, None)
         else:
             os.environ[ENV] = old
-
-
-def _rot(items):
-    state = {"i": 0}
-
-    def nxt():
-        state["i"] = (state["i"] + 1) % len(items)
-        return items[state["i"]]
-
-    return nxt
 
 
 def _check_pair(a, q, wp):

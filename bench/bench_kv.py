@@ -130,21 +130,17 @@ def decode_rows(copy_gbs, gen):
         for splits in SPLIT_SWEEP.get(name, ()):
             ms_s = do_bench_cold(lambda: op(q, kc, ks, vc, vs, table, seq_lens, scale, g_k, g_v, splits))
             sweep.append(_sweep_row(f"decode {name} splits={splits}", ms_s, nbytes, copy_gbs, ms_sdpa))
-        with _impl_env("g8"):
-            ms_h = do_bench_cold(lambda: op(q, kc, ks, vc, vs, table, seq_lens, scale, g_k, g_v, 0))
-            row = _sweep_row(f"decode {name} impl=g8", ms_h, nbytes, copy_gbs, ms_sdpa)
-            row["target"] = f">={BW_TARGET:.0f}% & >={speed_target:.1f}x (A/B)"
-            row["status"] = "PASS" if row["% copy"] >= BW_TARGET and row["speedup"] >= speed_target else "MISS"
-            rows.append(row)
-            for splits in G8_SPLIT_SWEEP.get(name, ()):
-                ms_s = do_bench_cold(lambda: op(q, kc, ks, vc, vs, table, seq_lens, scale, g_k, g_v, splits))
-                sweep.append(_sweep_row(f"decode {name} impl=g8 splits={splits}", ms_s, nbytes, copy_gbs, ms_sdpa))
-        with _impl_env("heads"):
-            ms_h = do_bench_cold(lambda: op(q, kc, ks, vc, vs, table, seq_lens, scale, g_k, g_v, 0))
-            row = _sweep_row(f"decode {name} impl=heads", ms_h, nbytes, copy_gbs, ms_sdpa)
-            row["target"] = f">={BW_TARGET:.0f}% & >={speed_target:.1f}x (A/B)"
-            row["status"] = "PASS" if row["% copy"] >= BW_TARGET and row["speedup"] >= speed_target else "MISS"
-            rows.append(row)
+        for impl, impl_sweep in (("g8", G8_SPLIT_SWEEP), ("heads", {})):  # A/B rows: earlier defaults
+            with _impl_env(impl):
+                ms_h = do_bench_cold(lambda: op(q, kc, ks, vc, vs, table, seq_lens, scale, g_k, g_v, 0))
+                row = _sweep_row(f"decode {name} impl={impl}", ms_h, nbytes, copy_gbs, ms_sdpa)
+                row["target"] = f">={BW_TARGET:.0f}% & >={speed_target:.1f}x (A/B)"
+                row["status"] = "PASS" if row["% copy"] >= BW_TARGET and row["speedup"] >= speed_target else "MISS"
+                rows.append(row)
+                for splits in impl_sweep.get(name, ()):
+                    ms_s = do_bench_cold(lambda: op(q, kc, ks, vc, vs, table, seq_lens, scale, g_k, g_v, splits))
+                    sweep.append(_sweep_row(f"decode {name} impl={impl} splits={splits}", ms_s, nbytes, copy_gbs,
+                                            ms_sdpa))
         del kc, ks, vc, vs
         torch.cuda.empty_cache()
         if name in PAGE_SWEEP:
