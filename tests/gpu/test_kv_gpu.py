@@ -483,7 +483,7 @@ def test_append_warp_kernel_page_sizes_and_head_counts(impl, P, H, monkeypatch):
     gen = torch.Generator(device=DEV).manual_seed(10 * P + H)
     D = 64
     counts = [97, 33, 0, 250] + [1] * 40
-    start = [3, 0, 11, 6] + [int(x) for x in torch.randint(0, 300, (40,), generator=gen)]
+    start = [3, 0, 11, 6] + torch.randint(0, 300, (40,), generator=gen, device=DEV).tolist()  # CUDA gen
     B = len(counts)
     max_pages = math.ceil((max(s + c for s, c in zip(start, counts)) + 1) / P)
     pages = B * max_pages
