@@ -1,7 +1,8 @@
 """A/B timing of the FP4 KV append kernels on the H200, interleaved in one process.
 
-Impls (TRACE_EXT_KV_APPEND_IMPL, read per call by the extension): "default" (unset: the grid-stride kernel, two
-blocks per thread, reciprocal-quotient element path), "old" (the same kernel with the previous per-element path),
+Impls (TRACE_EXT_KV_APPEND_IMPL, read per call by the extension): "default" (unset: warp2 for appends of at least 32
+items per resident warp, else the grid kernel), "grid" (the grid-stride kernel, two blocks per thread,
+reciprocal-quotient element path; the default before), "old" (the same kernel with the previous per-element path),
 "warp" (warp-stream kernel: contiguous warp chunks, incremental token / sequence / page walk, four blocks per item,
 exponent-magic RTN, scale-byte table) and "warp2" (the same with two blocks per item: fewer registers).
 
@@ -28,7 +29,7 @@ from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, print_table, wr
 import trace_ext  # noqa: E402
 
 ENV = "TRACE_EXT_KV_APPEND_IMPL"
-IMPLS = ("default", "old", "warp", "warp2")
+IMPLS = ("default", "grid", "old", "warp", "warp2")
 ROUNDS = 3
 TARGET = 70.0
 # (name, B, Hkv, tokens per sequence); the first is bench_kv.py's append row

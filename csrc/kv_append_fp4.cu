@@ -34,8 +34,10 @@
 //   2^-18 steps of a rounding tie (where fl(x / t) could round the other way), or any element when 1 / t
 //   overflowed, is redone exactly (fl(x / t), e2m1_rn_magnitude) out of line.
 //
-// Opt-in warp-stream kernel (TRACE_EXT_KV_APPEND_IMPL=warp, read per call; =warp2 caps it at two blocks per item; the
-// default is unchanged). Nsight on the default at B8 x 4096, H_kv 8, D 128: 22.9 thread instructions per element,
+// Warp-stream kernel: the default, with two blocks per item, for appends of at least 32 items per resident warp
+// (prefill chunks; H200 A/B at 2071576: 1.08-1.12x, 69.6% of copy at B8 x 4096), the grid kernel above for smaller
+// ones (decode steps, where warp2 measured 0.98x). TRACE_EXT_KV_APPEND_IMPL (read per call): =warp2 / =warp (four
+// blocks per item) force it, =grid the grid kernel. Nsight on the grid kernel at B8 x 4096, H_kv 8, D 128: 22.9 thread instructions per element,
 // issue slots 75% busy, DRAM 55%: issue-bound. The warp-stream kernel cuts the instructions per element:
 // - Work: each warp appends a contiguous chunk of one tensor's items (four blocks of a (token, head) row where
 //   D % 64 == 0, else two), lanes taking items l, l + 32, ...; one full wave of warps (occupancy API), chunks equal
@@ -547,18 +549,34 @@ void fp4kv_append_cuda(at::Tensor& k_codes, at::Tensor& k_scales, at::Tensor& v_
 
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, k_codes.get_device());
-  // TRACE_EXT_KV_APPEND_IMPL=warp: the warp-stream kernel, where its scale-byte reciprocals are exact (g in
-  // [2^-50, 2^50]); other g take the default kernel.
+  // The warp-stream kernel applies where its scale-byte reciprocals are exact (g in [2^-50, 2^50]) and rows are an
+  // even number of blocks (unaligned cache bases: never for torch allocations); elsewhere the grid kernel runs.
+  // TRACE_EXT_KV_APPEND_IMPL (read per call): unset = auto: the warp kernel with two blocks per item when every
+  // resident warp gets at least 32 items (one item per lane: H200 A/B at 2071576, prefill 8 x 4096 1.12x, 32 x 1024
+  // 1.10x), the grid kernel for smaller appends (decode steps: 256 sequences x 1 token, warp2 0.98x); =warp2 / =warp
+  // (four blocks per item where rows allow) force the warp kernel, =grid (and =old) the grid kernel.
   const auto g_rcp_ok = [](float g) { return g >= 0x1p-50f && g <= 0x1p50f; };
-  // (=warp2: at most two blocks per item, for A/B timing of the two register footprints)
   const bool warp4 = impl_env != nullptr && std::strcmp(impl_env, "warp") == 0;
   const bool warp2 = impl_env != nullptr && std::strcmp(impl_env, "warp2") == 0;
-  // Rows of an odd number of blocks (or unaligned cache bases: never for torch allocations) take the default kernel.
+  const bool auto_impl = impl_env == nullptr || (!warp4 && !warp2 && std::strcmp(impl_env, "grid") != 0 &&
+                                                 std::strcmp(impl_env, "old") != 0);
   const auto aligned = [](const at::Tensor& t, uintptr_t a) {
     return reinterpret_cast<uintptr_t>(t.data_ptr()) % a == 0;
   };
-  if ((warp4 || warp2) && pair && g_rcp_ok(p.g_k) && g_rcp_ok(p.g_v)) {
-    const int wper = (warp4 && nb % 4 == 0 && aligned(k_scales, 4) && aligned(v_scales, 4)) ? 4 : 2;
+  // CTAs per SM of each instantiation (a property of the kernel image, the same on every device of the build's arch)
+  const auto ctas_of = [](auto kernel) {
+    int n = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kAppendThreads, 0);
+    return n;
+  };
+  const int wper = (warp4 && nb % 4 == 0 && aligned(k_scales, 4) && aligned(v_scales, 4)) ? 4 : 2;
+  const int64_t resident_warps = [&] {
+    static const int occupancy[2] = {ctas_of(fp4kv_append_warp_kernel<2>), ctas_of(fp4kv_append_warp_kernel<4>)};
+    return (int64_t)sms * std::max(occupancy[wper == 4 ? 1 : 0], 1) * kWarpsPerCta;
+  }();
+  const int64_t per_tensor = T * H * (nb / wper);  // items of K (and of V)
+  const bool warp_ok = pair && g_rcp_ok(p.g_k) && g_rcp_ok(p.g_v);
+  if (warp_ok && (warp4 || warp2 || (auto_impl && per_tensor >= 32 * resident_warps))) {
     auto wkernel = wper == 4 ? fp4kv_append_warp_kernel<4> : fp4kv_append_warp_kernel<2>;
     require_kernel_image(wkernel, op);
     const int64_t ni = nb / wper;
@@ -570,16 +588,6 @@ void fp4kv_append_cuda(at::Tensor& k_codes, at::Tensor& k_scales, at::Tensor& v_
     p.step_items = 32 % p.items_per_token;
     p.rg_k = 1.0f / p.g_k;  // IEEE single division on the host: fl(1 / g)
     p.rg_v = 1.0f / p.g_v;
-    const int64_t per_tensor = T * p.items_per_token;
-    // CTAs per SM of each instantiation (a property of the kernel image, the same on every device of the build's arch)
-    const auto ctas_of = [](auto kernel) {
-      int n = 0;
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kAppendThreads, 0);
-      return n;
-    };
-    static const int occupancy[2] = {ctas_of(fp4kv_append_warp_kernel<2>), ctas_of(fp4kv_append_warp_kernel<4>)};
-    const int ctas_per_sm = occupancy[wper == 4 ? 1 : 0];
-    const int64_t resident_warps = (int64_t)sms * std::max(ctas_per_sm, 1) * kWarpsPerCta;
     // one full wave: every warp a contiguous chunk of one tensor, chunks equal to within one item (not rounded to
     // 32 items: that would leave part of the wave empty, up to 6% of the SMs' issue slots at the bench shape), and at
     // least 32 items (small appends: fewer warps, each with all lanes busy)

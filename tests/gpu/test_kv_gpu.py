@@ -424,7 +424,8 @@ def test_decode_heads8_merges_sets_with_far_apart_maxima(monkeypatch):
         assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
 
 
-# ---- append: warp-stream kernel (TRACE_EXT_KV_APPEND_IMPL=warp / warp2, opt-in) -------------------------------
+# ---- append: warp-stream kernel (TRACE_EXT_KV_APPEND_IMPL=warp / warp2; the default picks warp2 for appends of at
+# least 32 items per resident warp, the grid kernel below that: =grid forces the grid kernel) -----------------------
 # "warp" takes four blocks per item where D % 64 == 0 (else two, else one), "warp2" at most two; both must write the
 # same bytes as the reference (and so as the default kernel). The switch is read per call.
 
@@ -538,16 +539,13 @@ def test_append_warp_kernel_matches_default_kernel_on_the_bench_shape(impl, monk
     cu = torch.arange(0, T + 1, chunk, dtype=torch.int32, device=DEV)
     sp = torch.full((B,), 1000, dtype=torch.int32, device=DEV)
     caches = []
-    for which in ("default", impl):
+    for which in ("grid", impl):
         c = PagedFP4KVCache(B * pages_per_seq, P, H, D, device=DEV, g_k=0.01, g_v=0.02)
-        if which == "default":
-            monkeypatch.delenv("TRACE_EXT_KV_APPEND_IMPL", raising=False)
-        else:
-            monkeypatch.setenv("TRACE_EXT_KV_APPEND_IMPL", which)
+        monkeypatch.setenv("TRACE_EXT_KV_APPEND_IMPL", which)
         ops.fp4kv_append(c, k, v, table, cu, sp, backend="cuda")
         caches.append(c)
     monkeypatch.delenv("TRACE_EXT_KV_APPEND_IMPL")
-    _assert_same_cache(caches[1], caches[0], f"impl={impl} vs default")
+    _assert_same_cache(caches[1], caches[0], f"impl={impl} vs grid")
     # and a slice of it against the reference (the whole chunk is slow on the reference backend)
     ref = PagedFP4KVCache(B * pages_per_seq, P, H, D, device=DEV, g_k=0.01, g_v=0.02)
     ops.fp4kv_append(ref, k[:chunk], v[:chunk], table[:1], cu[:2], sp[:1], backend="reference")
