@@ -37,8 +37,9 @@
 // Warp-stream kernel: the default, with two blocks per item, for appends of at least 32 items per resident warp
 // (prefill chunks; H200 A/B at 2071576: 1.08-1.12x, 69.6% of copy at B8 x 4096), the grid kernel above for smaller
 // ones (decode steps, where warp2 measured 0.98x). TRACE_EXT_KV_APPEND_IMPL (read per call): =warp2 / =warp (four
-// blocks per item) force it, =grid the grid kernel. Nsight on the grid kernel at B8 x 4096, H_kv 8, D 128: 22.9 thread instructions per element,
-// issue slots 75% busy, DRAM 55%: issue-bound. The warp-stream kernel cuts the instructions per element:
+// blocks per item) force it, =grid the grid kernel. Nsight on the grid kernel at B8 x 4096, H_kv 8, D 128: 22.9
+// thread instructions per element, issue slots 75% busy, DRAM 55%: issue-bound. The warp-stream kernel cuts the
+// instructions per element:
 // - Work: each warp appends a contiguous chunk of one tensor's items (four blocks of a (token, head) row where
 //   D % 64 == 0, else two), lanes taking items l, l + 32, ...; one full wave of warps (occupancy API), chunks equal
 //   to within an item. A warp step reads 32 consecutive items (4 KB at H_kv * D = 1024, kPer 4) with 16-byte loads
