@@ -143,6 +143,32 @@ __device__ __forceinline__ void quantize_elems_bits(const float (&x)[N], float t
                                                     const QuantParams& p, uint32_t guide_bits, uint2 guide_codes,
                                                     uint32_t (&w)[N / 8]);
 
+// RTN element loop shared by kImplLean (POW2: grid value by e2m1_rn_grid_pow2_x2m14) and kImplRtnSat (grid value by
+// e2m1_rn_grid_unsat_x2m14): u = fl(|x| / t) * 2^-14 by the scaled reciprocal division, packed with the signs of x by
+// e2m1_pack8_abs_x2m14<true>.
+template <bool POW2, int N>
+__device__ __forceinline__ void quantize_rtn_abs_x2m14(const float (&x)[N], float t, float r, uint32_t (&w)[N / 8]) {
+  const float t14 = __fmul_rn(t, 16384.0f), r14 = __fmul_rn(r, 0x1p-14f);
+#pragma unroll
+  for (int k = 0; k < N / 8; ++k) {
+    uint32_t s[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s[i] = __float_as_uint(x[8 * k + i]);
+    const SignBytes8 sb = sign_bytes8(s);
+    float g[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float v = div_rn_with_rcp(fabsf(x[8 * k + i]), t14, r14);
+      if constexpr (POW2) {
+        g[i] = e2m1_rn_grid_pow2_x2m14(v);
+      } else {
+        g[i] = e2m1_rn_grid_unsat_x2m14(v);
+      }
+    }
+    w[k] = e2m1_pack8_abs_x2m14<true>(g, sb);
+  }
+}
+
 // Element loop over N elements of one block; FAST: v = fl(x / t) from the block reciprocal (div_rn_with_rcp),
 // else __fdiv_rn. IMPL (FAST only): kImplScaled, kImplBits or kImplRtnSat (alternatives kept for A/B timing).
 template <int MODE, bool FAST, int N, int IMPL>
@@ -153,36 +179,14 @@ __device__ __forceinline__ void quantize_elems(const float (&x)[N], float t, flo
   if constexpr (MODE == kRTN && FAST && IMPL == kImplLean) {
     // RTN (lean): as kImplRtnSat below, the grid value by e2m1_rn_grid_pow2_x2m14 (LOP3, VIMNMX and two FFMAs per
     // element instead of four FADDs, an FMUL, an FSETP and a predicated FADD).
-    const float t14 = __fmul_rn(t, 16384.0f), r14 = __fmul_rn(r, 0x1p-14f);
-#pragma unroll
-    for (int k = 0; k < N / 8; ++k) {
-      uint32_t s[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) s[i] = __float_as_uint(x[8 * k + i]);
-      const SignBytes8 sb = sign_bytes8(s);
-      float g[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) g[i] = e2m1_rn_grid_pow2_x2m14(div_rn_with_rcp(fabsf(x[8 * k + i]), t14, r14));
-      w[k] = e2m1_pack8_abs_x2m14<true>(g, sb);
-    }
+    quantize_rtn_abs_x2m14<true>(x, t, r, w);
   } else if constexpr (MODE == kRTN && FAST && IMPL == kImplRtnSat) {
     // RTN: u = fl(|x| / t) * 2^-14 by the scaled reciprocal division, rounded in fp32 without saturation
     // (e2m1_rn_grid_unsat_x2m14); codes read off fp16 bits, saturated two at a time by an unsigned 16-bit min, signs
     // (x's: t > 0, -0.0 included) placed by byte permutes (e2m1_pack8_abs_x2m14<true>). 0.8 fewer instructions per
     // element than the path below, but one more live word per 8 elements: ptxas (13.0) keeps the bf16 flat kernel at
     // 64 registers with 16 / 48 bytes of spill stores / loads (the path below: 64, none), so it is opt-in until timed.
-    const float t14 = __fmul_rn(t, 16384.0f), r14 = __fmul_rn(r, 0x1p-14f);
-#pragma unroll
-    for (int k = 0; k < N / 8; ++k) {
-      uint32_t s[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) s[i] = __float_as_uint(x[8 * k + i]);
-      const SignBytes8 sb = sign_bytes8(s);
-      float g[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) g[i] = e2m1_rn_grid_unsat_x2m14(div_rn_with_rcp(fabsf(x[8 * k + i]), t14, r14));
-      w[k] = e2m1_pack8_abs_x2m14<true>(g, sb);
-    }
+    quantize_rtn_abs_x2m14<false>(x, t, r, w);
   } else if constexpr (MODE == kRTN && FAST) {
     // RTN (default): saturation by fminf per element (e2m1_rn_grid_x2m14), the sign OR-ed into each grid value,
     // e2m1_pack8_x2m14.
