@@ -172,13 +172,14 @@ def test_decode_split_counts_agree(num_splits):
     assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
 
 
-def test_decode_fused_split_combine_matches_combine_kernel(monkeypatch):
-    """The in-kernel split-K finish (last CTA per (sequence, KV head), self-resetting arrival counters) equals the
-    separate combine kernel (TRACE_EXT_KV_DECODE_COMBINE=kernel), over back-to-back launches with different
-    split counts (a counter left off 0 would pick the wrong last CTA), G = 8 and 16, empty splits and sequences."""
+def assert_fused_finish_equals_combine_kernel(monkeypatch, shapes, splits):
+    """For each (Hq, H_kv, D): the in-kernel split-K finish (default) and the separate combine kernel
+    (TRACE_EXT_KV_DECODE_COMBINE=kernel) give the same bits over back-to-back launches with the given split counts (a
+    counter left off 0 would pick the wrong last CTA), on sequences of 3000, 5, 0 and 777 tokens; and the last result
+    is within the decode bound of the reference."""
     lens = [3000, 5, 0, 777]
-    for Hq, D in ((16, 128), (32, 64)):
-        cache, table, seq_lens, *_ = make_cache(lens, 2, D, 16, seed=11)
+    for Hq, Hkv, D in shapes:
+        cache, table, seq_lens, *_ = make_cache(lens, Hkv, D, 16, seed=11)
         q = torch.randn(len(lens), Hq, D, device=DEV).to(torch.bfloat16)
         results = {}
         for mode in ("fused", "kernel"):
@@ -188,13 +189,19 @@ def test_decode_fused_split_combine_matches_combine_kernel(monkeypatch):
                 monkeypatch.delenv("TRACE_EXT_KV_DECODE_COMBINE", raising=False)
             results[mode] = [
                 ops.fp4kv_decode_attention(q, cache, table, seq_lens, 0.1, num_splits=n, backend="cuda")
-                for n in (7, 64, 3, 7, 200)
+                for n in splits
             ]
         for (of, lf), (ok, lk) in zip(results["fused"], results["kernel"]):
             assert torch.equal(of, ok)
             torch.testing.assert_close(lf, lk, rtol=0, atol=1e-6)
         err, err_sdpa, lse_err = errors_vs_reference(*results["fused"][-1], q, cache, table, seq_lens, 0.1)
         assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
+
+
+def test_decode_fused_split_combine_matches_combine_kernel(monkeypatch):
+    """The in-kernel split-K finish (last CTA per (sequence, KV head), self-resetting arrival counters) equals the
+    separate combine kernel, G = 8 and 16 (H_kv = 2: the g8 / qsmem kernels), empty splits and sequences."""
+    assert_fused_finish_equals_combine_kernel(monkeypatch, ((16, 2, 128), (32, 2, 64)), (7, 64, 3, 7, 200))
 
 
 # The heads kernels (4 KV heads per CTA, CTA-shared contiguous tile copies) run where G <= 8 and H_kv % 4 == 0: by
@@ -235,28 +242,10 @@ def test_decode_heads_and_g8_kernels_split_counts_agree(num_splits, impl, monkey
 
 @pytest.mark.parametrize("impl", ["heads", "g8", "heads8"])
 def test_decode_heads_and_g8_kernels_fused_split_combine_matches_combine_kernel(impl, monkeypatch):
-    """The heads kernel's in-kernel split-K finish (last CTA per (sequence, head group)) equals the separate combine
-    kernel bit for bit, over back-to-back launches with different split counts, G = 4 and 8, empty sequences."""
+    """The heads kernels' in-kernel split-K finish (last CTA per (sequence, head group)) and the g8 kernel's equal the
+    separate combine kernel bit for bit, G = 4 and 8, empty sequences."""
     monkeypatch.setenv("TRACE_EXT_KV_DECODE_IMPL", impl)
-    lens = [3000, 5, 0, 777]
-    for Hq, Hkv, D in ((16, 4, 128), (64, 8, 64)):
-        cache, table, seq_lens, *_ = make_cache(lens, Hkv, D, 16, seed=11)
-        q = torch.randn(len(lens), Hq, D, device=DEV).to(torch.bfloat16)
-        results = {}
-        for mode in ("fused", "kernel"):
-            if mode == "kernel":
-                monkeypatch.setenv("TRACE_EXT_KV_DECODE_COMBINE", "kernel")
-            else:
-                monkeypatch.delenv("TRACE_EXT_KV_DECODE_COMBINE", raising=False)
-            results[mode] = [
-                ops.fp4kv_decode_attention(q, cache, table, seq_lens, 0.1, num_splits=n, backend="cuda")
-                for n in (7, 64, 3, 7, 20)
-            ]
-        for (of, lf), (ok, lk) in zip(results["fused"], results["kernel"]):
-            assert torch.equal(of, ok)
-            torch.testing.assert_close(lf, lk, rtol=0, atol=1e-6)
-        err, err_sdpa, lse_err = errors_vs_reference(*results["fused"][-1], q, cache, table, seq_lens, 0.1)
-        assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
+    assert_fused_finish_equals_combine_kernel(monkeypatch, ((16, 4, 128), (64, 8, 64)), (7, 64, 3, 7, 20))
 
 
 @pytest.mark.parametrize("impl", ["default", "heads8"])
