@@ -24,6 +24,22 @@ SHAPES = ((16384, 4096), (65536, 4096))  # 2^26 and 2^28 elements
 TARGET = {"rtn": 80.0, "sr": 72.0, "guided": 72.0, "dequant": 80.0}
 
 
+def nvfp4_inputs(op, R, K):
+    """Inputs shared by the NVFP4 quantize benchmarks for an R x K bf16 activation: x, its per-row g, the default
+    quantization (codes, scales, g), a perturbed trainer-side x and the mantissa bits of the codes, and the bytes
+    moved: quantize (x read, codes + scales written), compact and full guidance records read."""
+    n = R * K
+    x = torch.randn(R, K, device="cuda", dtype=torch.bfloat16)
+    g = ref.nvfp4_global_scale(x, "row").contiguous()
+    codes, scales, g_out, _ = op.nvfp4_quantize(x, None, 0, 0, 0, None, None, None, False, False)
+    x_train = (x.float() * (1 + 1e-3 * torch.randn_like(x, dtype=torch.float32))).to(torch.bfloat16)
+    mbits = ref.mantissa_bits_of_codes(codes)
+    q_bytes = 2 * n + n // 2 + n // 16
+    compact = R * (K // 8 + K // 16 + 4)
+    full = R * (K // 2 + K // 16 + 4)
+    return x, g, codes, scales, g_out, x_train, mbits, q_bytes, compact, full
+
+
 def main() -> None:
     b = trace_ext.backends()
     if not b["kernels_usable"]:
@@ -34,14 +50,7 @@ def main() -> None:
     rows = []
     for R, K in SHAPES:
         n = R * K
-        x = torch.randn(R, K, device="cuda", dtype=torch.bfloat16)
-        g = ref.nvfp4_global_scale(x, "row").contiguous()
-        codes, scales, g_out, _ = op.nvfp4_quantize(x, None, 0, 0, 0, None, None, None, False, False)
-        x_train = (x.float() * (1 + 1e-3 * torch.randn_like(x, dtype=torch.float32))).to(torch.bfloat16)
-        mbits = ref.mantissa_bits_of_codes(codes)
-        q_bytes = 2 * n + n // 2 + n // 16  # x read, codes + scales written
-        compact = R * (K // 8 + K // 16 + 4)
-        full = R * (K // 2 + K // 16 + 4)
+        x, g, codes, scales, g_out, x_train, mbits, q_bytes, compact, full = nvfp4_inputs(op, R, K)
         cases = [
             ("nvfp4 rtn (per-row g fused)", "rtn", q_bytes + 4 * R,
              lambda: op.nvfp4_quantize(x, None, 0, 0, 0, None, None, None, False, False)),

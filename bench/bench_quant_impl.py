@@ -20,10 +20,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_quant import nvfp4_inputs  # noqa: E402
 from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, print_table, write_results  # noqa: E402
 
 import trace_ext  # noqa: E402
-from trace_ext import reference as ref  # noqa: E402
 
 SHAPES = ((16384, 4096), (65536, 4096))  # 2^26 and 2^28 elements
 # QUANT_IMPL_VARIANTS=default,rtn-sat times a subset ("default" is always first: codes are compared against it)
@@ -49,15 +49,8 @@ def main() -> None:
     rows = []
     for R, K in SHAPES:
         n = R * K
-        x = torch.randn(R, K, device="cuda", dtype=torch.bfloat16)
-        g = ref.nvfp4_global_scale(x, "row").contiguous()
         set_variant("default")
-        codes, scales, g_out, _ = op.nvfp4_quantize(x, None, 0, 0, 0, None, None, None, False, False)
-        x_train = (x.float() * (1 + 1e-3 * torch.randn_like(x, dtype=torch.float32))).to(torch.bfloat16)
-        mbits = ref.mantissa_bits_of_codes(codes)
-        q_bytes = 2 * n + n // 2 + n // 16
-        compact = R * (K // 8 + K // 16 + 4)
-        full = R * (K // 2 + K // 16 + 4)
+        x, g, codes, scales, g_out, x_train, mbits, q_bytes, compact, full = nvfp4_inputs(op, R, K)
         cases = [
             ("nvfp4 rtn (per-row g fused)", q_bytes + 4 * R,
              lambda: op.nvfp4_quantize(x, None, 0, 0, 0, None, None, None, False, False)),
