@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gemm import _rot  # noqa: E402
-from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, print_table, write_results  # noqa: E402
+from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, env_switch, print_table, write_results  # noqa: E402
 
 import trace_ext.ops as O  # noqa: E402
 from trace_ext import reference as ref  # noqa: E402
@@ -35,18 +35,8 @@ ENV = "TRACE_EXT_DECODE_IMPL"
 
 def _with_impl(impl, fn):
     """Calls fn with TRACE_EXT_DECODE_IMPL set to impl (None: unset, the default kernel)."""
-    old = os.environ.get(ENV)
-    if impl is None:
-        os.environ.pop(ENV, None)
-    else:
-        os.environ[ENV] = impl
-    try:
+    with env_switch(ENV, impl):
         return fn()
-    finally:
-        if old is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = old
 
 
 def _check_pair(a, q, wp):

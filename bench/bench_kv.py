@@ -27,7 +27,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, print_table, write_results  # noqa: E402
+from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, env_switch, print_table, require_kernels_usable, write_results  # noqa: E402
 
 import trace_ext  # noqa: E402
 
@@ -59,21 +59,9 @@ G8_SPLIT_SWEEP = {
 }
 
 
-class _impl_env:
-    """Sets TRACE_EXT_KV_DECODE_IMPL for the calls inside the block (the extension reads it per call)."""
-
-    def __init__(self, value):
-        self.value, self.saved = value, None
-
-    def __enter__(self):
-        self.saved = os.environ.get("TRACE_EXT_KV_DECODE_IMPL")
-        os.environ["TRACE_EXT_KV_DECODE_IMPL"] = self.value
-
-    def __exit__(self, *exc):
-        if self.saved is None:
-            os.environ.pop("TRACE_EXT_KV_DECODE_IMPL", None)
-        else:
-            os.environ["TRACE_EXT_KV_DECODE_IMPL"] = self.saved
+def _impl_env(value):
+    """TRACE_EXT_KV_DECODE_IMPL set to `value` for the calls inside the block (the extension reads it per call)."""
+    return env_switch("TRACE_EXT_KV_DECODE_IMPL", value)
 
 
 def random_cache(B, Hkv, S, gen, page=PAGE):
@@ -192,9 +180,7 @@ def append_row(copy_gbs, gen):
 
 
 def main() -> None:
-    b = trace_ext.backends()
-    if not b["kernels_usable"]:
-        raise SystemExit(f"compiled kernels unusable: {b['kernels_unusable_reason']}")
+    require_kernels_usable()
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_gbs = copy_bandwidth_gbs()
     print(f"copy bandwidth: {copy_gbs:.1f} GB/s")

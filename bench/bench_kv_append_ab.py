@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kv import D, append_inputs  # noqa: E402
-from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, print_table, write_results  # noqa: E402
+from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, print_table, require_kernels_usable, write_results  # noqa: E402
 
 import trace_ext  # noqa: E402
 
@@ -64,9 +64,7 @@ def set_impl(impl: str) -> None:
 
 
 def main() -> None:
-    b = trace_ext.backends()
-    if not b["kernels_usable"]:
-        raise SystemExit(f"compiled kernels unusable: {b['kernels_unusable_reason']}")
+    require_kernels_usable()
     op = torch.ops.trace_ext.fp4kv_append
     saved = os.environ.get(ENV)
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kv import D, DECODE_CASES, _impl_env, random_cache  # noqa: E402
-from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, print_table, write_results  # noqa: E402
+from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, print_table, require_kernels_usable, write_results  # noqa: E402
 
 import trace_ext  # noqa: E402
 
@@ -39,9 +39,7 @@ NEW_SPLIT_SWEEP = {
 
 
 def main() -> None:
-    b = trace_ext.backends()
-    if not b["kernels_usable"]:
-        raise SystemExit(f"compiled kernels unusable: {b['kernels_unusable_reason']}")
+    require_kernels_usable()
     os.environ.pop("TRACE_EXT_KV_DECODE_IMPL", None)
     os.environ.pop("TRACE_EXT_KV_DECODE_COMBINE", None)
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -15,7 +15,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, print_table, write_results  # noqa: E402
+from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, print_table, require_kernels_usable, write_results  # noqa: E402
 
 import trace_ext  # noqa: E402
 from trace_ext import reference as ref  # noqa: E402
@@ -41,9 +41,7 @@ def nvfp4_inputs(op, R, K):
 
 
 def main() -> None:
-    b = trace_ext.backends()
-    if not b["kernels_usable"]:
-        raise SystemExit(f"compiled kernels unusable: {b['kernels_unusable_reason']}")
+    require_kernels_usable()
     op = torch.ops.trace_ext
     copy_gbs = copy_bandwidth_gbs()
     print(f"copy bandwidth: {copy_gbs:.1f} GB/s")

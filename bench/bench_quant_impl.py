@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_quant import nvfp4_inputs  # noqa: E402
-from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, print_table, write_results  # noqa: E402
+from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, print_table, require_kernels_usable, write_results  # noqa: E402
 
 import trace_ext  # noqa: E402
 
@@ -40,9 +40,7 @@ def set_variant(v: str) -> None:
 
 
 def main() -> None:
-    b = trace_ext.backends()
-    if not b["kernels_usable"]:
-        raise SystemExit(f"compiled kernels unusable: {b['kernels_unusable_reason']}")
+    require_kernels_usable()
     op = torch.ops.trace_ext
     copy_gbs = copy_bandwidth_gbs()
     print(f"copy bandwidth: {copy_gbs:.1f} GB/s")

@@ -6,6 +6,7 @@ bench/results/, or $OUT on the device machine).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -15,6 +16,33 @@ import sys
 import torch
 
 L2_FLUSH_BYTES = 256 * 1024 * 1024  # > 5x the H200's 50-60 MB L2
+
+
+def require_kernels_usable() -> None:
+    """Exits with the reason when the compiled kernels cannot run here (no extension, no GPU, wrong arch)."""
+    import trace_ext
+
+    b = trace_ext.backends()
+    if not b["kernels_usable"]:
+        raise SystemExit(f"compiled kernels unusable: {b['kernels_unusable_reason']}")
+
+
+@contextlib.contextmanager
+def env_switch(name: str, value: str | None):
+    """Sets environment variable `name` to `value` (None: unset) inside the block and restores it after: the
+    extension reads its kernel-variant switches per call, so one process can time several variants."""
+    saved = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
 
 
 def do_bench_cold(fn, rep_ms: int = 200, warmup_ms: int = 25) -> float:

@@ -60,6 +60,7 @@ def gemm_cases():
 def kv_cases():
     sys.path.insert(0, "bench")
     from bench_kv import D, append_inputs, random_cache  # noqa: PLC0415
+    from common import env_switch  # noqa: PLC0415
 
     gen = torch.Generator(device=DEV).manual_seed(0)
     op = torch.ops.trace_ext
@@ -69,16 +70,9 @@ def kv_cases():
     yield "kv decode B32 Hq32 Hkv4 S8K", lambda: op.fp4kv_decode_attention(
         q, kc, ks, vc, vs, table, seq_lens, 1 / math.sqrt(D), 0.01, 0.02, 0)
 
-    def g8():  # the swapped-operand g8 kernel, the default before the heads kernel (the switch is read per call)
-        saved = os.environ.get("TRACE_EXT_KV_DECODE_IMPL")
-        os.environ["TRACE_EXT_KV_DECODE_IMPL"] = "g8"
-        try:
+    def g8():  # the swapped-operand g8 kernel, the default before the heads kernels (the switch is read per call)
+        with env_switch("TRACE_EXT_KV_DECODE_IMPL", "g8"):
             return op.fp4kv_decode_attention(q, kc, ks, vc, vs, table, seq_lens, 1 / math.sqrt(D), 0.01, 0.02, 0)
-        finally:
-            if saved is None:
-                os.environ.pop("TRACE_EXT_KV_DECODE_IMPL")
-            else:
-                os.environ["TRACE_EXT_KV_DECODE_IMPL"] = saved
 
     yield "kv decode g8 B32 Hq32 Hkv4 S8K", g8
     args = append_inputs(gen)
