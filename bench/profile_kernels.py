@@ -10,7 +10,6 @@ Run: python bench/profile_kernels.py [case ...]   (cases: quant gemm kv; default
 from __future__ import annotations
 
 import math
-import os
 import sys
 
 import torch
