@@ -161,15 +161,21 @@ def test_decode_error_at_most_twice_sdpa_bf16(lens, Hq, Hkv, D, P):
     assert lse_err <= 2e-3
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 7, 64, 1000])
-def test_decode_split_counts_agree(num_splits):
-    """Explicit split counts (incl. more splits than tiles: empty splits) give the same attention."""
+def assert_split_count_within_bound(num_splits, Hq, Hkv):
+    """An explicit split count on sequences of 2000, 5 and 333 tokens (D = 128, page 16) stays within the decode
+    bound of the reference."""
     lens = [2000, 5, 333]
-    cache, table, seq_lens, *_ = make_cache(lens, 4, 128, 16, seed=3)
-    q = torch.randn(3, 16, 128, device=DEV).to(torch.bfloat16)
+    cache, table, seq_lens, *_ = make_cache(lens, Hkv, 128, 16, seed=3)
+    q = torch.randn(3, Hq, 128, device=DEV).to(torch.bfloat16)
     out, lse = ops.fp4kv_decode_attention(q, cache, table, seq_lens, 0.1, num_splits=num_splits, backend="cuda")
     err, err_sdpa, lse_err = errors_vs_reference(out, lse, q, cache, table, seq_lens, 0.1)
     assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 64, 1000])
+def test_decode_split_counts_agree(num_splits):
+    """Explicit split counts (incl. more splits than tiles: empty splits) give the same attention."""
+    assert_split_count_within_bound(num_splits, Hq=16, Hkv=4)
 
 
 def assert_fused_finish_equals_combine_kernel(monkeypatch, shapes, splits):
@@ -232,12 +238,7 @@ def test_decode_heads_and_g8_kernels_split_counts_agree(num_splits, impl, monkey
     """Explicit split counts with the heads kernel (empty splits, splits shorter than a tile, and past 2^16 partial
     floats per head group, where the separate combine kernel takes over)."""
     monkeypatch.setenv("TRACE_EXT_KV_DECODE_IMPL", impl)
-    lens = [2000, 5, 333]
-    cache, table, seq_lens, *_ = make_cache(lens, 8, 128, 16, seed=3)
-    q = torch.randn(3, 32, 128, device=DEV).to(torch.bfloat16)
-    out, lse = ops.fp4kv_decode_attention(q, cache, table, seq_lens, 0.1, num_splits=num_splits, backend="cuda")
-    err, err_sdpa, lse_err = errors_vs_reference(out, lse, q, cache, table, seq_lens, 0.1)
-    assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
+    assert_split_count_within_bound(num_splits, Hq=32, Hkv=8)
 
 
 @pytest.mark.parametrize("impl", ["heads", "g8", "heads8"])
