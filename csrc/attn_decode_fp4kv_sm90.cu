@@ -1765,17 +1765,15 @@ int decode_impl(int group, bool heads_ok) {
 
 template <int D, int kImpl>
 int choose_splits(int batch_heads, int64_t max_len, int device) {
-  static int cached_sms[64] = {0}, cached_per_sm[64] = {0};  // per device; occupancy of this kernel
+  static int cached_per_sm[64] = {0};  // per device: occupancy of this kernel
   const int slot = device & 63;
-  if (cached_sms[slot] == 0) {
-    int sms = 0, per_sm = 0;
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (cached_per_sm[slot] == 0) {
+    int per_sm = 0;
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_kernel<D, kImpl>(), decode_threads<kImpl>(),
                                                   decode_smem<D, kImpl>());
-    cached_per_sm[slot] = per_sm;
-    cached_sms[slot] = sms;
+    cached_per_sm[slot] = std::max(per_sm, 1);
   }
-  const int sms = cached_sms[slot], per_sm = cached_per_sm[slot];
+  const int sms = sm_count(device), per_sm = cached_per_sm[slot];
   // Makespan model from the H200 split sweeps (bench/results/kv_h200.md, 38bcf7f): an SM's K/V throughput
   // saturates at 2 resident CTAs (8 warps; 1 CTA runs at ~0.75 of it: B32 S8K 1 split 107 us, 2 splits 80 us,
   // 4 splits 79 us), so a split count costs ~ k / s / rate(k) (k = CTAs on the busiest SM, each 1/s of a

@@ -548,8 +548,7 @@ void fp4kv_append_cuda(at::Tensor& k_codes, at::Tensor& k_scales, at::Tensor& v_
   TORCH_CHECK_VALUE(std::isfinite(p.g_k) && p.g_k > 0.0f && std::isfinite(p.g_v) && p.g_v > 0.0f,
                     "trace_ext: g_k and g_v must be finite and > 0, got ", g_k, ", ", g_v);
 
-  int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, k_codes.get_device());
+  const int sms = sm_count(k_codes.get_device());  // cached per device (host_checks.h)
   // The warp-stream kernel applies where its scale-byte reciprocals are exact (g in [2^-50, 2^50]) and rows are an
   // even number of blocks (unaligned cache bases: never for torch allocations); elsewhere the grid kernel runs.
   // TRACE_EXT_KV_APPEND_IMPL (read per call): unset = auto: the warp kernel with two blocks per item when every
