@@ -55,7 +55,13 @@
 //    split do (12 solutions, all needing a rotate = SHF.L.W). The CPU proof is tests/test_decode_form2_emulation.py.
 //    pair3 = pair2's kernel (kForm2), stream2 = the default's stream kernel (kForm2), bit-equal to them;
 //    auto2 = pair3 when every resident pair2 warp gets >= 2.5 items (decode_auto2_pair), else stream2: a rule from
-//    bench/results/decode_ab_h200.md for the next session to time.
+//    bench/results/decode_ab_h200.md for the next session to time. quad3 (<= 16 rows, N % 64 == 0; else pair3):
+//    the pair kernel with items of 4 adjacent blocks (kNB = 4): each activation fragment feeds 4 blocks (a quarter
+//    of the default's activation loads per weight, half of pair2's), 4 independent MMA chains; its 3 ring slots of
+//    9.2 KB per warp (216 KB) leave one CTA of 8 warps per SM (same 147 KB in flight per SM as pair2), registers
+//    still capped at 128 (launch bound of 2 CTAs). Static main loop at <= 8 rows (sm_90a, whole item unrolled):
+//    pair2 1207 -> pair3 1143 -> quad3 1910 instructions per 8192 / 8192 / 16384 weights (4.71 / 4.46 / 3.73 thread
+//    instructions per weight); stream 579 -> stream2 547 per 4096 (4.52 / 4.27).
 //  - TRACE_EXT_DECODE_IMPL=ring (the path of de2a673, dense and grouped): every warp streams its super-tiles
 //    through its own cp.async ring in shared memory (3-4 slots of 2304 B, 2-3 super-tiles in flight per warp),
 //    each lane copying and reading back only its own 72 bytes, so cp.async.wait_group orders the copy before the
@@ -482,6 +488,9 @@ template <int MT8, bool kAFp4, int kStages, int kMinBlocks, bool kGrouped, bool 
 __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
     gemm_w4_decode_stream_kernel(const GemmParams p, float* __restrict__ ws, int* __restrict__ tickets, int n_warps) {
   static_assert(kStages >= 2, "a cp.async ring needs at least 2 slots");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ != 900
+  if constexpr (kForm2) return;  // second packed form: sm_90a-only experiment (the host raises on other devices)
+#endif
   constexpr int kFrag = MT8 * 4;  // fp32 accumulators per lane
   constexpr int R = 8 * MT8;      // rows of a unit (grouped: an expert with more rows is several units)
   // [warp][kStages][kTileBytes] rings, then (grouped) s_pref[E + 1]: units of the experts before e
@@ -767,6 +776,9 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
     gemm_w4_decode_pair_kernel(const GemmParams p, float* __restrict__ ws, int* __restrict__ tickets, int n_warps) {
   static_assert(kStages >= 2, "a cp.async ring needs at least 2 slots");
   static_assert(kNB == 2 || kNB == 4, "items of 2 or 4 adjacent 16-row blocks");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ != 900
+  if constexpr (kForm2) return;  // second packed form: sm_90a-only experiment (the host raises on other devices)
+#endif
   constexpr int NB = kNB;
   constexpr int kFrag = NB * MT8 * 4;           // fp32 accumulators per lane
   constexpr int kItemBytes = NB * kTileBytes;   // one ring slot
@@ -1250,6 +1262,13 @@ void run_decode_new(const GemmParams& p, int64_t rows_hint, const at::Tensor& li
   }
   TORCH_CHECK(p.M <= 32, "trace_ext: dense decode GEMM takes at most 32 rows");
   const int pair = decode_pair_selected();
+  if (pair >= 3) {
+    int dev = 0, major = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    TORCH_CHECK(major == 9, "trace_ext: TRACE_EXT_DECODE_IMPL=pair3 / stream2 / auto2 / quad3 (second packed form) ",
+                "are sm_90a experiments; unset it on this device (compute capability ", major, ".x)");
+  }
   if (pair == 6 && p.M <= 16 && p.N % (16 * 4) == 0) {
     // quad3: 4 blocks per item, one CTA of 8 warps per SM (3 ring slots of 9.2 KB per warp), <= 128 registers
     if (p.M <= 8) {
