@@ -125,7 +125,7 @@ def main():
         torch.cuda.empty_cache()
     print_table(rows)
     name = "decode_ab_h200" if len(pick) == len(SHAPES) else "decode_ab_h200_s" + "".join(map(str, pick))
-    path = write_results(name, rows, env_stamp("python bench/bench_decode_ab.py"),
+    path = write_results(name, rows, env_stamp(" ".join(["python bench/bench_decode_ab.py", *sys.argv[1:]])),
                          notes=f"copy BW {copy_bw:.0f} GB/s; medians of {ROUNDS} interleaved rounds")
     print(f"wrote {path}")
 
