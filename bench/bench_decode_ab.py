@@ -1,6 +1,9 @@
-"""A/B of the dense W4A16 decode GEMM: the default flat-stream kernel vs the opt-in pair-stream kernels
-(TRACE_EXT_DECODE_IMPL=pair / pair2, read by the extension at every call), with cuBLAS bf16 in the same run,
-interleaved in one process: per shape, ROUNDS rounds of (default, pair, pair2, cuBLAS), each a do_bench_cold median over >= 4 rotated
+"""A/B of the dense W4A16 decode GEMM: the default flat-stream kernel vs the opt-in kernels (TRACE_EXT_DECODE_IMPL,
+read by the extension at every call: pair / pair2 on the default packed form; pair3 = pair2's kernel, stream2 = the
+default's kernel, auto2 = the shape rule of gemm_w4_decode_sm90.cu decode_auto2_pair, all three on the second packed
+form of prepare_fp4_weight(decode_form2=True), whose FP4 expansion is 9 instead of 11 integer ops per 8 weights),
+with cuBLAS bf16 in the same run,
+interleaved in one process: per shape, ROUNDS rounds of (IMPLS..., cuBLAS), each a do_bench_cold median over >= 4 rotated
 weight sets (cold L2); the row reports the median over the rounds. Shapes: the 12 dense decode rows of
 bench_gemm.py (M in {1, 8, 16, 32} x (N, K) in {(14336, 4096), (4096, 14336), (7168, 4096)}). %copyBW is on the
 bytes moved (codes + scales + A + Y). Before timing, each shape checks that both kernels give the same shape and
@@ -8,6 +11,9 @@ dtype and outputs within the float64 reference bound of the GPU tests (1 bf16 ul
 so a broken variant never reports a time; bit_equal is the fraction of outputs equal between the two kernels (their
 K splits differ, so a few fp32 sums round differently). Run: python bench/bench_decode_ab.py (about 40 s on an H200; results in
 decode_ab_h200.{json,md} under $BENCH_OUT or bench/results/).
+Arguments: optional shape indices (0, 1, 2 of SHAPES) to run a subset, e.g. `python bench/bench_decode_ab.py 2`
+(about 25 s per shape with the 6 kernels + cuBLAS, so run one shape per command to stay under 60 s; results then
+go to decode_ab_h200_s<indices>). quad3 = pair3 with items of 4 blocks (<= 16 rows; pair3 beyond).
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ ROUNDS = 2
 SHAPES = ((14336, 4096), (4096, 14336), (7168, 4096))
 MS = (1, 8, 16, 32)
 ENV = "TRACE_EXT_DECODE_IMPL"
+IMPLS = ("default", "pair2", "pair3", "stream2", "auto2", "quad3")  # pair (3 CTAs per SM) lost to pair2 everywhere at ab46e90
 
 
 def _with_impl(impl, fn):
@@ -41,22 +48,27 @@ def _with_impl(impl, fn):
 
 def _check_pair(a, q, wp):
     """All kernels within the reference bound (1 bf16 ulp + fp32 accumulation bound), same shape / dtype; returns
-    the fraction of outputs where pair equals the default bit for bit."""
-    y0 = _with_impl(None, lambda: O.fp4_linear(a, wp, backend="cuda"))
-    y1 = _with_impl("pair", lambda: O.fp4_linear(a, wp, backend="cuda"))
-    y2 = _with_impl("pair2", lambda: O.fp4_linear(a, wp, backend="cuda"))
-    assert y0.shape == y1.shape == y2.shape and y0.dtype == y1.dtype == y2.dtype == torch.bfloat16
+    the fraction of outputs where pair2 equals the default bit for bit, and raises unless pair3 equals pair2 and
+    stream2 equals the default bit for bit (same kernels, same sums; only the packed form differs); quad3 within the
+    bound."""
+    ys = {impl: _with_impl(None if impl == "default" else impl, lambda: O.fp4_linear(a, wp, backend="cuda"))
+          for impl in IMPLS}
+    for impl, y in ys.items():
+        assert y.shape == ys["default"].shape and y.dtype == torch.bfloat16, impl
+    if not torch.equal(ys["pair3"], ys["pair2"]) or not torch.equal(ys["stream2"], ys["default"]):
+        raise AssertionError("the second packed form changed the results of its kernel")
+    y0, y2 = ys["default"], ys["pair2"]
     a64 = a.double()
     g = q.g.double().reshape(-1)  # one value per tensor, or one per row
     w64 = R.dequantize_f64(q.codes, q.scales) * (g[:, None] if g.numel() > 1 else g)
     exact = a64 @ w64.T
     ref_bf16 = R.round_to_bf16(exact)
     tol = R.gemm_tolerance(a64, w64, ref_bf16)
-    for y, tag in ((y0, "default"), (y1, "pair"), (y2, "pair2")):
+    for tag, y in ys.items():
         bad = int((~((y.double() - ref_bf16.double()).abs() <= tol)).sum())
         if bad:
             raise AssertionError(f"{tag}: {bad} outputs outside the reference bound")
-    return float((y0 == y1).double().mean())
+    return float((y0 == y2).double().mean())
 
 
 def main():
@@ -64,51 +76,46 @@ def main():
     copy_bw = copy_bandwidth_gbs()
     print(f"copy bandwidth: {copy_bw:.0f} GB/s")
     rows = []
-    for N, K in SHAPES:
+    pick = [int(x) for x in sys.argv[1:]] or list(range(len(SHAPES)))
+    for N, K in [SHAPES[i] for i in pick]:
         sets = []
         for _ in range(N_SETS):
             q = ref.nvfp4_quantize(torch.randn(N, K, device=DEV) * 0.02, scope="tensor")
-            sets.append((q, O.prepare_fp4_weight(q), ref.nvfp4_dequantize(q, torch.bfloat16)))
+            sets.append((q, O.prepare_fp4_weight(q, decode_form2=True), ref.nvfp4_dequantize(q, torch.bfloat16)))
         for M in MS:
             a = torch.randn(M, K, device=DEV).bfloat16()
             same = _check_pair(a, sets[0][0], sets[0][1])
             nw = _rot([s[1] for s in sets])
             nb = _rot([s[2] for s in sets])
-            t = {"default": [], "pair": [], "pair2": [], "cublas": []}
+            t = {k: [] for k in (*IMPLS, "cublas")}
             for _ in range(ROUNDS):
-                for impl in ("default", "pair", "pair2"):
+                for impl in IMPLS:
                     env = None if impl == "default" else impl
                     t[impl].append(_with_impl(env, lambda: do_bench_cold(lambda: O.fp4_linear(a, nw(), backend="cuda"))))
                 t["cublas"].append(do_bench_cold(lambda: torch.matmul(a, nb().T)))
             ms = {k: statistics.median(v) for k, v in t.items()}
             nbytes = N * K // 2 + N * K // 16 + M * K * 2 + M * N * 2
             bw = lambda m: 100 * nbytes / (m * 1e-3) / 1e9 / copy_bw  # noqa: E731
-            rows.append(
-                {
-                    "shape": f"M={M} N={N} K={K}",
-                    "default_ms": ms["default"],
-                    "pair_ms": ms["pair"],
-                    "pair2_ms": ms["pair2"],
-                    "cublas_ms": ms["cublas"],
-                    "default_%BW": bw(ms["default"]),
-                    "pair_%BW": bw(ms["pair"]),
-                    "pair2_%BW": bw(ms["pair2"]),
-                    "pair_speedup": ms["default"] / ms["pair"],
-                    "pair2_speedup": ms["default"] / ms["pair2"],
-                    "best_vs_cublas": ms["cublas"] / min(ms["pair"], ms["pair2"]),
-                    "target": f">=75%BW >={3.0 if M <= 16 else 2.5}x",
-                    "best_result": "PASS"
-                    if bw(min(ms["pair"], ms["pair2"])) >= 75
-                    and ms["cublas"] / min(ms["pair"], ms["pair2"]) >= (3.0 if M <= 16 else 2.5)
-                    else "MISS",
-                    "bit_equal": same,
-                }
+            best = min(ms[k] for k in IMPLS)
+            row = {"shape": f"M={M} N={N} K={K}"}
+            row.update({f"{k}_ms": ms[k] for k in (*IMPLS, "cublas")})
+            row.update({f"{k}_%BW": bw(ms[k]) for k in IMPLS})
+            row.update({f"{k}_speedup": ms["default"] / ms[k] for k in IMPLS if k != "default"})
+            row["auto2_vs_best"] = best / ms["auto2"]
+            row["best_impl"] = min(IMPLS, key=lambda k: ms[k])
+            row["best_vs_cublas"] = ms["cublas"] / best
+            row["target"] = f">=75%BW >={3.0 if M <= 16 else 2.5}x"
+            row["best_result"] = (
+                "PASS" if bw(best) >= 75 and ms["cublas"] / best >= (3.0 if M <= 16 else 2.5) else "MISS"
             )
+            row["pair2_bit_equal"] = same
+            rows.append(row)
             print_table(rows[-1:])
         del sets
         torch.cuda.empty_cache()
     print_table(rows)
-    path = write_results("decode_ab_h200", rows, env_stamp("python bench/bench_decode_ab.py"),
+    name = "decode_ab_h200" if len(pick) == len(SHAPES) else "decode_ab_h200_s" + "".join(map(str, pick))
+    path = write_results(name, rows, env_stamp(" ".join(["python bench/bench_decode_ab.py", *sys.argv[1:]])),
                          notes=f"copy BW {copy_bw:.0f} GB/s; medians of {ROUNDS} interleaved rounds")
     print(f"wrote {path}")
 

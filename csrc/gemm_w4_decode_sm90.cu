@@ -46,6 +46,22 @@
 //    single-word (nor two-word funnel) re-encoding expands every pair with one shift + one AND (the bf16 bit
 //    positions {6,7,8,15} + 16 cannot tile 32 bits by shifts), but one that splits pair 3 into two shift classes
 //    (4 ops) is a change of reference_gemm.to_decode_layout (a second packed form), not of this file.
+//  - TRACE_EXT_DECODE_IMPL=pair3 / stream2 / auto2 (opt-in, dense; read at every call): the second packed form
+//    (reference_gemm.to_decode_layout2, built by prepare_fp4_weight(decode_form2=True); trace_ext.ops.fp4_linear
+//    passes it instead of the first for exactly these values): the same bytes per lane, another bit order in each
+//    32-bit word, so that decode_word2 expands 8 weights with 9 integer ops instead of 11: pairs 0-2 one shift
+//    (or rotate) + AND each, pair 3 two shift classes (shl 2 & 0x00400040 | rotl 10 & 0x81808180). No 4 translates
+//    of the bf16 bit set {6, 7, 8, 15} tile Z_16 (one class per pair is impossible), 3 translates + one 2-class
+//    split do (12 solutions, all needing a rotate = SHF.L.W). The CPU proof is tests/test_decode_form2_emulation.py.
+//    pair3 = pair2's kernel (kForm2), stream2 = the default's stream kernel (kForm2), bit-equal to them;
+//    auto2 = pair3 when every resident pair2 warp gets >= 2.5 items (decode_auto2_pair), else stream2: a rule from
+//    bench/results/decode_ab_h200.md for the next session to time. quad3 (<= 16 rows, N % 64 == 0; else pair3):
+//    the pair kernel with items of 4 adjacent blocks (kNB = 4): each activation fragment feeds 4 blocks (a quarter
+//    of the default's activation loads per weight, half of pair2's), 4 independent MMA chains; its 3 ring slots of
+//    9.2 KB per warp (216 KB) leave one CTA of 8 warps per SM (same 147 KB in flight per SM as pair2), registers
+//    still capped at 128 (launch bound of 2 CTAs). Static main loop at <= 8 rows (sm_90a, whole item unrolled):
+//    pair2 1207 -> pair3 1143 -> quad3 1910 instructions per 8192 / 8192 / 16384 weights (4.71 / 4.46 / 3.73 thread
+//    instructions per weight); stream 579 -> stream2 547 per 4096 (4.52 / 4.27).
 //  - TRACE_EXT_DECODE_IMPL=ring (the path of de2a673, dense and grouped): every warp streams its super-tiles
 //    through its own cp.async ring in shared memory (3-4 slots of 2304 B, 2-3 super-tiles in flight per warp),
 //    each lane copying and reading back only its own 72 bytes, so cp.async.wait_group orders the copy before the
@@ -97,6 +113,25 @@ __device__ __forceinline__ void decode_word(uint32_t q, uint32_t r[4]) {
   r[1] = (q << 3) & kM;
   r[2] = (q << 6) & kM;
   r[3] = ((q << 2) & 0x80008000u) | ((q >> 4) & 0x00C000C0u) | ((q >> 6) & 0x01000100u);
+}
+
+// One word of the SECOND packed form (reference_gemm.to_decode_layout2, decode_word_pairs2) -> bf16x2 of pairs
+// 0..3: 9 integer ops per 8 elements instead of 11 (pair 3 = two shift classes, one a rotate: SHF.L.W).
+__device__ __forceinline__ void decode_word2(uint32_t q, uint32_t r[4]) {
+  constexpr uint32_t kM = 0x81C081C0u;
+  r[0] = q & kM;
+  r[1] = (q << 6) & kM;
+  r[2] = __funnelshift_l(q, q, 12) & kM;
+  r[3] = ((q << 2) & 0x00400040u) | (__funnelshift_l(q, q, 10) & 0x81808180u);
+}
+
+template <bool kForm2>
+__device__ __forceinline__ void decode_word_form(uint32_t q, uint32_t r[4]) {
+  if constexpr (kForm2) {
+    decode_word2(q, r);
+  } else {
+    decode_word(q, r);
+  }
 }
 
 __device__ __forceinline__ uint4 ld_stream16(const void* p) {
@@ -449,10 +484,13 @@ __device__ __forceinline__ int stream_warp_of(int64_t j, int64_t T, int W) {  //
 }
 __device__ __forceinline__ int64_t stream_first_tile(int w, int64_t T, int W) { return T * w / W; }
 
-template <int MT8, bool kAFp4, int kStages, int kMinBlocks, bool kGrouped>
+template <int MT8, bool kAFp4, int kStages, int kMinBlocks, bool kGrouped, bool kForm2>
 __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
     gemm_w4_decode_stream_kernel(const GemmParams p, float* __restrict__ ws, int* __restrict__ tickets, int n_warps) {
   static_assert(kStages >= 2, "a cp.async ring needs at least 2 slots");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ != 900
+  if constexpr (kForm2) return;  // second packed form: sm_90a-only experiment (the host raises on other devices)
+#endif
   constexpr int kFrag = MT8 * 4;  // fp32 accumulators per lane
   constexpr int R = 8 * MT8;      // rows of a unit (grouped: an expert with more rows is several units)
   // [warp][kStages][kTileBytes] rings, then (grouped) s_pref[E + 1]: units of the experts before e
@@ -628,10 +666,10 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
       const uint32_t s_hi = scale_bf16x2_folded((uint8_t)((sw >> (16 * (kk & 1) + 8)) & 0xFF));
       const uint4 wq = *reinterpret_cast<const uint4*>(srd + kk * 512 + lane * 16);
       uint32_t rg[8], rh[8];  // rows g and g+8: pairs 0..7 of the 16-element block
-      decode_word(wq.x, rg);
-      decode_word(wq.y, rg + 4);
-      decode_word(wq.z, rh);
-      decode_word(wq.w, rh + 4);
+      decode_word_form<kForm2>(wq.x, rg);
+      decode_word_form<kForm2>(wq.y, rg + 4);
+      decode_word_form<kForm2>(wq.z, rh);
+      decode_word_form<kForm2>(wq.w, rh + 4);
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
         rg[jj] = bf16x2_mul(rg[jj], s_lo);
@@ -731,11 +769,17 @@ constexpr int kPairNB = 2;
 // fragments (4 x 8 registers) are loaded while this item is converted and multiplied; <= 16 rows: those of the
 // next 64-K step (2 x 8), so that no L1 / L2 latency is exposed per item / step; otherwise they are loaded per
 // 64-K step right before use.
-template <int MT8, bool kAFp4, int kStages, int kMinBlocks, bool kPrefA>
+// kForm2: the second packed form (decode_word2). kNB: 16-row blocks per item (2: pair; 4: quad3, each activation
+// fragment used by 4 blocks, a quarter of the default's activation traffic per weight).
+template <int MT8, bool kAFp4, int kStages, int kMinBlocks, bool kPrefA, bool kForm2, int kNB>
 __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
     gemm_w4_decode_pair_kernel(const GemmParams p, float* __restrict__ ws, int* __restrict__ tickets, int n_warps) {
   static_assert(kStages >= 2, "a cp.async ring needs at least 2 slots");
-  constexpr int NB = kPairNB;
+  static_assert(kNB == 2 || kNB == 4, "items of 2 or 4 adjacent 16-row blocks");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ != 900
+  if constexpr (kForm2) return;  // second packed form: sm_90a-only experiment (the host raises on other devices)
+#endif
+  constexpr int NB = kNB;
   constexpr int kFrag = NB * MT8 * 4;           // fp32 accumulators per lane
   constexpr int kItemBytes = NB * kTileBytes;   // one ring slot
   extern __shared__ __align__(16) uint8_t dec_ring[];  // [warp][kStages][NB][kTileBytes]
@@ -869,10 +913,10 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
         const uint32_t s_hi = scale_bf16x2_folded((uint8_t)((sw >> (16 * (kk & 1) + 8)) & 0xFF));
         const uint4 wq = *reinterpret_cast<const uint4*>(srd + b * kTileBytes + kk * 512 + lane * 16);
         uint32_t rg[8], rh[8];  // rows g and g+8: pairs 0..7 of the 16-element block
-        decode_word(wq.x, rg);
-        decode_word(wq.y, rg + 4);
-        decode_word(wq.z, rh);
-        decode_word(wq.w, rh + 4);
+        decode_word_form<kForm2>(wq.x, rg);
+        decode_word_form<kForm2>(wq.y, rg + 4);
+        decode_word_form<kForm2>(wq.z, rh);
+        decode_word_form<kForm2>(wq.w, rh + 4);
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj) {
           rg[jj] = bf16x2_mul(rg[jj], s_lo);
@@ -990,9 +1034,9 @@ int* ticket_buffer(const at::Tensor& like, cudaStream_t stream, int n) {
 
 // Flat-stream launch: one resident wave (kMinBlocks CTAs per SM); the kernel uses at most one warp per 2 tiles
 // (grouped: the tile count is only known on the device, from offsets).
-template <int MT8, bool kAFp4, int kStages, int kMinBlocks, bool kGrouped>
+template <int MT8, bool kAFp4, int kStages, int kMinBlocks, bool kGrouped, bool kForm2 = false>
 void launch_decode_stream(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
-  auto kernel = gemm_w4_decode_stream_kernel<MT8, kAFp4, kStages, kMinBlocks, kGrouped>;
+  auto kernel = gemm_w4_decode_stream_kernel<MT8, kAFp4, kStages, kMinBlocks, kGrouped, kForm2>;
   constexpr int kRing = kDecWarps * kStages * kTileBytes;  // the warps' cp.async rings
   // dense: no other shared memory; grouped: + s_pref[E + 1] (0.5 KB at E = 128) and 32 B of scan sums
   static_assert(kMinBlocks * (kRing + 1024) <= 228 * 1024,
@@ -1025,12 +1069,16 @@ void launch_decode_stream(const GemmParams& p, const at::Tensor& like, cudaStrea
 }
 
 // Pair-stream launch (TRACE_EXT_DECODE_IMPL=pair / pair2, dense): one resident wave.
-template <int MT8, bool kAFp4, int kStages, int kMinBlocks, bool kPrefA = false>
+template <int MT8, bool kAFp4, int kStages, int kMinBlocks, bool kPrefA = false, bool kForm2 = false,
+          int kNB = kPairNB>
 void launch_decode_pair(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
-  auto kernel = gemm_w4_decode_pair_kernel<MT8, kAFp4, kStages, kMinBlocks, kPrefA>;
-  constexpr int kRing = kDecWarps * kStages * kPairNB * kTileBytes;  // the warps' cp.async rings
-  static_assert(kMinBlocks * (kRing + 1024) <= 228 * 1024,
-                "decode pair rings of kMinBlocks CTAs (+1 KB driver reserve each) must fit one SM's shared memory");
+  auto kernel = gemm_w4_decode_pair_kernel<MT8, kAFp4, kStages, kMinBlocks, kPrefA, kForm2, kNB>;
+  constexpr int kRing = kDecWarps * kStages * kNB * kTileBytes;  // the warps' cp.async rings
+  // resident CTAs per SM: kMinBlocks (the register cap of __launch_bounds__) unless the rings allow fewer (quad3:
+  // 3 slots of 4 tiles = 216 KB, one CTA per SM, still capped at 128 registers by kMinBlocks = 2)
+  constexpr int kResident = std::min(kMinBlocks, (228 * 1024) / (kRing + 1024));
+  static_assert(kResident >= 1 && kRing <= 227 * 1024,
+                "decode pair rings (+1 KB driver reserve per CTA) must fit one SM's shared memory");
   static bool attr_set[kMaxDevices] = {};
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
@@ -1041,19 +1089,19 @@ void launch_decode_pair(const GemmParams& p, const at::Tensor& like, cudaStream_
                                         (int)cudaSharedmemCarveoutMaxShared));
     if (dev < kMaxDevices) attr_set[dev] = true;
   }
-  const int n_groups = p.N / (16 * kPairNB);
+  const int n_groups = p.N / (16 * kNB);
   const int64_t T = (int64_t)n_groups * (p.K / kSuperK);
   TORCH_CHECK(T < (int64_t{1} << 31), "trace_ext: weight too large for the decode GEMM (2^31 tiles)");
   // about one warp per 2 items, but with whole rounds of CTAs over the SMs when that is less than the resident
   // wave (e.g. M = 1, 7168 x 4096: 3584 items -> 224 CTAs would put 2 CTAs on 92 SMs and 1 on 40; 264 CTAs of
   // 1.7 items per warp put 2 on each), and never more warps than items
   const int64_t sms = sm_count(dev);
-  const int64_t cap = (int64_t)kMinBlocks * sms;  // resident CTAs
+  const int64_t cap = (int64_t)kResident * sms;  // resident CTAs
   int64_t ctas = std::min<int64_t>(cap, ((T + 1) / 2 + kDecWarps - 1) / kDecWarps);
   ctas = std::min<int64_t>(cap, (ctas + sms - 1) / sms * sms);
   const int64_t warps = std::max<int64_t>(1, std::min<int64_t>(ctas * kDecWarps, T));
   ctas = (warps + kDecWarps - 1) / kDecWarps;
-  at::Tensor ws = at::empty({warps * 2 * kPairNB * MT8 * 4 * 32}, like.options().dtype(at::kFloat));
+  at::Tensor ws = at::empty({warps * 2 * kNB * MT8 * 4 * 32}, like.options().dtype(at::kFloat));
   int* tickets = ticket_buffer(like, stream, n_groups);
   kernel<<<(int)ctas, kDecThreads, kRing, stream>>>(p, ws.data_ptr<float>(), tickets, (int)warps);
   check_launch("fp4_linear (decode)");
@@ -1128,12 +1176,29 @@ DecodeImpl decode_impl() {
 
 // TRACE_EXT_DECODE_IMPL=pair / pair2 (dense decode only; grouped calls keep the default): read at every call, so
 // that one process can time the default and the pair kernels interleaved (1: pair, 2: pair2, 0: anything else,
-// which leaves the default untouched).
+// which leaves the default untouched). The second packed form (w_packed = reference_gemm.to_decode_layout2, passed
+// by trace_ext.ops.fp4_linear for exactly these values, ops/gemm.py DECODE_FORM2_IMPLS): 3: pair3 (pair2's
+// kernel), 4: stream2 (the default's stream kernel), 5: auto2 (decode_auto2_pair: pair3 or stream2 by shape),
+// 6: quad3 (items of 4 blocks, <= 16 rows and N % 64 == 0; else pair3).
 int decode_pair_selected() {
   const char* v = std::getenv("TRACE_EXT_DECODE_IMPL");
   if (v == nullptr) return 0;
   const std::string s = v;
-  return s == "pair" ? 1 : s == "pair2" ? 2 : 0;
+  return s == "pair" ? 1 : s == "pair2" ? 2 : s == "pair3" ? 3 : s == "stream2" ? 4 : s == "auto2" ? 5
+       : s == "quad3" ? 6 : 0;
+}
+
+// TRACE_EXT_DECODE_IMPL=auto2 (a proposal from bench/results/decode_ab_h200.md, to be timed): the pair kernel
+// when every resident pair2 warp gets >= 2.5 items (14336 x 4096 and 4096 x 14336: 7168 items for 2112 warps =
+// 3.4, pair2 1.01-1.31x the default at M = 1..32), else the stream kernel (7168 x 4096: 3584 items = 1.7 per warp,
+// pair2 0.79-0.94x: too few items per warp to fill its 2-item ring and to amortize the split-group reduction).
+bool decode_auto2_pair(const GemmParams& p) {
+  if (p.N % (16 * kPairNB) != 0) return false;
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  const int64_t items = (int64_t)(p.N / (16 * kPairNB)) * (p.K / kSuperK);
+  const int64_t warps = 2LL * sm_count(dev) * kDecWarps;  // pair2: 2 CTAs of 8 warps per SM
+  return 2 * items >= 5 * warps;
 }
 
 template <bool kAFp4>
@@ -1197,6 +1262,45 @@ void run_decode_new(const GemmParams& p, int64_t rows_hint, const at::Tensor& li
   }
   TORCH_CHECK(p.M <= 32, "trace_ext: dense decode GEMM takes at most 32 rows");
   const int pair = decode_pair_selected();
+  if (pair >= 3) {
+    int dev = 0, major = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    TORCH_CHECK(major == 9, "trace_ext: TRACE_EXT_DECODE_IMPL=pair3 / stream2 / auto2 / quad3 (second packed form) ",
+                "are sm_90a experiments; unset it on this device (compute capability ", major, ".x)");
+  }
+  if (pair == 6 && p.M <= 16 && p.N % (16 * 4) == 0) {
+    // quad3: 4 blocks per item, one CTA of 8 warps per SM (3 ring slots of 9.2 KB per warp), <= 128 registers
+    if (p.M <= 8) {
+      // no activation prefetch: the next item's 32 registers of fragments spill beside 4 blocks (ptxas 9.0a)
+      launch_decode_pair<1, kAFp4, 3, 2, false, true, 4>(p, like, stream);
+    } else {
+      launch_decode_pair<2, kAFp4, 3, 2, !kAFp4, true, 4>(p, like, stream);
+    }
+    return;
+  }
+  if (pair >= 3) {
+    // second packed form (opt-in): pair3 = pair2's configurations, stream2 = the default's, auto2 = either
+    // (quad3 outside its domain runs pair3)
+    const bool use_pair =
+        pair == 3 || pair == 6 ? p.N % (16 * kPairNB) == 0 : pair == 5 ? decode_auto2_pair(p) : false;
+    if (use_pair) {
+      if (p.M <= 8) {
+        launch_decode_pair<1, kAFp4, 3, 2, !kAFp4, true>(p, like, stream);
+      } else if (p.M <= 16) {
+        launch_decode_pair<2, kAFp4, 3, 2, !kAFp4, true>(p, like, stream);
+      } else {
+        launch_decode_pair<4, kAFp4, 3, 2, false, true>(p, like, stream);
+      }
+    } else if (p.M <= 8) {
+      launch_decode_stream<1, kAFp4, 4, 3, false, true>(p, like, stream);
+    } else if (p.M <= 16) {
+      launch_decode_stream<2, kAFp4, 4, 3, false, true>(p, like, stream);
+    } else {
+      launch_decode_stream<4, kAFp4, 6, 2, false, true>(p, like, stream);
+    }
+    return;
+  }
   if (pair != 0 && p.N % (16 * kPairNB) == 0) {
     // opt-in pair streams. pair: 3 CTAs per SM (1 item = 4.6 KB ahead per warp, 80 registers) up to 16 rows;
     // pair2: 2 CTAs per SM (2 items = 9.2 KB ahead per warp, 128 registers), bf16 activation fragments in flight

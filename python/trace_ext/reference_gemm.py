@@ -232,3 +232,98 @@ def to_decode_layout(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     s = s.reshape(L, N // 16, K // 256, 32 * 8)
     out = torch.cat([c, s], dim=-1).contiguous()
     return out.reshape(*lead, N * K // 2 + N * K // 16)
+
+
+# ---- second decode layout (form 2, TRACE_EXT_DECODE_IMPL=pair3 / stream2 / auto2) ---------------------------------
+# Same bytes per lane as to_decode_layout, another bit order inside each 32-bit word: pair 3 splits into two
+# shift classes, so the kernel expands 8 elements with 9 integer ops instead of 11 (decode_word_pairs2):
+#   pair 0: w & P;  pair 1: (w << 6) & P;  pair 2: rotl(w, 12) & P;
+#   pair 3: ((w << 2) & 0x00400040) | (rotl(w, 10) & 0x81808180),       P = 0x81C081C0 (bf16 bits 15, 8, 7, 6).
+# Found by a search over the translates of {6, 7, 8, 15} mod 16 (the bit set of one bf16 half): no 4 of them tile
+# Z_16 (one shift class per pair, the form-1 note), but 3 translates plus one split into 2 classes do.
+DECODE2_MASK = 0x81C081C0
+
+
+def _rotl32(w: torch.Tensor, s: int) -> torch.Tensor:
+    w = w & 0xFFFFFFFF
+    return ((w << s) | (w >> (32 - s))) & 0xFFFFFFFF
+
+
+def decode_word_pairs2(w: torch.Tensor) -> list[torch.Tensor]:
+    """The form-2 kernel's extraction (int64 emulation of gemm_w4_decode_sm90.cu decode_word2): 4 bf16x2 words
+    holding q * 2^-126 of pairs 0..3."""
+    P = DECODE2_MASK
+    w = w & 0xFFFFFFFF
+    return [
+        w & P,
+        (w << 6) & P,
+        _rotl32(w, 12) & P,
+        ((w << 2) & 0x00400040) | (_rotl32(w, 10) & 0x81808180),
+    ]
+
+
+def _decode2_sources() -> list[list[int]]:
+    """src[j][b]: the word bit that pair j's output bit b (of the bf16x2) is read from, derived by running
+    decode_word_pairs2 on the 32 one-bit words (the extraction copies bits, so this wiring defines it)."""
+    src = [[-1] * 32 for _ in range(4)]
+    for i in range(32):
+        out = decode_word_pairs2(torch.tensor([1 << i], dtype=torch.int64))
+        for j in range(4):
+            v = int(out[j][0])
+            for b in range(32):
+                if (v >> b) & 1:
+                    src[j][b] = i
+    return src
+
+
+_DECODE2_SRC = None
+
+
+def encode_decode_word2(b: torch.Tensor) -> torch.Tensor:
+    """4 linear code bytes [..., 4] (elements 0..7) -> the form-2 word (int64 [...]): element 2j + h's bits
+    (sign, e1, e0, m) land where decode_word_pairs2 reads bf16 bits (15, 8, 7, 6) + 16 h of pair j."""
+    global _DECODE2_SRC
+    if _DECODE2_SRC is None:
+        _DECODE2_SRC = _decode2_sources()
+    b = b.to(torch.int64)
+    nib = torch.stack((b & 0xF, b >> 4), dim=-1).reshape(*b.shape[:-1], 8)
+    w = torch.zeros(b.shape[:-1], dtype=torch.int64, device=b.device)
+    for j in range(4):
+        for half in (0, 1):
+            n = nib[..., 2 * j + half]
+            for bit, pos in zip((3, 2, 1, 0), (15, 8, 7, 6)):
+                w |= ((n >> bit) & 1) << _DECODE2_SRC[j][pos + 16 * half]
+    return w
+
+
+def to_decode_layout2(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """to_decode_layout with every code word re-encoded by encode_decode_word2 (same size, same byte positions of
+    words and scales)."""
+    out = to_decode_layout(codes, scales)
+    *lead, N, Kh = codes.shape
+    K = Kh * 2
+    L = 1
+    for d in lead:
+        L *= d
+    t = out.reshape(L, N // 16, K // 256, 2304)
+    c = t[..., :2048].reshape(L, N // 16, K // 256, 512, 4).to(torch.int64)
+    shifts = torch.arange(0, 32, 8, device=codes.device, dtype=torch.int64)
+    words = (c << shifts).sum(-1)  # form-1 words
+    # form-1 word -> its 4 linear bytes -> form-2 word (both encoders are bit permutations)
+    lin = _decode1_to_linear(words)
+    w2 = encode_decode_word2(lin)
+    c2 = ((w2.unsqueeze(-1) >> shifts) & 0xFF).to(torch.uint8).reshape(L, N // 16, K // 256, 2048)
+    res = torch.cat([c2, t[..., 2048:]], dim=-1).contiguous()
+    return res.reshape(*lead, N * K // 2 + N * K // 16)
+
+
+def _decode1_to_linear(w: torch.Tensor) -> torch.Tensor:
+    """Inverse of encode_decode_word: form-1 word (int64 [...]) -> 4 linear code bytes (int64 [..., 4])."""
+    nib = []
+    for j, pos in enumerate(DECODE_BITS):
+        for half in (0, 1):
+            n = torch.zeros_like(w)
+            for bit, p in zip((3, 2, 1, 0), pos):
+                n |= ((w >> (p + 16 * half)) & 1) << bit
+            nib.append(n)
+    return torch.stack([nib[2 * i] | (nib[2 * i + 1] << 4) for i in range(4)], dim=-1)

@@ -521,3 +521,95 @@ def test_decode_pair_switch_keeps_errors_and_grouped(monkeypatch):
     for impl in PAIR_IMPLS:
         _impl(monkeypatch, impl)
         assert torch.equal(O.fp4_grouped_linear(ag, wg, offsets, backend="cuda"), y0), impl
+
+
+# ---- dense decode: second packed form (TRACE_EXT_DECODE_IMPL=pair3 / stream2 / auto2, read at every call) --------
+# pair3 is pair2's kernel and stream2 the default's kernel, reading prepare_fp4_weight(decode_form2=True).packed2
+# (9 instead of 11 integer ops per 8 weights); same products and sums, so they must equal those bit for bit.
+# quad3 (items of 4 blocks, <= 16 rows) splits K differently: within the contract, repeatable.
+FORM2_IMPLS = ("pair3", "stream2", "auto2", "quad3")
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("N,K", PAIR_SHAPES, ids=[f"N{n}_K{k}" for n, k in PAIR_SHAPES])
+def test_decode_form2_kernels_equal_their_form1_twins(monkeypatch, N, K, mode):
+    """Protects the second packed form end to end (to_decode_layout2 + decode_word2 in the pair and stream kernels):
+    pair3 equals pair2 and stream2 equals the default bit for bit, auto2 equals one of them, for every shape and
+    M of the pair tests (incl. N % 32 != 0, where pair3 falls back to stream2), all within the f64 contract; quad3
+    (4-block items up to 16 rows, else pair3) within the contract and repeatable with other kernels in between."""
+    w = _quant_w(N, K)
+    wp = O.prepare_fp4_weight(w, decode_form2=True)
+    assert wp.packed2 is not None and wp.packed2.shape == wp.packed.shape
+    w64 = _w64(w)
+    for M in PAIR_MS:
+        a = torch.randn(M, K, device=DEV).bfloat16()
+        if mode == "w4a4":
+            a = ref.nvfp4_quantize(a)
+        a64 = _a64(a)
+        ys = {}
+        for impl in (None, "pair2", *FORM2_IMPLS):
+            _impl(monkeypatch, impl)
+            ys[impl] = O.fp4_linear(a, wp, backend="cuda")
+        pair_ok = N % 32 == 0
+        assert torch.equal(ys["stream2"], ys[None]), f"stream2 N={N} K={K} M={M} {mode}"
+        assert torch.equal(ys["pair3"], ys["pair2"] if pair_ok else ys[None]), f"pair3 N={N} K={K} M={M} {mode}"
+        assert torch.equal(ys["auto2"], ys["pair3"]) or torch.equal(ys["auto2"], ys["stream2"]), f"auto2 M={M}"
+        _check(ys["auto2"], a64, w64, f"auto2 N={N} K={K} M={M} {mode}")
+        _check(ys["quad3"], a64, w64, f"quad3 N={N} K={K} M={M} {mode}")
+        if M > 16 or N % 64 != 0:
+            assert torch.equal(ys["quad3"], ys["pair3"]), f"quad3 outside its domain M={M}"
+        _impl(monkeypatch, "quad3")
+        assert torch.equal(O.fp4_linear(a, wp, backend="cuda"), ys["quad3"]), f"second quad3 call differs (M={M})"
+
+
+def test_decode_form2_adversarial_and_unprepared(monkeypatch):
+    """Protects the form-2 kernels on the adversarial data of the pair test (+-6 codes with scale 448, cancelling
+    activations, zero rows, subnormal scales, a NaN scale byte -> NaN column) and the fallback of fp4_linear: a
+    prepared weight without packed2 (re-laid out per call) gives the same bits as one prepared with it."""
+    N, K = 1536, 2048
+    codes = torch.randint(0, 256, (N, K // 2), device=DEV, dtype=torch.uint8)
+    codes[: N // 4] = 0x77
+    codes[N // 4 : N // 2] = 0xFF
+    scales = torch.randint(0, 0x7F, (N, K // 16), device=DEV, dtype=torch.uint8)
+    scales[: N // 2] = 0x7E
+    scales[N // 2 : N // 2 + 64] = 0x01
+    w = NVFP4Tensor(codes, scales, torch.full((1,), 1e-2, device=DEV), shape=(N, K))
+    w64 = _w64(w)
+    wp2 = O.prepare_fp4_weight(w, decode_form2=True)
+    wp1 = O.prepare_fp4_weight(w, decode_form2=False)
+    for M in (1, 5, 16, 29, 32):
+        a = (torch.randn(M, K, device=DEV) * 1e3).bfloat16()
+        a[:, K // 2 :] = -a[:, : K // 2]
+        if M > 1:
+            a[M // 2] = 0
+        for impl in FORM2_IMPLS:
+            _impl(monkeypatch, impl)
+            y = O.fp4_linear(a, wp2, backend="cuda")
+            _check(y, a.double(), w64, f"adv M={M} {impl}")
+            assert torch.equal(O.fp4_linear(a, wp1, backend="cuda"), y), f"unprepared packed2 M={M} {impl}"
+    wn = _quantized_w(256, 2048)
+    wn.scales[37, 5] = 0x7F
+    wn2 = O.prepare_fp4_weight(wn, decode_form2=True)
+    for impl in FORM2_IMPLS:
+        _impl(monkeypatch, impl)
+        for M in (1, 8, 16, 32):
+            y = O.fp4_linear(torch.randn(M, 2048, device=DEV).bfloat16(), wn2, backend="cuda")
+            assert torch.isnan(y[:, 37]).all() and torch.isfinite(y[:, :37]).all() and torch.isfinite(y[:, 38:]).all()
+
+
+def test_decode_form2_switch_keeps_grouped(monkeypatch):
+    """Protects the switch: grouped calls (no form-2 kernel; fp4_grouped_linear passes the form-1 layout) under
+    pair3 / stream2 / auto2 run the default and match it bit for bit."""
+    E, N, K = 128, 1536, 2048
+    wg = O.prepare_fp4_weight(_quant_w(N, K, E), decode_form2=True)
+    assert wg.packed2 is None  # grouped: not built (no grouped form-2 kernel)
+    counts = torch.tensor(_routed_counts(4, E, 8, torch.Generator().manual_seed(5)))
+    offsets = torch.zeros(E + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    offsets = offsets.to(DEV)
+    ag = torch.randn(32, K, device=DEV).bfloat16()
+    _impl(monkeypatch, None)
+    y0 = O.fp4_grouped_linear(ag, wg, offsets, backend="cuda")
+    for impl in FORM2_IMPLS:
+        _impl(monkeypatch, impl)
+        assert torch.equal(O.fp4_grouped_linear(ag, wg, offsets, backend="cuda"), y0), impl

@@ -29,7 +29,8 @@ class PreparedFP4Weight:
 
     codes [(E,) N, K/2], scales [(E,) N, K/16] (linear layout, kept for every path), g float32 ([1] / [N] dense,
     [E] / [E, N] grouped), packed: the decode kernel's layout (reference_gemm.to_decode_layout) or None when the
-    shape does not allow it; prepare_ms: time the re-layout took.
+    shape does not allow it; prepare_ms: time the re-layout took; packed2: the second decode layout
+    (reference_gemm.to_decode_layout2, same size as packed) when asked for (decode_form2), else None.
     """
 
     codes: torch.Tensor
@@ -38,6 +39,7 @@ class PreparedFP4Weight:
     packed: torch.Tensor | None
     grouped: bool
     prepare_ms: float = 0.0
+    packed2: torch.Tensor | None = None
 
     @property
     def N(self) -> int:
@@ -95,9 +97,22 @@ def _weight_parts(w, grouped: bool):
     return codes, scales, g.contiguous(), None
 
 
-def prepare_fp4_weight(w, *, grouped: bool | None = None) -> PreparedFP4Weight:
+# TRACE_EXT_DECODE_IMPL values whose dense decode kernels read the second packed form (read per call, like the C++
+# side in gemm_w4_decode_sm90.cu decode_pair_selected): the op is then given packed2 instead of packed.
+DECODE_FORM2_IMPLS = ("pair3", "stream2", "auto2", "quad3")
+
+
+def decode_form2_selected() -> bool:
+    import os
+
+    return os.environ.get("TRACE_EXT_DECODE_IMPL", "") in DECODE_FORM2_IMPLS
+
+
+def prepare_fp4_weight(w, *, grouped: bool | None = None, decode_form2: bool | None = None) -> PreparedFP4Weight:
     """Offline re-layout at load / weight sync: keeps the linear codes and scales, adds the decode kernel's packed
-    layout (when N % 16 == 0 and K % 256 == 0). ``grouped`` defaults to (codes.dim() == 3)."""
+    layout (when N % 16 == 0 and K % 256 == 0). ``grouped`` defaults to (codes.dim() == 3). ``decode_form2``
+    (default: TRACE_EXT_DECODE_IMPL is one of DECODE_FORM2_IMPLS now) also builds the second packed form of the
+    opt-in dense decode kernels (to_decode_layout2: N * K * 9 / 16 more bytes per expert, as much as packed)."""
     codes = w.codes if isinstance(w, (NVFP4Tensor, PreparedFP4Weight)) else w[0]
     if grouped is None:
         grouped = codes.dim() == 3
@@ -108,10 +123,15 @@ def prepare_fp4_weight(w, *, grouped: bool | None = None) -> PreparedFP4Weight:
     packed = None
     if R.decode_layout_supported(codes.shape[-2], codes.shape[-1] * 2):
         packed = R.to_decode_layout(codes.contiguous(), scales.contiguous())
+    if decode_form2 is None:
+        decode_form2 = decode_form2_selected()
+    packed2 = None
+    if packed is not None and decode_form2 and not grouped:
+        packed2 = R.to_decode_layout2(codes.contiguous(), scales.contiguous())
     if codes.is_cuda:
         torch.cuda.synchronize(codes.device)
     ms = (time.perf_counter() - t0) * 1e3
-    return PreparedFP4Weight(codes.contiguous(), scales.contiguous(), g, packed, grouped, ms)
+    return PreparedFP4Weight(codes.contiguous(), scales.contiguous(), g, packed, grouped, ms, packed2)
 
 
 def _activation(a, act_quant, K: int, backend: str):
@@ -205,6 +225,11 @@ def fp4_linear(a, w, *, act_quant: str | None = None, backend: str = "auto") -> 
     if which == "reference":
         y = R.fp4_linear(a2, codes, scales, g_w, a_s, g_a)
     else:
+        if packed is not None and decode_form2_selected():
+            # the opt-in form-2 kernels read the second packed form (built here when the weight lacks it: correct,
+            # but a re-layout per call; prepare with decode_form2=True to time them)
+            p2 = w.packed2 if isinstance(w, PreparedFP4Weight) else None
+            packed = p2 if p2 is not None else R.to_decode_layout2(codes, scales)
         y = torch_op("fp4_linear")(a2, a_s, g_a, codes, scales, g_w, packed)
     return y.reshape(*lead, N)
 
