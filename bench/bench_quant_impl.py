@@ -11,9 +11,10 @@ Timing: bench.common.do_bench_cold (median, L2 flushed before every call); % of 
 measured in the same run, bytes counted as in bench_quant.py.
 Run from the repo root with the package installed:  python bench/bench_quant_impl.py
 (about 50 s for all four variants; QUANT_IMPL_VARIANTS=rtn-sat python bench/bench_quant_impl.py: two, ~25 s)
-The lean per-row-g kernel (=rowg-lean: RTN quantize with g None, linear / swizzled / capture) on the shapes it has
-two kernels for (K 4096: one block per lane; K 7168: two) and a small-K one (K 1024: 4 rows per CTA), ~30 s:
-  QUANT_IMPL_VARIANTS=rowg-lean QUANT_IMPL_OPS="rtn (per-row,swizzled,capture" \
+The lean per-row-g kernel (=rowg-lean: RTN quantize with g None, linear / swizzled / capture; =rowg-lean2: two
+blocks per lane for every K) on K 4096 (rowg-lean: one block per lane), K 7168 (both: two) and K 1024 (4 rows per
+CTA), ~40 s:
+  QUANT_IMPL_VARIANTS=rowg-lean,rowg-lean2 QUANT_IMPL_OPS="rtn (per-row,swizzled,capture" \
   QUANT_IMPL_SHAPES=65536x4096,16384x4096,37449x7168,262144x1024 python bench/bench_quant_impl.py
 """
 from __future__ import annotations

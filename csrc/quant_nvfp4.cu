@@ -91,6 +91,7 @@ constexpr int kImplLean = 3;     // default: RTN by the power-of-two magic add, 
                                  // 1.06-1.10x, SR equal; bench/results/quant_impl_h200.md)
 constexpr int kImplRowgLean = 4;  // TRACE_EXT_QUANT_IMPL=rowg-lean: kImplLean, except RTN quantize with per-row g
                                   // fused through nvfp4_quant_rowg_lean_kernel (opt-in until timed)
+constexpr int kImplRowgLean2 = 5;  // TRACE_EXT_QUANT_IMPL=rowg-lean2: as kImplRowgLean, two blocks per lane (16-bit x)
 static_assert(kChunkElems % 8 == 0, "a chunk must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kNvfp4Block % 8 == 0, "a block must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 2 blocks x 16 elements");
@@ -786,12 +787,11 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
   const T* xp = reinterpret_cast<const T*>(p.x);
   uint32_t base = blockIdx.x * w.rows_per_cta;  // the CTA's row group (uniform: every thread runs every iteration)
   uint32_t row = base + (threadIdx.x >> w.team_shift);
-  BlockRaw<T> cur[BPL];
-  load_row_blocks<T, BPL>(xp, w, row, lane_in_team, cur);
   uint32_t parity = 0u;
-  for (; base < w.rows; base += w.row_stride, row += w.row_stride) {
-    BlockRaw<T> nxt[BPL];
-    load_row_blocks<T, BPL>(xp, w, row + w.row_stride, lane_in_team, nxt);  // in flight during this row's work
+  // One row group: loads of the thread's next row into nxt (in flight during this row's work), then cur's row.
+  // With one block per lane the loop below alternates the two buffers (no register copies between iterations).
+  auto step = [&](BlockRaw<T>(&cur)[BPL], BlockRaw<T>(&nxt)[BPL]) {
+    load_row_blocks<T, BPL>(xp, w, row + w.row_stride, lane_in_team, nxt);
     uint32_t mb[BPL];
     uint32_t finite_max = 0u;
 #pragma unroll
@@ -810,7 +810,10 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
       if (team > 32u) {
         if (threadIdx.x % 32 == 0) warp_max[parity][threadIdx.x / 32] = finite_max;
         __syncthreads();  // the other buffer is rewritten only after the next iteration's barrier: no second barrier
-        for (uint32_t k = 0; k < team / 32u; ++k) finite_max = max(finite_max, warp_max[parity][first_warp + k]);
+#pragma unroll
+        for (uint32_t k = 0; k < kRowLeanThreads / 32; ++k) {  // predicated: no runtime-trip-count loop
+          if (k < team / 32u) finite_max = max(finite_max, warp_max[parity][first_warp + k]);
+        }
         parity ^= 1u;
       }
     } else {
@@ -853,8 +856,23 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
         }
       }
     }
+    base += w.row_stride;
+    row += w.row_stride;
+  };
+  BlockRaw<T> buf0[BPL], buf1[BPL];
+  load_row_blocks<T, BPL>(xp, w, row, lane_in_team, buf0);
+  if constexpr (BPL == 1) {
+    while (base < w.rows) {
+      step(buf0, buf1);
+      if (base >= w.rows) break;
+      step(buf1, buf0);
+    }
+  } else {  // two blocks per lane: the alternating form spills at 64 registers (swizzle); copy nxt to cur instead
+    while (base < w.rows) {
+      step(buf0, buf1);
 #pragma unroll
-    for (int q = 0; q < BPL; ++q) cur[q] = nxt[q];
+      for (int q = 0; q < BPL; ++q) buf0[q] = buf1[q];
+    }
   }
   if constexpr (SWIZZLE) {
     swizzle_pad_zero(p, (int64_t)blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
@@ -1018,12 +1036,14 @@ void launch_rowg(const QuantParams& p, cudaStream_t stream, const char* op) {
 
 // nvfp4_quant_rowg_lean_kernel where it applies (TRACE_EXT_QUANT_IMPL=rowg-lean; RTN quantize with g None, rows of
 // <= kRowLeanThreads * BPL blocks, 32-bit indices); false if not (the caller then runs the default's kernels).
+// prefer_two (=rowg-lean2, 16-bit x): two blocks per lane for every kb >= 2 (half the team, half the per-row work per
+// element, twice the bytes in flight per thread), else only where one block per lane would need more than 256 threads.
 template <typename T>
-bool launch_rowg_lean(const QuantParams& p, cudaStream_t stream, const char* op) {
+bool launch_rowg_lean(const QuantParams& p, cudaStream_t stream, const char* op, bool prefer_two) {
   if (p.y != nullptr || p.codes == nullptr || p.scales == nullptr || p.g_out == nullptr) return false;
   constexpr int64_t kMaxBpl = sizeof(T) == 2 ? 2 : 1;  // fp32: two rows of 2 blocks in flight would exceed 64 registers
   if (p.kb > kRowLeanThreads * kMaxBpl) return false;
-  const int bpl = p.kb > kRowLeanThreads ? 2 : 1;
+  const int bpl = p.kb > kRowLeanThreads || (prefer_two && kMaxBpl == 2 && p.kb >= 2) ? 2 : 1;
   uint32_t shift = 0;
   while ((int64_t(1) << shift) * bpl < p.kb) ++shift;
   const int64_t rows_per_cta = kRowLeanThreads >> shift;
@@ -1081,12 +1101,14 @@ int quant_impl() {
   if (v != nullptr && std::strcmp(v, "rtn-fminf") == 0) return kImplScaled;
   if (v != nullptr && std::strcmp(v, "rtn-sat") == 0) return kImplRtnSat;
   if (v != nullptr && std::strcmp(v, "rowg-lean") == 0) return kImplRowgLean;
+  if (v != nullptr && std::strcmp(v, "rowg-lean2") == 0) return kImplRowgLean2;
   return kImplLean;
 }
 
 template <bool FAKE, typename T>
 void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_t stream, const char* op) {
-  switch (quant_impl()) {
+  const int impl = quant_impl();
+  switch (impl) {
     case kImplBits:
       launch_quant_impl<FAKE, T, kImplBits>(p, rounding, rowg, stream, op);
       break;
@@ -1097,7 +1119,9 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
       launch_quant_impl<FAKE, T, kImplLean>(p, rounding, rowg, stream, op);
       break;
     case kImplRowgLean:  // the default's kernels except RTN quantize with g None (no duplicate instantiations)
-      if (!(!FAKE && rowg && rounding == kRTN && p.K <= kFusedMaxK && launch_rowg_lean<T>(p, stream, op))) {
+    case kImplRowgLean2:
+      if (!(!FAKE && rowg && rounding == kRTN && p.K <= kFusedMaxK &&
+            launch_rowg_lean<T>(p, stream, op, impl == kImplRowgLean2))) {
         launch_quant_impl<FAKE, T, kImplLean>(p, rounding, rowg, stream, op);
       }
       break;

@@ -129,7 +129,7 @@ def test_impls_agree_on_random_activations(monkeypatch):
     for kw in cases:
         monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
         a = ops.nvfp4_quantize(x, backend="cuda", **kw)
-        for variant in ("bits", "rtn-fminf", "rtn-sat", "rowg-lean"):
+        for variant in ("bits", "rtn-fminf", "rtn-sat", "rowg-lean", "rowg-lean2"):
             monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", variant)
             b = ops.nvfp4_quantize(x, backend="cuda", **kw)
             assert torch.equal(a.codes, b.codes), (variant, list(kw))
@@ -231,16 +231,20 @@ def rowg_input(R, K, dtype, seed):
 @pytest.mark.parametrize("R,K", ROWG_SHAPES)
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
 def test_rowg_lean_against_reference(monkeypatch, R, K, dtype):
-    """codes, scales, g (linear), capture mbits and swizzled scales of =rowg-lean equal the reference's."""
-    monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", "rowg-lean")
+    """codes, scales, g (linear), capture mbits and swizzled scales of =rowg-lean and =rowg-lean2 (two blocks per
+    lane for every K of 16-bit x) equal the reference's."""
     x = rowg_input(R, K, dtype, R + 3 * K)
     qr = ops.nvfp4_quantize(x, backend="reference")
-    assert_same(ops.nvfp4_quantize(x, backend="cuda"), qr, f"rowg-lean {R}x{K} {dtype}")
-    qc, recc = ops.nvfp4_quantize(x, capture=True, backend="cuda")
-    assert_same(qc, qr, f"rowg-lean capture {R}x{K} {dtype}")
-    assert torch.equal(recc.payload, ref.guidance_from_quantized(qr, "compact").payload), "capture mbits"
-    qs = ops.nvfp4_quantize(x, swizzle=True, backend="cuda")
-    assert_same(qs, ops.nvfp4_quantize(x, swizzle=True, backend="reference"), f"rowg-lean swizzled {R}x{K} {dtype}")
+    mbits = ref.guidance_from_quantized(qr, "compact").payload
+    qsr = ops.nvfp4_quantize(x, swizzle=True, backend="reference")
+    for variant in ("rowg-lean", "rowg-lean2"):
+        monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", variant)
+        what = f"{variant} {R}x{K} {dtype}"
+        assert_same(ops.nvfp4_quantize(x, backend="cuda"), qr, what)
+        qc, recc = ops.nvfp4_quantize(x, capture=True, backend="cuda")
+        assert_same(qc, qr, f"{what} capture")
+        assert torch.equal(recc.payload, mbits), f"{what} capture mbits"
+        assert_same(ops.nvfp4_quantize(x, swizzle=True, backend="cuda"), qsr, f"{what} swizzled")
 
 
 def test_rowg_lean_matches_default_everywhere_else(monkeypatch):
