@@ -1094,7 +1094,9 @@ void launch_quant_impl(const QuantParams& p, int64_t rounding, bool rowg, cudaSt
 // TRACE_EXT_QUANT_IMPL, read per call so that one process can time the variants: "bits" selects the previous SR /
 // guided element code (e2m1_*_bits), "rtn-fminf" the RTN saturated per element by fminf, "rtn-sat" the RTN saturated
 // after packing (the previous default); unset (or anything else, e.g. "lean") kImplLean: RTN by the power-of-two
-// magic add, quantize with linear scales through nvfp4_quant_lean_kernel, the scaled-domain SR / guided code.
+// magic add, quantize with linear scales through nvfp4_quant_lean_kernel, the scaled-domain SR / guided code;
+// "rowg-lean" / "rowg-lean2": kImplLean except RTN quantize with g None (nvfp4_quant_rowg_lean_kernel, one / two
+// blocks per lane).
 int quant_impl() {
   const char* v = std::getenv("TRACE_EXT_QUANT_IMPL");
   if (v != nullptr && std::strcmp(v, "bits") == 0) return kImplBits;
