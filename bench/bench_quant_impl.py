@@ -11,6 +11,11 @@ Timing: bench.common.do_bench_cold (median, L2 flushed before every call); % of 
 measured in the same run, bytes counted as in bench_quant.py.
 Run from the repo root with the package installed:  python bench/bench_quant_impl.py
 (about 50 s for all four variants; QUANT_IMPL_VARIANTS=rtn-sat python bench/bench_quant_impl.py: two, ~25 s)
+The lean per-row-g kernel (=rowg-lean: RTN quantize with g None, linear / swizzled / capture; =rowg-lean2: two
+blocks per lane for every K) on K 4096 (rowg-lean: one block per lane), K 7168 (both: two) and K 1024 (4 rows per
+CTA), ~40 s:
+  QUANT_IMPL_VARIANTS=rowg-lean,rowg-lean2 QUANT_IMPL_OPS="rtn (per-row,swizzled,capture" \
+  QUANT_IMPL_SHAPES=65536x4096,16384x4096,37449x7168,262144x1024 python bench/bench_quant_impl.py
 """
 from __future__ import annotations
 
@@ -30,6 +35,10 @@ SHAPES = ((16384, 4096), (65536, 4096))  # 2^26 and 2^28 elements
 VARIANTS = ("default",) + tuple(
     v for v in os.environ.get("QUANT_IMPL_VARIANTS", "rtn-sat,bits,rtn-fminf").split(",") if v and v != "default")
 ENV = "TRACE_EXT_QUANT_IMPL"
+# QUANT_IMPL_SHAPES=RxK,RxK overrides SHAPES; QUANT_IMPL_OPS=word,word times only the ops whose name contains a word
+if os.environ.get("QUANT_IMPL_SHAPES"):
+    SHAPES = tuple(tuple(int(d) for d in s.split("x")) for s in os.environ["QUANT_IMPL_SHAPES"].split(",") if s)
+OPS = tuple(w for w in os.environ.get("QUANT_IMPL_OPS", "").split(",") if w)
 
 
 def set_variant(v: str) -> None:
@@ -67,6 +76,7 @@ def main() -> None:
             ("nvfp4 guided full", q_bytes + 4 * R + full,
              lambda: op.nvfp4_quantize(x_train, None, 3, 0, 0, scales, g_out, codes, False, False)),
         ]
+        cases = [c for c in cases if not OPS or any(w in c[0] for w in OPS)]
         for name, nbytes, fn in cases:
             outs = {}
             for v in VARIANTS:

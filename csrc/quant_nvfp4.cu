@@ -45,6 +45,11 @@
 //   amax by one redux.sync (teams of >= 32 threads), codes / scales stores untested. Static SASS of the bf16 RTN
 //   flat tile (2 blocks of 16 per lane) on sm_90a: ~565 instructions on the hot path instead of ~712 (profile of
 //   the default), no spills (the default RTN flat kernel: 16 / 48 bytes).
+// - Opt-in TRACE_EXT_QUANT_IMPL=rowg-lean (default kernels untouched; notes/NEXT_quant_rowg.md): RTN quantize with g
+//   None (the rollout's activation quantization, linear or swizzled scales, capture) through
+//   nvfp4_quant_rowg_lean_kernel: persistent 256-thread CTAs (4 per SM, <= 64 registers), a team per row walking rows
+//   by a grid stride with the next row's loads issued before the current row's amax reduction, 32-bit indices, g by
+//   the correctly rounded reciprocal of 2688 (nvfp4_global_scale_rcp). Everything else runs the default's kernels.
 // - Swizzled scales: written at their 128x4 offsets; the zero padding is written by the same launch
 //   (a grid-stride pass over the padded bytes of the last row tile and the last column chunk of each tile).
 #include <ATen/ATen.h>
@@ -84,6 +89,9 @@ constexpr int kImplLean = 3;     // default: RTN by the power-of-two magic add, 
                                  // through nvfp4_quant_lean_kernel; SR / guided code as kImplScaled (H200 A/B at
                                  // 2071576 vs rtn-sat: RTN g given 1.14-1.16x, per-row / swizzled / capture / guided
                                  // 1.06-1.10x, SR equal; bench/results/quant_impl_h200.md)
+constexpr int kImplRowgLean = 4;  // TRACE_EXT_QUANT_IMPL=rowg-lean: kImplLean, except RTN quantize with per-row g
+                                  // fused through nvfp4_quant_rowg_lean_kernel (opt-in until timed)
+constexpr int kImplRowgLean2 = 5;  // TRACE_EXT_QUANT_IMPL=rowg-lean2: as kImplRowgLean, two blocks per lane (16-bit x)
 static_assert(kChunkElems % 8 == 0, "a chunk must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kNvfp4Block % 8 == 0, "a block must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 2 blocks x 16 elements");
@@ -733,6 +741,144 @@ __global__ void __launch_bounds__(kMaxTeam) nvfp4_quant_rowg_kernel(const QuantP
   }
 }
 
+// ---- lean per-row-g kernel (TRACE_EXT_QUANT_IMPL=rowg-lean; opt-in until timed) ------------------------------------
+// RTN quantize (not fake) with g None and rows of up to kRowLeanThreads * 2 blocks (bf16 / fp16: K <= 8192) or
+// kRowLeanThreads blocks (fp32: K <= 4096); linear or swizzled scales, mbits (capture) optional. Differences from
+// nvfp4_quant_rowg_kernel: persistent CTAs of kRowLeanThreads threads (4 per SM, <= 64 registers) walk row groups
+// with a grid stride, and each thread issues the loads of its next row before it reduces and quantizes the current
+// one (two rows in flight per team: the load latency the profile showed at the first use of x and at the amax
+// reduction overlaps the previous row's work); lane l of a team of 2^team_shift threads owns blocks l + team q
+// (q < BPL) of its row; all indices 32-bit (host-checked), the swizzled offset split into a per-row and a per-block
+// part (no 64-bit divisions); the cross-warp amax in double-buffered shared memory (one __syncthreads per row group);
+// codes, scales and g_out always exist (no pointer tests). Elements: quantize_block<kRTN, ..., kImplLean>, the
+// default's element code, so the results are the default's bit for bit.
+constexpr int kRowLeanThreads = 256;  // CTA of the lean per-row kernel (4 resident per SM at <= 64 registers)
+constexpr int kRowLeanCtasPerSm = 4;
+static_assert(kRowLeanThreads % 32 == 0 && kRowLeanThreads <= kMaxTeam, "lean per-row CTA: whole warps, <= kMaxTeam");
+
+struct RowLeanWalk {
+  uint32_t rows;          // R; rows + row_stride < 2^31 (host-checked)
+  uint32_t kb;            // blocks per row; rows * kb < 2^31 (host-checked)
+  uint32_t team_shift;    // log2 of the threads per row
+  uint32_t rows_per_cta;  // kRowLeanThreads >> team_shift
+  uint32_t row_stride;    // rows between a thread's consecutive rows: gridDim.x * rows_per_cta
+  uint32_t tile_bytes;    // swizzled scales: bytes of one 128-row tile (kb_pad / 4 * 512); rows_pad * kb_pad < 2^31
+};
+
+// Blocks l + team q (q < BPL) of row `row` (zeros for blocks past the row, or a row >= rows).
+template <typename T, int BPL>
+__device__ __forceinline__ void load_row_blocks(const T* xp, const RowLeanWalk& w, uint32_t row, uint32_t lane_in_team,
+                                                BlockRaw<T> (&raw)[BPL]) {
+  const bool row_ok = row < w.rows;
+#pragma unroll
+  for (int q = 0; q < BPL; ++q) {
+    const uint32_t kbi = lane_in_team + ((uint32_t)q << w.team_shift);
+    raw[q] = load_block<T>(xp, row_ok ? row * w.kb + kbi : 0u, row_ok && kbi < w.kb);
+  }
+}
+
+template <typename T, int BPL, bool SWIZZLE>
+__global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
+    nvfp4_quant_rowg_lean_kernel(const QuantParams p, const RowLeanWalk w) {
+  __shared__ uint32_t warp_max[2][kRowLeanThreads / 32];
+  const uint32_t team = 1u << w.team_shift;
+  const uint32_t lane_in_team = threadIdx.x & (team - 1u);
+  const uint32_t first_warp = (threadIdx.x >> w.team_shift) * (team / 32u);  // team > 32: the team's first warp
+  const T* xp = reinterpret_cast<const T*>(p.x);
+  uint32_t base = blockIdx.x * w.rows_per_cta;  // the CTA's row group (uniform: every thread runs every iteration)
+  uint32_t row = base + (threadIdx.x >> w.team_shift);
+  uint32_t parity = 0u;
+  // One row group: loads of the thread's next row into nxt (in flight during this row's work), then cur's row.
+  // With one block per lane the loop below alternates the two buffers (no register copies between iterations).
+  auto step = [&](BlockRaw<T>(&cur)[BPL], BlockRaw<T>(&nxt)[BPL]) {
+    load_row_blocks<T, BPL>(xp, w, row + w.row_stride, lane_in_team, nxt);
+    uint32_t mb[BPL];
+    uint32_t finite_max = 0u;
+#pragma unroll
+    for (int q = 0; q < BPL; ++q) {
+      mb[q] = block_max_abs_bits<T>(cur[q]);  // absent blocks are zeros
+      if (mb[q] < 0x7F800000u) {
+        finite_max = max(finite_max, mb[q]);
+      } else {
+        float x[kNvfp4Block];
+        unpack_block<T>(cur[q], x);
+        finite_max = max(finite_max, max_abs_bits_finite(x));
+      }
+    }
+    if (team >= 32u) {
+      finite_max = __reduce_max_sync(0xFFFFFFFFu, finite_max);
+      if (team > 32u) {
+        if (threadIdx.x % 32 == 0) warp_max[parity][threadIdx.x / 32] = finite_max;
+        __syncthreads();  // the other buffer is rewritten only after the next iteration's barrier: no second barrier
+#pragma unroll
+        for (uint32_t k = 0; k < kRowLeanThreads / 32; ++k) {  // predicated: no runtime-trip-count loop
+          if (k < team / 32u) finite_max = max(finite_max, warp_max[parity][first_warp + k]);
+        }
+        parity ^= 1u;
+      }
+    } else {
+      for (uint32_t off = team / 2u; off > 0u; off /= 2u) {
+        finite_max = max(finite_max, __shfl_xor_sync(0xFFFFFFFFu, finite_max, off, team));
+      }
+    }
+    const float g = nvfp4_global_scale_rcp(__uint_as_float(finite_max));
+    const float rg = rcp_g_in_range(g);
+    if (row < w.rows) {
+      if (lane_in_team == 0u) p.g_out[row] = g;
+      uint32_t swz_row = 0u;
+      if constexpr (SWIZZLE) swz_row = (row >> 7) * w.tile_bytes + (row & 31u) * 16u + ((row >> 5) & 3u) * 4u;
+#pragma unroll
+      for (int q = 0; q < BPL; ++q) {
+        const uint32_t kbi = lane_in_team + ((uint32_t)q << w.team_shift);
+        if (kbi < w.kb) {
+          const uint32_t fb = row * w.kb + kbi;
+          float x[kNvfp4Block];
+          unpack_block<T>(cur[q], x);
+          const bool finite = mb[q] < 0x7F800000u;
+          uint8_t s = nvfp4_scale_byte_rcp(mb[q], g, rg);
+          const float t = nvfp4_block_divisor(s, g);
+          uint32_t codes[2] = {0u, 0u};
+          if (finite) {
+            quantize_block<kRTN, kNvfp4Block, kImplLean>(x, mb[q], t, 0u, p, 0u, make_uint2(0u, 0u), codes);
+          } else {
+            s = kE4M3NaN;
+          }
+          reinterpret_cast<uint2*>(p.codes)[fb] = make_uint2(codes[0], codes[1]);
+          if (p.mbits != nullptr) {
+            reinterpret_cast<uint16_t*>(p.mbits)[fb] =
+                (uint16_t)(nibble_lsbs(codes[0]) | (nibble_lsbs(codes[1]) << 8));
+          }
+          if constexpr (SWIZZLE) {
+            p.scales[swz_row + (kbi >> 2) * 512u + (kbi & 3u)] = s;
+          } else {
+            p.scales[fb] = s;
+          }
+        }
+      }
+    }
+    base += w.row_stride;
+    row += w.row_stride;
+  };
+  BlockRaw<T> buf0[BPL], buf1[BPL];
+  load_row_blocks<T, BPL>(xp, w, row, lane_in_team, buf0);
+  if constexpr (BPL == 1) {
+    while (base < w.rows) {
+      step(buf0, buf1);
+      if (base >= w.rows) break;
+      step(buf1, buf0);
+    }
+  } else {  // two blocks per lane: the alternating form spills at 64 registers (swizzle); copy nxt to cur instead
+    while (base < w.rows) {
+      step(buf0, buf1);
+#pragma unroll
+      for (int q = 0; q < BPL; ++q) buf0[q] = buf1[q];
+    }
+  }
+  if constexpr (SWIZZLE) {
+    swizzle_pad_zero(p, (int64_t)blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
+  }
+}
+
 // ---- long rows, pass 1: per-row g from the finite amax -------------------------------------------------------
 
 constexpr int kAmaxThreads = 512;
@@ -888,6 +1034,41 @@ void launch_rowg(const QuantParams& p, cudaStream_t stream, const char* op) {
   check_launch(op);
 }
 
+// nvfp4_quant_rowg_lean_kernel where it applies (TRACE_EXT_QUANT_IMPL=rowg-lean; RTN quantize with g None, rows of
+// <= kRowLeanThreads * BPL blocks, 32-bit indices); false if not (the caller then runs the default's kernels).
+// prefer_two (=rowg-lean2, 16-bit x): two blocks per lane for every kb >= 2 (half the team, half the per-row work per
+// element, twice the bytes in flight per thread), else only where one block per lane would need more than 256 threads.
+template <typename T>
+bool launch_rowg_lean(const QuantParams& p, cudaStream_t stream, const char* op, bool prefer_two) {
+  if (p.y != nullptr || p.codes == nullptr || p.scales == nullptr || p.g_out == nullptr) return false;
+  constexpr int64_t kMaxBpl = sizeof(T) == 2 ? 2 : 1;  // fp32: two rows of 2 blocks in flight would exceed 64 registers
+  if (p.kb > kRowLeanThreads * kMaxBpl) return false;
+  const int bpl = p.kb > kRowLeanThreads || (prefer_two && kMaxBpl == 2 && p.kb >= 2) ? 2 : 1;
+  uint32_t shift = 0;
+  while ((int64_t(1) << shift) * bpl < p.kb) ++shift;
+  const int64_t rows_per_cta = kRowLeanThreads >> shift;
+  const int64_t groups = div_up(p.rows, rows_per_cta);
+  const int64_t max_ctas = int64_t(current_sm_count()) * kRowLeanCtasPerSm;
+  const int64_t iters = div_up(groups, max_ctas);
+  const int64_t grid = div_up(groups, iters);  // balanced: every CTA walks iters or iters - 1 row groups
+  const int64_t row_stride = grid * rows_per_cta;
+  if (p.rows + row_stride >= (int64_t(1) << 31) || (p.rows + row_stride) * p.kb >= (int64_t(1) << 31)) return false;
+  if (p.swizzle && p.rows_pad * p.kb_pad >= (int64_t(1) << 31)) return false;
+  const RowLeanWalk w{(uint32_t)p.rows, (uint32_t)p.kb, shift, (uint32_t)rows_per_cta, (uint32_t)row_stride,
+                      (uint32_t)(p.kb_pad / 4 * 512)};
+  auto go = [&](auto kernel) {
+    require_kernel_image(kernel, op);
+    kernel<<<(unsigned)grid, kRowLeanThreads, 0, stream>>>(p, w);
+    check_launch(op);
+  };
+  if (bpl == 1) {
+    p.swizzle ? go(nvfp4_quant_rowg_lean_kernel<T, 1, true>) : go(nvfp4_quant_rowg_lean_kernel<T, 1, false>);
+  } else if constexpr (kMaxBpl == 2) {
+    p.swizzle ? go(nvfp4_quant_rowg_lean_kernel<T, 2, true>) : go(nvfp4_quant_rowg_lean_kernel<T, 2, false>);
+  }
+  return true;
+}
+
 template <bool FAKE, typename T, int IMPL>
 void launch_quant_impl(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_t stream, const char* op) {
   // SR / guided: two element codes (lean: kImplScaled's, through the lean kernel where it applies)
@@ -913,18 +1094,23 @@ void launch_quant_impl(const QuantParams& p, int64_t rounding, bool rowg, cudaSt
 // TRACE_EXT_QUANT_IMPL, read per call so that one process can time the variants: "bits" selects the previous SR /
 // guided element code (e2m1_*_bits), "rtn-fminf" the RTN saturated per element by fminf, "rtn-sat" the RTN saturated
 // after packing (the previous default); unset (or anything else, e.g. "lean") kImplLean: RTN by the power-of-two
-// magic add, quantize with linear scales through nvfp4_quant_lean_kernel, the scaled-domain SR / guided code.
+// magic add, quantize with linear scales through nvfp4_quant_lean_kernel, the scaled-domain SR / guided code;
+// "rowg-lean" / "rowg-lean2": kImplLean except RTN quantize with g None (nvfp4_quant_rowg_lean_kernel, one / two
+// blocks per lane).
 int quant_impl() {
   const char* v = std::getenv("TRACE_EXT_QUANT_IMPL");
   if (v != nullptr && std::strcmp(v, "bits") == 0) return kImplBits;
   if (v != nullptr && std::strcmp(v, "rtn-fminf") == 0) return kImplScaled;
   if (v != nullptr && std::strcmp(v, "rtn-sat") == 0) return kImplRtnSat;
+  if (v != nullptr && std::strcmp(v, "rowg-lean") == 0) return kImplRowgLean;
+  if (v != nullptr && std::strcmp(v, "rowg-lean2") == 0) return kImplRowgLean2;
   return kImplLean;
 }
 
 template <bool FAKE, typename T>
 void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_t stream, const char* op) {
-  switch (quant_impl()) {
+  const int impl = quant_impl();
+  switch (impl) {
     case kImplBits:
       launch_quant_impl<FAKE, T, kImplBits>(p, rounding, rowg, stream, op);
       break;
@@ -933,6 +1119,13 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
       break;
     case kImplLean:
       launch_quant_impl<FAKE, T, kImplLean>(p, rounding, rowg, stream, op);
+      break;
+    case kImplRowgLean:  // the default's kernels except RTN quantize with g None (no duplicate instantiations)
+    case kImplRowgLean2:
+      if (!(!FAKE && rowg && rounding == kRTN && p.K <= kFusedMaxK &&
+            launch_rowg_lean<T>(p, stream, op, impl == kImplRowgLean2))) {
+        launch_quant_impl<FAKE, T, kImplLean>(p, rounding, rowg, stream, op);
+      }
       break;
     default:
       launch_quant_impl<FAKE, T, kImplScaled>(p, rounding, rowg, stream, op);

@@ -25,7 +25,7 @@ GRID = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
-@pytest.fixture(params=("default", "bits", "rtn-fminf", "rtn-sat"))
+@pytest.fixture(params=("default", "bits", "rtn-fminf", "rtn-sat", "rowg-lean"))
 def impl(request, monkeypatch):
     if request.param == "default":
         monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
@@ -129,7 +129,7 @@ def test_impls_agree_on_random_activations(monkeypatch):
     for kw in cases:
         monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
         a = ops.nvfp4_quantize(x, backend="cuda", **kw)
-        for variant in ("bits", "rtn-fminf", "rtn-sat"):
+        for variant in ("bits", "rtn-fminf", "rtn-sat", "rowg-lean", "rowg-lean2"):
             monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", variant)
             b = ops.nvfp4_quantize(x, backend="cuda", **kw)
             assert torch.equal(a.codes, b.codes), (variant, list(kw))
@@ -200,3 +200,73 @@ def test_lean_capture_and_swizzle_match_rtn_sat(monkeypatch, R, K):
     assert_same(qsga, qsgb, "swizzled, g given (flat kernel)")
     assert torch.equal(fa.view(torch.int16), fb.view(torch.int16)), "fake quant, fused g"
     assert torch.equal(fga.view(torch.int16), fgb.view(torch.int16)), "fake quant, g given"
+
+
+# ---- TRACE_EXT_QUANT_IMPL=rowg-lean: the persistent per-row-g kernel (two rows in flight per team) ----------------
+# Shapes cover every team size and both blocks-per-lane cases (kb <= 256: one block per lane, team = kb rounded up to a
+# power of two, several rows per CTA below 256; 256 < kb <= 512: two, 16-bit inputs only), block counts that are not
+# powers of two (lanes past the row), more row groups than CTAs (the grid-stride walk and the prefetch of the next row,
+# uneven last iteration), and the fallbacks (fp32 with kb > 256, kb > 512, K > 16384: the default's kernels). Rows get
+# amaxes 2^-20 .. 2^20 apart (a wrong row's g changes the codes); some rows carry NaN / +-Inf blocks or are all zero /
+# all non-finite (g = 1).
+
+ROWG_SHAPES = ((70001, 208), (4099, 16), (3000, 48), (2053, 368), (1000, 1024), (1500, 4096), (700, 4112),
+               (600, 7168), (300, 8192), (200, 8208), (7, 16400))
+
+
+def rowg_input(R, K, dtype, seed):
+    x = lean_input(R, K, torch.float32, seed)
+    if dtype == torch.float16:
+        x = x.clamp(-60000.0, 60000.0)  # keep fp16 rows finite (the injected NaN / Inf below are the non-finite cases)
+    gen = torch.Generator(device=DEV).manual_seed(seed + 1)
+    n = max(1, R // 97)
+    rows = torch.randint(0, R, (n,), generator=gen, device=DEV)
+    cols = torch.randint(0, K, (n,), generator=gen, device=DEV)
+    vals = torch.tensor((float("nan"), float("inf"), float("-inf")), device=DEV)
+    x[rows, cols] = vals[torch.arange(n, device=DEV) % 3]
+    x[(rows[: max(1, n // 4)] + 1) % R] = 0.0  # zero rows (g = 1)
+    if R > 2:
+        x[R - 2] = float("inf")  # a row with no finite value (g = 1, every block NaN)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("R,K", ROWG_SHAPES)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
+def test_rowg_lean_against_reference(monkeypatch, R, K, dtype):
+    """codes, scales, g (linear), capture mbits and swizzled scales of =rowg-lean and =rowg-lean2 (two blocks per
+    lane for every K of 16-bit x) equal the reference's."""
+    x = rowg_input(R, K, dtype, R + 3 * K)
+    qr = ops.nvfp4_quantize(x, backend="reference")
+    mbits = ref.guidance_from_quantized(qr, "compact").payload
+    qsr = ops.nvfp4_quantize(x, swizzle=True, backend="reference")
+    for variant in ("rowg-lean", "rowg-lean2"):
+        monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", variant)
+        what = f"{variant} {R}x{K} {dtype}"
+        assert_same(ops.nvfp4_quantize(x, backend="cuda"), qr, what)
+        qc, recc = ops.nvfp4_quantize(x, capture=True, backend="cuda")
+        assert_same(qc, qr, f"{what} capture")
+        assert torch.equal(recc.payload, mbits), f"{what} capture mbits"
+        assert_same(ops.nvfp4_quantize(x, swizzle=True, backend="cuda"), qsr, f"{what} swizzled")
+
+
+def test_rowg_lean_matches_default_everywhere_else(monkeypatch):
+    """=rowg-lean changes only RTN quantize with g None: SR, guided, g given and fake quantization give the default's
+    outputs (same kernels), and the per-row path equals the default's bit for bit on random activations."""
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    x = torch.randn(333, 2048, generator=gen, device=DEV).to(torch.bfloat16)
+    rec = ref.guidance_from_quantized(ref.nvfp4_quantize((x.float() * 1.001).to(torch.bfloat16)), "full")
+    g = ref.nvfp4_global_scale(x, "row").contiguous()
+    calls = (lambda: ops.nvfp4_quantize(x, backend="cuda"),
+             lambda: ops.nvfp4_quantize(x, swizzle=True, backend="cuda"),
+             lambda: ops.nvfp4_quantize(x, g, backend="cuda"),
+             lambda: ops.nvfp4_quantize(x, rounding="sr", seed=3, offset=1, backend="cuda"),
+             lambda: ops.nvfp4_quantize(x, rounding="guided", guidance=rec, backend="cuda"))
+    for i, call in enumerate(calls):
+        monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
+        a = call()
+        monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", "rowg-lean")
+        assert_same(call(), a, f"call {i}")
+    monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
+    fa = ops.nvfp4_fake_quantize(x, backend="cuda")
+    monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", "rowg-lean")
+    assert torch.equal(ops.nvfp4_fake_quantize(x, backend="cuda").view(torch.int16), fa.view(torch.int16))

@@ -358,6 +358,17 @@ __device__ __forceinline__ float nvfp4_global_scale(float finite_amax) {
   return finite_amax > 0.0f ? __fdiv_rn(finite_amax, kNvfp4GlobalDiv) : 1.0f;
 }
 
+// fl(1 / 2688), correctly rounded.
+constexpr float kRcpNvfp4GlobalDiv = 0x1.861862p-12f;
+
+// nvfp4_global_scale by the correctly rounded reciprocal (div_rn_with_rcp) where that division is exact: for a
+// finite amax >= 2^-80 the dividend and the quotient (>= 2^-92) are >= 2^-100, 2688 and fl(1/2688) are normal and the
+// quotient cannot overflow. Below (and for 0, no finite value) nvfp4_global_scale itself.
+__device__ __forceinline__ float nvfp4_global_scale_rcp(float finite_amax) {
+  if (finite_amax >= 0x1p-80f) return div_rn_with_rcp(finite_amax, kNvfp4GlobalDiv, kRcpNvfp4GlobalDiv);
+  return nvfp4_global_scale(finite_amax);
+}
+
 // s_b = e4m3_rn(fl(fl(amax_b / 6) / g)).
 __device__ __forceinline__ uint8_t nvfp4_scale_byte(float block_amax, float g) {
   return e4m3_rn(__fdiv_rn(__fdiv_rn(block_amax, kE2M1Max), g));
