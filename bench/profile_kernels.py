@@ -5,7 +5,7 @@ Not a benchmark (no timing here): `make gpu-profile` runs this file under
 DRAM throughput, occupancy and warp stall reasons of the kernels the benchmarks time. Each case runs twice; the
 first call warms up caches of the host dispatch, ncu's --launch-skip is not needed.
 
-Run: python bench/profile_kernels.py [case ...]   (cases: quant gemm kv; default all)
+Run: python bench/profile_kernels.py [case ...]   (cases: quant gemm kv decode; default all)
 """
 from __future__ import annotations
 
@@ -78,7 +78,31 @@ def kv_cases():
     yield "kv append B8 x 4096", lambda: op.fp4kv_append(*args)
 
 
-CASES = {"quant": quant_cases, "gemm": gemm_cases, "kv": kv_cases}
+def decode_cases():
+    """The dense decode GEMM at the bench_gemm shapes: the default kernel at M = 1 / 8 / 16 / 32 and the opt-in pair2
+    kernel at M = 16 / 32 (14336 x 4096), the default at M = 1 on 4096 x 14336."""
+    sys.path.insert(0, "bench")
+    from common import env_switch  # noqa: PLC0415
+
+    def weight(n, k):
+        return O.prepare_fp4_weight(ref.nvfp4_quantize(torch.randn(n, k, device=DEV) * 0.02, scope="tensor"))
+
+    w = weight(14336, 4096)
+    acts = {m: torch.randn(m, 4096, device=DEV).bfloat16() for m in (1, 8, 16, 32)}
+    for m, a in acts.items():
+        yield f"decode default M={m} 14336x4096", lambda a=a: O.fp4_linear(a, w, backend="cuda")
+    for m in (16, 32):
+        def pair2(a=acts[m]):
+            with env_switch("TRACE_EXT_DECODE_IMPL", "pair2"):
+                return O.fp4_linear(a, w, backend="cuda")
+
+        yield f"decode pair2 M={m} 14336x4096", pair2
+    w2 = weight(4096, 14336)
+    a2 = torch.randn(1, 14336, device=DEV).bfloat16()
+    yield "decode default M=1 4096x14336", lambda: O.fp4_linear(a2, w2, backend="cuda")
+
+
+CASES = {"quant": quant_cases, "gemm": gemm_cases, "kv": kv_cases, "decode": decode_cases}
 
 
 def main() -> None:
