@@ -1,6 +1,7 @@
-"""A/B of the dense W4A16 decode GEMM: the default flat-stream kernel vs the opt-in kernels (TRACE_EXT_DECODE_IMPL,
-read by the extension at every call: pair / pair2 on the default packed form; pair3 = pair2's kernel, stream2 = the
-default's kernel, auto2 = the shape rule of gemm_w4_decode_sm90.cu decode_auto2_pair, all three on the second packed
+"""A/B of the dense W4A16 decode GEMM: the flat-stream kernel (TRACE_EXT_DECODE_IMPL=stream), the default (pair2 or
+stream by the shape rule decode_prefers_pair of gemm_w4_decode_sm90.cu) and the opt-in kernels (TRACE_EXT_DECODE_IMPL,
+read by the extension at every call: pair2 on the default packed form; pair3 = pair2's kernel, stream2 = the
+stream kernel, auto2 = the same shape rule, all three on the second packed
 form of prepare_fp4_weight(decode_form2=True), whose FP4 expansion is 9 instead of 11 integer ops per 8 weights),
 with cuBLAS bf16 in the same run,
 interleaved in one process: per shape, ROUNDS rounds of (IMPLS..., cuBLAS), each a do_bench_cold median over >= 4 rotated
@@ -12,7 +13,7 @@ so a broken variant never reports a time; bit_equal is the fraction of outputs e
 K splits differ, so a few fp32 sums round differently). Run: python bench/bench_decode_ab.py (about 40 s on an H200; results in
 decode_ab_h200.{json,md} under $BENCH_OUT or bench/results/).
 Arguments: optional shape indices (0, 1, 2 of SHAPES) to run a subset, e.g. `python bench/bench_decode_ab.py 2`
-(about 25 s per shape with the 6 kernels + cuBLAS, so run one shape per command to stay under 60 s; results then
+(about 25 s per shape with the 7 kernels + cuBLAS, so run one shape per command to stay under 60 s; results then
 go to decode_ab_h200_s<indices>). quad3 = pair3 with items of 4 blocks (<= 16 rows; pair3 beyond).
 """
 from __future__ import annotations
@@ -37,7 +38,9 @@ ROUNDS = 2
 SHAPES = ((14336, 4096), (4096, 14336), (7168, 4096))
 MS = (1, 8, 16, 32)
 ENV = "TRACE_EXT_DECODE_IMPL"
-IMPLS = ("default", "pair2", "pair3", "stream2", "auto2", "quad3")  # pair (3 CTAs per SM) lost to pair2 everywhere at ab46e90
+# speedups are against stream (the flat-stream kernel, the default before c7928a5); pair (3 CTAs per SM) lost to
+# pair2 everywhere at ab46e90
+IMPLS = ("stream", "default", "pair2", "pair3", "stream2", "auto2", "quad3")
 
 
 def _with_impl(impl, fn):
@@ -48,16 +51,16 @@ def _with_impl(impl, fn):
 
 def _check_pair(a, q, wp):
     """All kernels within the reference bound (1 bf16 ulp + fp32 accumulation bound), same shape / dtype; returns
-    the fraction of outputs where pair2 equals the default bit for bit, and raises unless pair3 equals pair2 and
-    stream2 equals the default bit for bit (same kernels, same sums; only the packed form differs); quad3 within the
+    the fraction of outputs where pair2 equals the stream kernel bit for bit, and raises unless pair3 equals pair2 and
+    stream2 equals the stream kernel bit for bit (same kernels, same sums; only the packed form differs); quad3 within the
     bound."""
     ys = {impl: _with_impl(None if impl == "default" else impl, lambda: O.fp4_linear(a, wp, backend="cuda"))
           for impl in IMPLS}
     for impl, y in ys.items():
         assert y.shape == ys["default"].shape and y.dtype == torch.bfloat16, impl
-    if not torch.equal(ys["pair3"], ys["pair2"]) or not torch.equal(ys["stream2"], ys["default"]):
+    if not torch.equal(ys["pair3"], ys["pair2"]) or not torch.equal(ys["stream2"], ys["stream"]):
         raise AssertionError("the second packed form changed the results of its kernel")
-    y0, y2 = ys["default"], ys["pair2"]
+    y0, y2 = ys["stream"], ys["pair2"]
     a64 = a.double()
     g = q.g.double().reshape(-1)  # one value per tensor, or one per row
     w64 = R.dequantize_f64(q.codes, q.scales) * (g[:, None] if g.numel() > 1 else g)
@@ -100,7 +103,7 @@ def main():
             row = {"shape": f"M={M} N={N} K={K}"}
             row.update({f"{k}_ms": ms[k] for k in (*IMPLS, "cublas")})
             row.update({f"{k}_%BW": bw(ms[k]) for k in IMPLS})
-            row.update({f"{k}_speedup": ms["default"] / ms[k] for k in IMPLS if k != "default"})
+            row.update({f"{k}_speedup": ms["stream"] / ms[k] for k in IMPLS if k != "stream"})
             row["auto2_vs_best"] = best / ms["auto2"]
             row["best_impl"] = min(IMPLS, key=lambda k: ms[k])
             row["best_vs_cublas"] = ms["cublas"] / best

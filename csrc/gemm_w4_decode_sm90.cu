@@ -11,7 +11,9 @@
 //    16 activation elements are contiguous (two 16-byte loads of bf16, one 8-byte load of FP4 codes).
 //  - Packed layout: per (16-row block, 256-K super-tile) 2304 bytes, 72 per lane (4 x 16 B codes + 8 B scales),
 //    blocks nb-major, so the flat tile index j = nb * KT + kt is also the byte order of a dense weight.
-//  - Default: flat per-warp streams. One resident wave (3 CTAs of 8 warps per SM up to 16 rows per unit, 2 for
+//  - Default (dense W4A16): the pair2 kernel below where every resident warp gets >= 2.5 items (decode_prefers_pair),
+//    else, and for grouped and W4A4 calls, the flat-stream kernel (TRACE_EXT_DECODE_IMPL=stream: everywhere).
+//  - Flat per-warp streams. One resident wave (3 CTAs of 8 warps per SM up to 16 rows per unit, 2 for
 //    32); the work is units x 16-row blocks x 256-K tiles (dense: one unit; grouped: one unit per (expert with
 //    rows, chunk of 8 / 16 / 32 rows), numbered by one block-wide scan of offsets, so empty experts cost nothing);
 //    warp w of W streams tiles [T w / W, T (w + 1) / W) of all T tiles: one contiguous byte range per warp (per
@@ -25,8 +27,8 @@
 //    epilogue (__threadfence = MEMBAR.SC + ERRBAR + L1 invalidate in every thread, CTA barriers, ticket round
 //    trips) among the top stalls; grouped CTAs (one per N tile and expert, 2 tiles per warp) had the same short
 //    streams. The stream kernel has no CTA barrier after its prologue, one launch wave and its arrivals at the end.
-//  - TRACE_EXT_DECODE_IMPL=pair / pair2 (opt-in, dense only, N % 32 == 0; read at every call so that one process
-//    can time them against the default): the flat streams of the default, but each item is a PAIR of adjacent
+//  - TRACE_EXT_DECODE_IMPL=pair / pair2 (dense only, N % 32 == 0; read at every call so that one process
+//    can time them against the default; pair2 is the default where decode_prefers_pair holds): the flat streams of the default, but each item is a PAIR of adjacent
 //    16-row blocks at one 256-K super-tile (2 x 2304 B in one ring slot). Why, from the static SASS of the default
 //    stream kernel at <= 8 rows (sm_90a, 80 registers): 416 instructions per 4096-weight tile = 3.25 thread
 //    instructions per weight (LOP3 0.88, IMAD 0.50, SHF 0.40, HMUL2 0.50; HMMA 0.12), all 16 MMAs of a tile
@@ -54,8 +56,8 @@
 //    of the bf16 bit set {6, 7, 8, 15} tile Z_16 (one class per pair is impossible), 3 translates + one 2-class
 //    split do (12 solutions, all needing a rotate = SHF.L.W). The CPU proof is tests/test_decode_form2_emulation.py.
 //    pair3 = pair2's kernel (kForm2), stream2 = the default's stream kernel (kForm2), bit-equal to them;
-//    auto2 = pair3 when every resident pair2 warp gets >= 2.5 items (decode_auto2_pair), else stream2: a rule from
-//    bench/results/decode_ab_h200.md for the next session to time. quad3 (<= 16 rows, N % 64 == 0; else pair3):
+//    auto2 = pair3 when every resident pair2 warp gets >= 2.5 items (decode_prefers_pair), else stream2 (the
+//    default rule of the first form, timed twice). quad3 (<= 16 rows, N % 64 == 0; else pair3):
 //    the pair kernel with items of 4 adjacent blocks (kNB = 4): each activation fragment feeds 4 blocks (a quarter
 //    of the default's activation loads per weight, half of pair2's), 4 independent MMA chains; its 3 ring slots of
 //    9.2 KB per warp (216 KB) leave one CTA of 8 warps per SM (same 147 KB in flight per SM as pair2), registers
@@ -1162,7 +1164,7 @@ void launch_decode(const GemmParams& p, const at::Tensor& like, cudaStream_t str
 
 // TRACE_EXT_DECODE_IMPL=old selects the configurations of commit 0847752 (register double buffers, 2 resident
 // CTAs per SM, experts always ranked); =ring the per-warp cp.async rings of de2a673 (dense: split K over CTAs,
-// tickets per N tile; grouped: CTAs per (N tile, expert)); default: the flat-stream kernel.
+// tickets per N tile; grouped: CTAs per (N tile, expert)); default: the stream / pair kernels (run_decode_new).
 // Read once per process, so that one GPU run can time all three.
 enum class DecodeImpl { kStream, kRing, kOld };
 DecodeImpl decode_impl() {
@@ -1174,25 +1176,28 @@ DecodeImpl decode_impl() {
   return impl;
 }
 
-// TRACE_EXT_DECODE_IMPL=pair / pair2 (dense decode only; grouped calls keep the default): read at every call, so
-// that one process can time the default and the pair kernels interleaved (1: pair, 2: pair2, 0: anything else,
-// which leaves the default untouched). The second packed form (w_packed = reference_gemm.to_decode_layout2, passed
+// TRACE_EXT_DECODE_IMPL=pair / pair2 / stream (dense decode only; grouped calls keep the default): read at every
+// call, so that one process can time the default and the pair kernels interleaved (1: pair, 2: pair2, -1: stream =
+// the flat-stream kernel everywhere, the default before 2026-11-30; 0: anything else = the default rule,
+// decode_prefers_pair). The second packed form (w_packed = reference_gemm.to_decode_layout2, passed
 // by trace_ext.ops.fp4_linear for exactly these values, ops/gemm.py DECODE_FORM2_IMPLS): 3: pair3 (pair2's
-// kernel), 4: stream2 (the default's stream kernel), 5: auto2 (decode_auto2_pair: pair3 or stream2 by shape),
+// kernel), 4: stream2 (the default's stream kernel), 5: auto2 (decode_prefers_pair: pair3 or stream2 by shape),
 // 6: quad3 (items of 4 blocks, <= 16 rows and N % 64 == 0; else pair3).
 int decode_pair_selected() {
   const char* v = std::getenv("TRACE_EXT_DECODE_IMPL");
   if (v == nullptr) return 0;
   const std::string s = v;
   return s == "pair" ? 1 : s == "pair2" ? 2 : s == "pair3" ? 3 : s == "stream2" ? 4 : s == "auto2" ? 5
-       : s == "quad3" ? 6 : 0;
+       : s == "quad3" ? 6 : s == "stream" ? -1 : 0;
 }
 
-// TRACE_EXT_DECODE_IMPL=auto2 (a proposal from bench/results/decode_ab_h200.md, to be timed): the pair kernel
-// when every resident pair2 warp gets >= 2.5 items (14336 x 4096 and 4096 x 14336: 7168 items for 2112 warps =
-// 3.4, pair2 1.01-1.31x the default at M = 1..32), else the stream kernel (7168 x 4096: 3584 items = 1.7 per warp,
-// pair2 0.79-0.94x: too few items per warp to fill its 2-item ring and to amortize the split-group reduction).
-bool decode_auto2_pair(const GemmParams& p) {
+// The default rule for bf16 activations (and TRACE_EXT_DECODE_IMPL=auto2 on the second packed form): the pair2
+// kernel when every resident pair2 warp gets >= 2.5 items (14336 x 4096 and 4096 x 14336: 7168 items for 2112
+// warps = 3.4), else the stream kernel (7168 x 4096: 3584 items = 1.7 per warp: too few items per warp to fill
+// pair2's 2-item ring and to amortize the split-group reduction). Timed twice on the H200 (decode_ab_h200*.md, runs
+// at ab46e90 and c7928a5): pair2 1.0-1.34x the stream kernel on the first two shapes at M = 1..32, 0.78-0.95x on the
+// third. W4A4 keeps the stream kernel (pair2 is tested there, not timed).
+bool decode_prefers_pair(const GemmParams& p) {
   if (p.N % (16 * kPairNB) != 0) return false;
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
@@ -1240,8 +1245,9 @@ void run_decode_ring(const GemmParams& p, int64_t rows_hint, const at::Tensor& l
   }
 }
 
-// Default: flat per-warp streams (3 tiles = 6.9 KB ahead per warp, 24 warps per SM up to 16 rows per unit;
-// 5 tiles ahead, 16 warps per SM for 32 rows), dense and grouped.
+// Default: pair2 for dense W4A16 where decode_prefers_pair holds; else flat per-warp streams (3 tiles = 6.9 KB
+// ahead per warp, 24 warps per SM up to 16 rows per unit; 5 tiles ahead, 16 warps per SM for 32 rows), dense and
+// grouped.
 template <bool kAFp4>
 void run_decode_new(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream) {
   if (decode_impl() == DecodeImpl::kRing) {
@@ -1261,7 +1267,8 @@ void run_decode_new(const GemmParams& p, int64_t rows_hint, const at::Tensor& li
     return;
   }
   TORCH_CHECK(p.M <= 32, "trace_ext: dense decode GEMM takes at most 32 rows");
-  const int pair = decode_pair_selected();
+  int pair = decode_pair_selected();
+  if (pair == 0 && !kAFp4 && decode_prefers_pair(p)) pair = 2;  // the default rule
   if (pair >= 3) {
     int dev = 0, major = 0;
     C10_CUDA_CHECK(cudaGetDevice(&dev));
@@ -1283,7 +1290,7 @@ void run_decode_new(const GemmParams& p, int64_t rows_hint, const at::Tensor& li
     // second packed form (opt-in): pair3 = pair2's configurations, stream2 = the default's, auto2 = either
     // (quad3 outside its domain runs pair3)
     const bool use_pair =
-        pair == 3 || pair == 6 ? p.N % (16 * kPairNB) == 0 : pair == 5 ? decode_auto2_pair(p) : false;
+        pair == 3 || pair == 6 ? p.N % (16 * kPairNB) == 0 : pair == 5 ? decode_prefers_pair(p) : false;
     if (use_pair) {
       if (p.M <= 8) {
         launch_decode_pair<1, kAFp4, 3, 2, !kAFp4, true>(p, like, stream);
@@ -1301,7 +1308,7 @@ void run_decode_new(const GemmParams& p, int64_t rows_hint, const at::Tensor& li
     }
     return;
   }
-  if (pair != 0 && p.N % (16 * kPairNB) == 0) {
+  if (pair > 0 && p.N % (16 * kPairNB) == 0) {
     // opt-in pair streams. pair: 3 CTAs per SM (1 item = 4.6 KB ahead per warp, 80 registers) up to 16 rows;
     // pair2: 2 CTAs per SM (2 items = 9.2 KB ahead per warp, 128 registers), bf16 activation fragments in flight
     // one item (<= 8 rows) / one 64-K step (<= 16 rows) ahead; both: 2 CTAs (2 items ahead) for 32 rows

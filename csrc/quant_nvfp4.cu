@@ -45,7 +45,8 @@
 //   amax by one redux.sync (teams of >= 32 threads), codes / scales stores untested. Static SASS of the bf16 RTN
 //   flat tile (2 blocks of 16 per lane) on sm_90a: ~565 instructions on the hot path instead of ~712 (profile of
 //   the default), no spills (the default RTN flat kernel: 16 / 48 bytes).
-// - Opt-in TRACE_EXT_QUANT_IMPL=rowg-lean (default kernels untouched; notes/NEXT_quant_rowg.md): RTN quantize with g
+// - Default since the H200 A/B at c7928a5 (TRACE_EXT_QUANT_IMPL=rowg-lean2; =lean keeps the previous default; per-row
+//   g 1.03-1.06x, swizzled 1.12-1.16x, capture 1.03-1.05x): RTN quantize with g
 //   None (the rollout's activation quantization, linear or swizzled scales, capture) through
 //   nvfp4_quant_rowg_lean_kernel: persistent 256-thread CTAs (4 per SM, <= 64 registers), a team per row walking rows
 //   by a grid stride with the next row's loads issued before the current row's amax reduction, 32-bit indices, g by
@@ -90,8 +91,10 @@ constexpr int kImplLean = 3;     // default: RTN by the power-of-two magic add, 
                                  // 2071576 vs rtn-sat: RTN g given 1.14-1.16x, per-row / swizzled / capture / guided
                                  // 1.06-1.10x, SR equal; bench/results/quant_impl_h200.md)
 constexpr int kImplRowgLean = 4;  // TRACE_EXT_QUANT_IMPL=rowg-lean: kImplLean, except RTN quantize with per-row g
-                                  // fused through nvfp4_quant_rowg_lean_kernel (opt-in until timed)
-constexpr int kImplRowgLean2 = 5;  // TRACE_EXT_QUANT_IMPL=rowg-lean2: as kImplRowgLean, two blocks per lane (16-bit x)
+                                  // fused through nvfp4_quant_rowg_lean_kernel
+constexpr int kImplRowgLean2 = 5;  // default (TRACE_EXT_QUANT_IMPL=rowg-lean2): as kImplRowgLean, two blocks per lane
+                                   // (16-bit x); H200 A/B at c7928a5 vs lean: per-row g 1.03-1.06x, swizzled
+                                   // 1.12-1.16x, capture 1.03-1.05x (bench/results/quant_impl_h200.md)
 static_assert(kChunkElems % 8 == 0, "a chunk must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kNvfp4Block % 8 == 0, "a block must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 2 blocks x 16 elements");
@@ -741,7 +744,7 @@ __global__ void __launch_bounds__(kMaxTeam) nvfp4_quant_rowg_kernel(const QuantP
   }
 }
 
-// ---- lean per-row-g kernel (TRACE_EXT_QUANT_IMPL=rowg-lean; opt-in until timed) ------------------------------------
+// ---- lean per-row-g kernel (default, two blocks per lane; TRACE_EXT_QUANT_IMPL=rowg-lean: one) ----------------
 // RTN quantize (not fake) with g None and rows of up to kRowLeanThreads * 2 blocks (bf16 / fp16: K <= 8192) or
 // kRowLeanThreads blocks (fp32: K <= 4096); linear or swizzled scales, mbits (capture) optional. Differences from
 // nvfp4_quant_rowg_kernel: persistent CTAs of kRowLeanThreads threads (4 per SM, <= 64 registers) walk row groups
@@ -1093,18 +1096,18 @@ void launch_quant_impl(const QuantParams& p, int64_t rounding, bool rowg, cudaSt
 
 // TRACE_EXT_QUANT_IMPL, read per call so that one process can time the variants: "bits" selects the previous SR /
 // guided element code (e2m1_*_bits), "rtn-fminf" the RTN saturated per element by fminf, "rtn-sat" the RTN saturated
-// after packing (the previous default); unset (or anything else, e.g. "lean") kImplLean: RTN by the power-of-two
-// magic add, quantize with linear scales through nvfp4_quant_lean_kernel, the scaled-domain SR / guided code;
-// "rowg-lean" / "rowg-lean2": kImplLean except RTN quantize with g None (nvfp4_quant_rowg_lean_kernel, one / two
-// blocks per lane).
+// after packing; "lean" kImplLean (the default before 2026-11-30): RTN by the power-of-two magic add, quantize with
+// linear scales through nvfp4_quant_lean_kernel, the scaled-domain SR / guided code; "rowg-lean": kImplLean except
+// RTN quantize with g None through nvfp4_quant_rowg_lean_kernel (one block per lane); unset (or anything else):
+// kImplRowgLean2, the same with two blocks per lane.
 int quant_impl() {
   const char* v = std::getenv("TRACE_EXT_QUANT_IMPL");
   if (v != nullptr && std::strcmp(v, "bits") == 0) return kImplBits;
   if (v != nullptr && std::strcmp(v, "rtn-fminf") == 0) return kImplScaled;
   if (v != nullptr && std::strcmp(v, "rtn-sat") == 0) return kImplRtnSat;
   if (v != nullptr && std::strcmp(v, "rowg-lean") == 0) return kImplRowgLean;
-  if (v != nullptr && std::strcmp(v, "rowg-lean2") == 0) return kImplRowgLean2;
-  return kImplLean;
+  if (v != nullptr && std::strcmp(v, "lean") == 0) return kImplLean;
+  return kImplRowgLean2;
 }
 
 template <bool FAKE, typename T>

@@ -455,6 +455,35 @@ def test_decode_pair_kernel_matches_f64_reference(monkeypatch, N, K, mode):
             assert torch.equal(O.fp4_linear(a, wp, backend="cuda"), y1), f"second {impl} call differs (M={M})"
 
 
+def _prefers_pair(N, K):
+    """decode_prefers_pair of gemm_w4_decode_sm90.cu: pair2 items (32 rows x 256 K) >= 2.5 x its resident warps."""
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    return N % 32 == 0 and 2 * (N // 32) * (K // 256) >= 5 * 2 * sms * 8
+
+
+@pytest.mark.parametrize("N,K", PAIR_SHAPES[:8], ids=[f"N{n}_K{k}" for n, k in PAIR_SHAPES[:8]])
+def test_decode_default_follows_the_shape_rule(monkeypatch, N, K):
+    """Protects the default dense decode choice: bit for bit the pair2 kernel for bf16 activations where every resident
+    pair2 warp gets >= 2.5 items (on the H200: 14336 x 4096, 4096 x 14336), else the stream kernel (7168 x 4096 and
+    the smaller projections; W4A4 always), at every M of the pair tests; TRACE_EXT_DECODE_IMPL=stream forces the
+    stream kernel."""
+    w = _quant_w(N, K)
+    wp = O.prepare_fp4_weight(w)
+    for mode in ("w4a16", "w4a4"):
+        for M in PAIR_MS:
+            a = torch.randn(M, K, device=DEV).bfloat16()
+            if mode == "w4a4":
+                a = ref.nvfp4_quantize(a)
+            ys = {}
+            for impl in (None, "stream", "pair2"):
+                _impl(monkeypatch, impl)
+                ys[impl] = O.fp4_linear(a, wp, backend="cuda")
+            want = "pair2" if mode == "w4a16" and _prefers_pair(N, K) else "stream"
+            assert torch.equal(ys[None], ys[want]), f"default is not {want}: N={N} K={K} M={M} {mode}"
+    if torch.cuda.get_device_properties(DEV).multi_processor_count == 132:  # the H200 of the benchmarks
+        assert _prefers_pair(14336, 4096) and _prefers_pair(4096, 14336) and not _prefers_pair(7168, 4096)
+
+
 def test_decode_pair_kernel_adversarial(monkeypatch):
     """Protects the pair kernel on adversarial data: the largest codes (+-6) with the largest scale (448) in every
     block against large activations of both signs (outputs that cancel to ~0 and outputs near the bf16 range),
@@ -534,7 +563,7 @@ FORM2_IMPLS = ("pair3", "stream2", "auto2", "quad3")
 @pytest.mark.parametrize("N,K", PAIR_SHAPES, ids=[f"N{n}_K{k}" for n, k in PAIR_SHAPES])
 def test_decode_form2_kernels_equal_their_form1_twins(monkeypatch, N, K, mode):
     """Protects the second packed form end to end (to_decode_layout2 + decode_word2 in the pair and stream kernels):
-    pair3 equals pair2 and stream2 equals the default bit for bit, auto2 equals one of them, for every shape and
+    pair3 equals pair2 and stream2 equals the stream kernel bit for bit, auto2 equals one of them, for every shape and
     M of the pair tests (incl. N % 32 != 0, where pair3 falls back to stream2), all within the f64 contract; quad3
     (4-block items up to 16 rows, else pair3) within the contract and repeatable with other kernels in between."""
     w = _quant_w(N, K)
@@ -547,12 +576,12 @@ def test_decode_form2_kernels_equal_their_form1_twins(monkeypatch, N, K, mode):
             a = ref.nvfp4_quantize(a)
         a64 = _a64(a)
         ys = {}
-        for impl in (None, "pair2", *FORM2_IMPLS):
+        for impl in ("stream", "pair2", *FORM2_IMPLS):
             _impl(monkeypatch, impl)
             ys[impl] = O.fp4_linear(a, wp, backend="cuda")
         pair_ok = N % 32 == 0
-        assert torch.equal(ys["stream2"], ys[None]), f"stream2 N={N} K={K} M={M} {mode}"
-        assert torch.equal(ys["pair3"], ys["pair2"] if pair_ok else ys[None]), f"pair3 N={N} K={K} M={M} {mode}"
+        assert torch.equal(ys["stream2"], ys["stream"]), f"stream2 N={N} K={K} M={M} {mode}"
+        assert torch.equal(ys["pair3"], ys["pair2"] if pair_ok else ys["stream"]), f"pair3 N={N} K={K} M={M} {mode}"
         assert torch.equal(ys["auto2"], ys["pair3"]) or torch.equal(ys["auto2"], ys["stream2"]), f"auto2 M={M}"
         _check(ys["auto2"], a64, w64, f"auto2 N={N} K={K} M={M} {mode}")
         _check(ys["quad3"], a64, w64, f"quad3 N={N} K={K} M={M} {mode}")

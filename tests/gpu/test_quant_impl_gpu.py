@@ -25,13 +25,21 @@ GRID = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
-@pytest.fixture(params=("default", "bits", "rtn-fminf", "rtn-sat", "rowg-lean"))
+@pytest.fixture(params=("default", "bits", "rtn-fminf", "rtn-sat", "lean", "rowg-lean"))
 def impl(request, monkeypatch):
     if request.param == "default":
         monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
     else:
         monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", request.param)
     return request.param
+
+
+def _set_impl(monkeypatch, variant):
+    """TRACE_EXT_QUANT_IMPL=variant (None: unset, the default)."""
+    if variant is None:
+        monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
+    else:
+        monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", variant)
 
 
 def dense_magnitudes(ulps: int, top: float = 6.0, extra=()) -> np.ndarray:
@@ -129,7 +137,7 @@ def test_impls_agree_on_random_activations(monkeypatch):
     for kw in cases:
         monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
         a = ops.nvfp4_quantize(x, backend="cuda", **kw)
-        for variant in ("bits", "rtn-fminf", "rtn-sat", "rowg-lean", "rowg-lean2"):
+        for variant in ("bits", "rtn-fminf", "rtn-sat", "lean", "rowg-lean", "rowg-lean2"):
             monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", variant)
             b = ops.nvfp4_quantize(x, backend="cuda", **kw)
             assert torch.equal(a.codes, b.codes), (variant, list(kw))
@@ -250,8 +258,9 @@ def test_rowg_lean_against_reference(monkeypatch, R, K, dtype):
 
 
 def test_rowg_lean_matches_default_everywhere_else(monkeypatch):
-    """=rowg-lean changes only RTN quantize with g None: SR, guided, g given and fake quantization give the default's
-    outputs (same kernels), and the per-row path equals the default's bit for bit on random activations."""
+    """=rowg-lean and the default (rowg-lean2) change only RTN quantize with g None: SR, guided, g given and fake
+    quantization give the outputs of =lean (the previous default; same kernels), and the per-row path equals lean's
+    bit for bit on random activations."""
     gen = torch.Generator(device=DEV).manual_seed(11)
     x = torch.randn(333, 2048, generator=gen, device=DEV).to(torch.bfloat16)
     rec = ref.guidance_from_quantized(ref.nvfp4_quantize((x.float() * 1.001).to(torch.bfloat16)), "full")
@@ -262,11 +271,13 @@ def test_rowg_lean_matches_default_everywhere_else(monkeypatch):
              lambda: ops.nvfp4_quantize(x, rounding="sr", seed=3, offset=1, backend="cuda"),
              lambda: ops.nvfp4_quantize(x, rounding="guided", guidance=rec, backend="cuda"))
     for i, call in enumerate(calls):
-        monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
+        monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", "lean")
         a = call()
-        monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", "rowg-lean")
-        assert_same(call(), a, f"call {i}")
-    monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
+        for variant in ("rowg-lean", None):
+            _set_impl(monkeypatch, variant)
+            assert_same(call(), a, f"call {i} {variant or 'default'}")
+    monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", "lean")
     fa = ops.nvfp4_fake_quantize(x, backend="cuda")
-    monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", "rowg-lean")
-    assert torch.equal(ops.nvfp4_fake_quantize(x, backend="cuda").view(torch.int16), fa.view(torch.int16))
+    for variant in ("rowg-lean", None):
+        _set_impl(monkeypatch, variant)
+        assert torch.equal(ops.nvfp4_fake_quantize(x, backend="cuda").view(torch.int16), fa.view(torch.int16))
