@@ -8,10 +8,14 @@ sets rotated between calls. Three groups (targets from the issue):
   3. large M in {1024, 4096, 16384}: W4A16 >= 0.7x and W4A4 (activation quantization included) >= 0.6x cuBLAS
      TFLOP/s.
 Also times prepare_fp4_weight. Decode rows add graph_ms: the same call replayed from a CUDA graph (GPU time only,
-as serving engines run decode); PASS/MISS uses the eager ms. Run: python bench/bench_gemm.py (gemm_h200.{json,md}).
+as serving engines run decode); PASS/MISS uses the eager ms. Decode rows also add %copy_same_bytes: GB/s against a
+device copy moving the same byte count, timed the same way (at 10-40 MB launch and ramp cost a large share: at 33 MiB
+the copy itself reaches ~60% of the 2 GiB copy rate on the H200), i.e. how close the kernel is to what a transfer of
+that size can reach. Run: python bench/bench_gemm.py (gemm_h200.{json,md}).
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -62,7 +66,15 @@ def _graph_ms(fn):
         return float("nan")
 
 
-def _row(group, shape, ms, nbytes, flops, copy_bw, base_ms, target_speedup, target_bw_frac, extra="", graph_ms=None):
+@functools.lru_cache(maxsize=None)
+def _copy_bw_at(nbytes: int) -> float:
+    """Copy bandwidth (GB/s) of a device copy moving the same bytes (nbytes / 2 read + nbytes / 2 written), timed
+    the same way: at decode sizes launch and ramp cost a large share, so this is the reachable rate at that size."""
+    return copy_bandwidth_gbs(nbytes)
+
+
+def _row(group, shape, ms, nbytes, flops, copy_bw, base_ms, target_speedup, target_bw_frac, extra="", graph_ms=None,
+         same_size=False):
     gbs = nbytes / (ms * 1e-3) / 1e9
     tfs = flops / (ms * 1e-3) / 1e12
     speed = base_ms / ms
@@ -81,6 +93,7 @@ def _row(group, shape, ms, nbytes, flops, copy_bw, base_ms, target_speedup, targ
         "GB/s": gbs,
         "TFLOP/s": tfs,
         "%copyBW": 100 * bw_frac,
+        "%copy_same_bytes": 100 * gbs / _copy_bw_at(nbytes) if same_size else float("nan"),
         "graph_ms": graph_ms if graph_ms is not None else float("nan"),
         "base_ms": base_ms,
         "speedup": speed,
@@ -112,7 +125,7 @@ def bench_dense_decode(copy_bw, rows):
             nbytes = N * K // 2 + N * K // 16 + M * K * 2 + M * N * 2
             rows.append(
                 _row("dense-decode W4A16", f"M={M} N={N} K={K}", ms, nbytes, 2 * M * N * K, copy_bw, base,
-                     3.0 if M <= 16 else 2.5, 0.75, graph_ms=gms)
+                     3.0 if M <= 16 else 2.5, 0.75, graph_ms=gms, same_size=True)
             )
         del sets
         torch.cuda.empty_cache()
@@ -153,7 +166,7 @@ def bench_grouped_decode(copy_bw, rows):
             tgt = 2.0 if T == 1 else (3.0 if T in (16, 64) else None)
             rows.append(
                 _row("grouped-decode W4A16", f"qwen3 {name} T={T} top{k}", ms, nbytes, 2 * M * N * K, copy_bw, base,
-                     tgt, 0.60, extra=f"active={active}", graph_ms=gms)
+                     tgt, 0.60, extra=f"active={active}", graph_ms=gms, same_size=True)
             )
         del sets
         torch.cuda.empty_cache()
