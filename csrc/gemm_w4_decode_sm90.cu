@@ -96,6 +96,7 @@
 
 #include "trace_ext/fp4_numerics.cuh"
 #include "trace_ext/gemm_w4_common.cuh"
+#include "trace_ext/gemm_w4_decode_kslab.h"
 #include "trace_ext/host_checks.h"
 
 namespace trace_ext {
@@ -108,14 +109,8 @@ constexpr int kTileBytes = 16 * kSuperK / 2 + 16 * kSuperK / 16;  // 2304
 constexpr int kCodeBytes = 16 * kSuperK / 2;       // 2048
 static_assert(kTileBytes == 2304 && kCodeBytes == 2048, "packed super-tile layout (reference_gemm.to_decode_layout)");
 
-// One decode-layout word -> bf16x2 of pairs 0..3 (values q * 2^-126), reference_gemm.decode_word_pairs.
-__device__ __forceinline__ void decode_word(uint32_t q, uint32_t r[4]) {
-  constexpr uint32_t kM = 0x81C081C0u;
-  r[0] = q & kM;
-  r[1] = (q << 3) & kM;
-  r[2] = (q << 6) & kM;
-  r[3] = ((q << 2) & 0x80008000u) | ((q >> 4) & 0x00C000C0u) | ((q >> 6) & 0x01000100u);
-}
+// decode_word (one decode-layout word -> bf16x2 of pairs 0..3): trace_ext/gemm_w4_common.cuh (shared with the
+// kslab kernel of gemm_w4_decode_kslab_sm90.cu).
 
 // One word of the SECOND packed form (reference_gemm.to_decode_layout2, decode_word_pairs2) -> bf16x2 of pairs
 // 0..3: 9 integer ops per 8 elements instead of 11 (pair 3 = two shift classes, one a rotate: SHF.L.W).
@@ -1267,6 +1262,8 @@ void run_decode_new(const GemmParams& p, int64_t rows_hint, const at::Tensor& li
     return;
   }
   TORCH_CHECK(p.M <= 32, "trace_ext: dense decode GEMM takes at most 32 rows");
+  // opt-in K-slab kernel (gemm_w4_decode_kslab_sm90.cu); shapes it does not take run the default
+  if (decode_kslab_selected() && run_decode_kslab(p, like, stream)) return;
   int pair = decode_pair_selected();
   if (pair == 0 && !kAFp4 && decode_prefers_pair(p)) pair = 2;  // the default rule
   if (pair >= 3) {
