@@ -74,6 +74,26 @@ constexpr int kslab_max_l(int mt8) {
 static_assert(kslab_max_l(1) >= 16 && kslab_max_l(2) >= 8 && kslab_max_l(4) >= 4,
               "the A slab must hold at least 4 super-tiles beside the rings");
 
+// shared-memory accesses by 32-bit shared addresses (computed once per warp; a generic pointer makes the compiler
+// rebuild the shared window base of every cp.async destination per tile)
+__device__ __forceinline__ void ks_cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void ks_cp_async8(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src));
+}
+// volatile: kept after the cp.async.wait_group that completes the slot (both are volatile asm)
+__device__ __forceinline__ uint4 ks_lds128(uint32_t a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ uint2 ks_lds64(uint32_t a) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(a));
+  return v;
+}
+
 __device__ __forceinline__ int kslab_first(int w, int I) { return (int)((int64_t)I * w / kKsWarps); }
 __device__ __forceinline__ int kslab_warp_of(int j, int I) {  // the warp whose item range holds item j
   return (int)(((int64_t)(j + 1) * kKsWarps - 1) / I);
@@ -117,16 +137,19 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   }
 
   // ---- weight ring: item j -> slot (j - i0) % kStages; each lane copies and reads back only its own 72 bytes
-  int j_issue = i0, slot_issue = 0;
+  int j_issue = i0;
   int k_issue = i0 < i1 ? i0 % Ls : 0;
-  const uint8_t* src_issue =
-      p.w_packed + ((int64_t)(nb0 + (i0 < i1 ? i0 / Ls : 0)) * KT + kt0 + k_issue) * kKsTileBytes;
+  const uint8_t* src_issue = p.w_packed + lane * 16 +  // the lane's first code chunk of item i0
+                             ((int64_t)(nb0 + (i0 < i1 ? i0 / Ls : 0)) * KT + kt0 + k_issue) * kKsTileBytes;
+  const int scale_src = kKsCodeBytes + 8 * lane - 16 * lane;  // the lane's 8 scale bytes, from its code chunk
+  const uint32_t ring_lane = smem_u32(ring) + lane * 16;  // the lane's code chunk in slot 0
+  const uint32_t ring_lane_sc = smem_u32(ring) + kKsCodeBytes + lane * 8;
+  uint32_t slot_issue = 0;  // byte offset of the slot being filled
   auto issue_next = [&]() {
     if (j_issue < i1) {
-      uint8_t* dst = ring + slot_issue * kKsTileBytes;
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) cp_async16(dst + kk * 512 + lane * 16, src_issue + kk * 512 + lane * 16, true);
-      cp_async8(dst + kKsCodeBytes + lane * 8, src_issue + kKsCodeBytes + lane * 8, true);
+      for (int kk = 0; kk < 4; ++kk) ks_cp_async16(ring_lane + slot_issue + kk * 512, src_issue + kk * 512);
+      ks_cp_async8(ring_lane_sc + slot_issue, src_issue + scale_src);
       src_issue += kKsTileBytes;
       if (++k_issue == Ls) {  // next block: skip the other slabs' tiles
         k_issue = 0;
@@ -135,7 +158,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     }
     cp_async_commit();  // possibly empty: one group per item for wait_group
     ++j_issue;
-    slot_issue = slot_issue + 1 == kStages ? 0 : slot_issue + 1;
+    slot_issue = slot_issue + kKsTileBytes == kStages * kKsTileBytes ? 0 : slot_issue + kKsTileBytes;
   };
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) issue_next();
@@ -200,33 +223,33 @@ __global__ void __launch_bounds__(kKsThreads, 1)
 
   // compute cursor: block x (of the CTA), k tile kl (of the slab)
   int x = i0 < i1 ? i0 / Ls : 0, kl = i0 < i1 ? i0 - x * Ls : 0;
-  int slot_rd = 0;
-  const uint8_t* const a_lane = a_s + g * a_stride + 32 * t;  // row g, elements 16t .. 16t + 15 of each 64-K step
+  uint32_t slot_rd = 0;  // byte offset of the slot being read
+  const uint32_t a_lane = smem_u32(a_s) + g * a_stride + 32 * t;  // row g, elements 16t .. 16t + 15 of a 64-K step
   for (int j = i0; j < i1; ++j) {
     asm volatile("" ::: "memory");  // the reads of the slot refilled here (previous item) stay before it
     issue_next();
     cp_async_wait<kStages - 1>();   // the group of item j is complete
     asm volatile("" ::: "memory");  // and the reads below stay after the wait
-    const uint8_t* const srd = ring + slot_rd * kKsTileBytes;
-    slot_rd = slot_rd + 1 == kStages ? 0 : slot_rd + 1;
-    const uint2 sv = *reinterpret_cast<const uint2*>(srd + kKsCodeBytes + lane * 8);
-    const uint8_t* const a_t = a_lane + kl * kKsRowBytes;
+    const uint32_t srd = ring_lane + slot_rd;
+    const uint2 sv = ks_lds64(ring_lane_sc + slot_rd);
+    slot_rd = slot_rd + kKsTileBytes == kStages * kKsTileBytes ? 0 : slot_rd + kKsTileBytes;
+    const uint32_t a_t = a_lane + kl * kKsRowBytes;
 
-    constexpr int kKkUnroll = MT8 >= 4 ? 1 : 4 / MT8;  // 16 / 32 rows: 2 / 1 64-K steps per trip (no spills)
+    constexpr int kKkUnroll = 4;  // whole tile unrolled (<= 128 registers at 32 rows: no spills)
 #pragma unroll kKkUnroll
     for (int kk = 0; kk < 4; ++kk) {
       uint32_t bq[MT8][8];
 #pragma unroll
       for (int i = 0; i < MT8; ++i) {
-        const uint4* src = reinterpret_cast<const uint4*>(a_t + 8 * i * a_stride + kk * 128);
-        const uint4 x0 = src[0], x1 = src[1];
+        const uint32_t src = a_t + 8 * i * a_stride + kk * 128;
+        const uint4 x0 = ks_lds128(src), x1 = ks_lds128(src + 16);
         bq[i][0] = x0.x; bq[i][1] = x0.y; bq[i][2] = x0.z; bq[i][3] = x0.w;
         bq[i][4] = x1.x; bq[i][5] = x1.y; bq[i][6] = x1.z; bq[i][7] = x1.w;
       }
       const uint32_t sw = kk < 2 ? sv.x : sv.y;
       const uint32_t s_lo = scale_bf16x2_folded((uint8_t)((sw >> (16 * (kk & 1))) & 0xFF));
       const uint32_t s_hi = scale_bf16x2_folded((uint8_t)((sw >> (16 * (kk & 1) + 8)) & 0xFF));
-      const uint4 wq = *reinterpret_cast<const uint4*>(srd + kk * 512 + lane * 16);
+      const uint4 wq = ks_lds128(srd + kk * 512);
       uint32_t rg[8], rh[8];  // rows g and g+8: pairs 0..7 of the 16-element block
       decode_word(wq.x, rg);
       decode_word(wq.y, rg + 4);
