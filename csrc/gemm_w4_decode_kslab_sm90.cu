@@ -9,8 +9,10 @@
 //    L2 is 3-4x the weight bytes (L2 hit 81 %, long_sb 43 %).
 //  - Work order: CTA (c, s) owns K slab s (super-tiles [s L, s L + Ls), Ls = min(L, KT - s L)) and the contiguous
 //    16-row blocks [nbk c / C, nbk (c + 1) / C) of N. It first copies A[:, slab] once into shared memory (cp.async;
-//    rows >= M zero-filled up to the 8 / 16 / 32-row MMA width; W4A4: dequantized once into bf16 q * s * 2^-7, the
-//    same values load_act_frags builds per tile, so the W4A4 path loses its per-tile activation conversion).
+//    W4A4: dequantized once into bf16 q * s * 2^-7, the same values load_act_frags builds per tile, so the W4A4 path
+//    loses its per-tile activation conversion). Rows M .. 8 MT8 - 1 of the MMA width are left unwritten rather than
+//    zero-filled: an MMA column only feeds its own accumulator column, and those of rows >= M are never stored, so
+//    at M = 1 the CTA copies 1 row instead of 8 (no per-tile row guards either way).
 //    Row stride Ls * 512 + 16 bytes (= 16 mod 128): a quarter warp's LDS.128 (lanes g = 2q, 2q + 1, t = 0..3 at
 //    byte 32 t of two consecutive rows) covers all 32 banks once, so the fragment reads are conflict free.
 //  - Weights: the CTA's items (block, k tile), block-major, are split flat over its 16 warps (equal shares +-1
@@ -107,9 +109,8 @@ __global__ void __launch_bounds__(kKsThreads, 1)
                                 int* __restrict__ tickets, int L) {
   static_assert(kStages >= 2, "a cp.async ring needs at least 2 slots");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
-  constexpr int R = 8 * MT8;      // A rows in shared memory (MMA width)
   constexpr int kFrag = MT8 * 4;  // fp32 accumulators per lane
-  extern __shared__ __align__(16) uint8_t ks_smem[];  // [warp][kStages][kKsTileBytes] rings, then A [R][a_stride]
+  extern __shared__ __align__(16) uint8_t ks_smem[];  // [warp][kStages][kKsTileBytes] rings, then A [8 MT8][a_stride]
   const int warp_id = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int K = p.K, N = p.N, M = p.M;
@@ -124,15 +125,15 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   const int i0 = kslab_first(warp_id, I), i1 = kslab_first(warp_id + 1, I);
   const float fold = kAFp4 ? kUnfoldW4A4 : kUnfoldW4A16;
 
-  // ---- A slab -> shared memory (bf16: cp.async, one group issued before the weight ring's first groups)
+  // ---- A slab -> shared memory (bf16: cp.async, one group issued before the weight ring's first groups). Rows
+  // M .. 8 MT8 - 1 are not written: MMA columns are independent, so they only feed accumulator columns m >= M, which
+  // are never stored (nor combined with stored ones).
   if constexpr (!kAFp4) {
     const int chunks = Ls * (kKsRowBytes / 16);  // 16-byte chunks per row
     const uint8_t* a_g = reinterpret_cast<const uint8_t*>(p.a) + (int64_t)kt0 * kKsRowBytes;
-    for (int q = threadIdx.x; q < R * chunks; q += kKsThreads) {
-      const int r = q / chunks, cc = q - r * chunks;
-      const bool ok = r < M;
-      cp_async16(a_s + r * a_stride + cc * 16, ok ? a_g + (int64_t)r * K * 2 + cc * 16 : p.a, ok);  // else zeros
-    }
+    for (int r = 0; r < M; ++r)
+      for (int cc = threadIdx.x; cc < chunks; cc += kKsThreads)
+        cp_async16(a_s + r * a_stride + cc * 16, a_g + (int64_t)r * K * 2 + cc * 16, true);
     cp_async_commit();
   }
 
@@ -166,24 +167,20 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   if constexpr (kAFp4) {
     // W4A4: dequantize the slab once (exactly load_act_frags' values), while the weight groups are in flight
     const int blocks = Ls * (kKsSuperK / 16);  // NVFP4 blocks of 16 per row
-    for (int q = threadIdx.x; q < R * blocks; q += kKsThreads) {
-      const int r = q / blocks, b = q - r * blocks;
-      uint32_t v[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = 0u;
-      if (r < M) {
+    for (int r = 0; r < M; ++r)
+      for (int b = threadIdx.x; b < blocks; b += kKsThreads) {
         const int kb = kt0 * (kKsSuperK / 16) + b;
         const uint2 cw2 = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const uint8_t*>(p.a) +
                                                                (int64_t)r * (K / 2) + kb * 8));
         const uint32_t sc = scale_bf16x2_folded(__ldg(p.a_scales + (int64_t)r * (K / 16) + kb));
         const uint32_t cw[2] = {cw2.x, cw2.y};
+        uint32_t v[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) v[j] = bf16x2_mul(fp4x2_to_bf16x2_biased((cw[j >> 2] >> (8 * (j & 3))) & 0xFFu), sc);
+        uint4* dst = reinterpret_cast<uint4*>(a_s + r * a_stride + b * 32);
+        dst[0] = make_uint4(v[0], v[1], v[2], v[3]);
+        dst[1] = make_uint4(v[4], v[5], v[6], v[7]);
       }
-      uint4* dst = reinterpret_cast<uint4*>(a_s + r * a_stride + b * 32);
-      dst[0] = make_uint4(v[0], v[1], v[2], v[3]);
-      dst[1] = make_uint4(v[4], v[5], v[6], v[7]);
-    }
   }
   if constexpr (!kAFp4) cp_async_wait<kStages - 1>();  // this thread's A group (the oldest) is complete
   __syncthreads();                                     // and every thread's A chunks are visible

@@ -689,7 +689,7 @@ def test_decode_kslab_shapes_reach_every_reduction_path():
 @pytest.mark.parametrize("N,K", KSLAB_SHAPES, ids=[f"N{n}_K{k}" for n, k in KSLAB_SHAPES])
 def test_decode_kslab_matches_f64_reference(monkeypatch, N, K, mode):
     """Protects the K-slab decode kernel: every shape of the pair tests plus partial-last-slab shapes, M = 1..32
-    incl. odd M (zero-filled rows of the shared A slab), W4A16 and W4A4 (A dequantized once into shared memory),
+    incl. odd M (rows M .. 8 / 16 / 32 of the MMA width unwritten in the shared A slab), W4A16 and W4A4 (A dequantized once into shared memory),
     within the f64 contract; same shape and dtype as the default; repeatable bits (self-resetting tickets, slab-order
     and warp-order sums) also when calls of the default and the stream kernel come in between on the same stream."""
     w = _quant_w(N, K)
