@@ -35,8 +35,20 @@
 //    one minimizing the largest CTA's bytes (blocks per CTA x L tiles + its partial / ticket traffic) with
 //    C = min(blocks, SMs / S) chunks, i.e. at most one resident wave. E.g. 132 SMs, M = 1: 14336 x 4096 -> S = 1,
 //    132 CTAs of 7 blocks x 16 tiles (no workspace); 4096 x 14336 -> S = 4, L = 14; 7168 x 4096 -> S = 2, L = 8.
+//    Weight copies carry an L2 evict_first policy (read once), so that the slab partials and A stay in L2.
+//  - Static SASS of the main loop per 256-K tile (4096 weights; sm_90a, whole tile unrolled, no spills; registers
+//    63 / 74 / 100 at 8 / 16 / 32 rows, W4A4 56 / 71 / 94): W4A16 364 / 391 / 442 instructions per tile against
+//    417 / 522 / 664 for the stream kernel and 389 / 561 / 526 for pair2 (per tile of its 2-tile item); W4A4
+//    381 / 408 / 460 against the stream kernel's 732 / 1145 / 1841 (its per-tile FP4 -> bf16 activation conversion).
+//    Per tile at 8 rows: 16 HMMA, 64 HMUL2, 104 LOP3 + 46 SHF + 50 IMAD (FP4 expansion: the layout's 11 ops per
+//    word), 16 LDS (8 x 128-bit activations, 4 weights, 1 scale word), 5 LDGSTS, ~28 scale conversion.
 //  - Numbers: the exact products and fp32 MMA chains of the stream kernel; only the K split into partial sums
 //    differs (within the SPEC 7 bound, like pair2). sm_90a only (the body is empty elsewhere; the host raises).
+//  - Risks: at 32 rows L <= 7 (16 KB of A per super-tile), so 14336 x 4096 runs S = 4 slabs: 4 fp32 partials of
+//    2 KB per 16-row block (7.3 MB written + read through L2 against 33 MB of weights); one CTA per SM means its
+//    prologue (A slab, 3 ring slots per warp) is not overlapped by a second CTA; the plan assumes one resident CTA
+//    per SM of up to 224 / 220 / 220 KB (rings 144 / 108 / 108 KB + A); M = 1 still runs 8-wide MMAs (7/8 of the B
+//    operand unused).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -78,11 +90,18 @@ static_assert(kslab_max_l(1) >= 16 && kslab_max_l(2) >= 8 && kslab_max_l(4) >= 4
 
 // shared-memory accesses by 32-bit shared addresses (computed once per warp; a generic pointer makes the compiler
 // rebuild the shared window base of every cp.async destination per tile)
-__device__ __forceinline__ void ks_cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+// Weight copies carry an L2 evict_first policy: the weights are read once (into shared memory), so they should not
+// push the slab partials and the activations out of L2.
+__device__ __forceinline__ uint64_t ks_evict_first_policy() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  return pol;
 }
-__device__ __forceinline__ void ks_cp_async8(uint32_t dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src));
+__device__ __forceinline__ void ks_cp_async16(uint32_t dst, const void* src, uint64_t pol) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, 16, %2;\n" ::"r"(dst), "l"(src), "l"(pol));
+}
+__device__ __forceinline__ void ks_cp_async8(uint32_t dst, const void* src, uint64_t pol) {
+  asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 8, 8, %2;\n" ::"r"(dst), "l"(src), "l"(pol));
 }
 // volatile: kept after the cp.async.wait_group that completes the slot (both are volatile asm)
 __device__ __forceinline__ uint4 ks_lds128(uint32_t a) {
@@ -146,11 +165,12 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   const uint32_t ring_lane = smem_u32(ring) + lane * 16;  // the lane's code chunk in slot 0
   const uint32_t ring_lane_sc = smem_u32(ring) + kKsCodeBytes + lane * 8;
   uint32_t slot_issue = 0;  // byte offset of the slot being filled
+  const uint64_t pol = ks_evict_first_policy();
   auto issue_next = [&]() {
     if (j_issue < i1) {
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) ks_cp_async16(ring_lane + slot_issue + kk * 512, src_issue + kk * 512);
-      ks_cp_async8(ring_lane_sc + slot_issue, src_issue + scale_src);
+      for (int kk = 0; kk < 4; ++kk) ks_cp_async16(ring_lane + slot_issue + kk * 512, src_issue + kk * 512, pol);
+      ks_cp_async8(ring_lane_sc + slot_issue, src_issue + scale_src, pol);
       src_issue += kKsTileBytes;
       if (++k_issue == Ls) {  // next block: skip the other slabs' tiles
         k_issue = 0;
