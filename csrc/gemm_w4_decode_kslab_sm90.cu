@@ -1,5 +1,7 @@
 // Opt-in dense small-M (decode) NVFP4-weight GEMM for sm_90a with the activations staged in shared memory ("kslab",
-// TRACE_EXT_DECODE_IMPL=kslab, read at every call; hooked into run_decode_new of gemm_w4_decode_sm90.cu).
+// TRACE_EXT_DECODE_IMPL=kslab, read at every call; hooked into run_decode_new of gemm_w4_decode_sm90.cu; kslab2: the
+// same kernel on the second packed form of reference_gemm.to_decode_layout2, decode_word2: 9 instead of 11 integer ops
+// per 8 weights, bit-equal to kslab; trace_ext.ops.fp4_linear passes packed2 for it, ops/gemm.py DECODE_FORM2_IMPLS).
 // Y[M, N] = A[M, K] @ W[N, K]^T, M <= 32, W packed by reference_gemm.to_decode_layout (prepare_fp4_weight).
 //
 // Design note:
@@ -42,6 +44,8 @@
 //    381 / 408 / 460 against the stream kernel's 732 / 1145 / 1841 (its per-tile FP4 -> bf16 activation conversion).
 //    Per tile at 8 rows: 16 HMMA, 64 HMUL2, 104 LOP3 + 46 SHF + 50 IMAD (FP4 expansion: the layout's 11 ops per
 //    word), 16 LDS (8 x 128-bit activations, 4 weights, 1 scale word), 5 LDGSTS, ~28 scale conversion.
+//    kslab2 (second packed form): W4A16 332 / 359 / 410, W4A4 350 / 377 / 428 per tile (registers 64 / 76 / 96,
+//    W4A4 56 / 71 / 90).
 //  - Numbers: the exact products and fp32 MMA chains of the stream kernel; only the K split into partial sums
 //    differs (within the SPEC 7 bound, like pair2). sm_90a only (the body is empty elsewhere; the host raises).
 //  - Risks: at 32 rows L <= 7 (16 KB of A per super-tile), so 14336 x 4096 runs S = 4 slabs: 4 fp32 partials of
@@ -122,7 +126,7 @@ __device__ __forceinline__ int kslab_warp_of(int j, int I) {  // the warp whose 
 
 // ws_slab: [S][N / 16][kFrag][32] fp32 slab partials (S > 1); ws_seg: [C * S][kKsWarps][2][kFrag][32] fp32 partials
 // of the blocks split between warps of a CTA. Grid (C, S).
-template <int MT8, bool kAFp4, int kStages>
+template <int MT8, bool kAFp4, int kStages, bool kForm2>
 __global__ void __launch_bounds__(kKsThreads, 1)
     gemm_w4_decode_kslab_kernel(const GemmParams p, float* __restrict__ ws_slab, float* __restrict__ ws_seg,
                                 int* __restrict__ tickets, int L) {
@@ -268,10 +272,10 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       const uint32_t s_hi = scale_bf16x2_folded((uint8_t)((sw >> (16 * (kk & 1) + 8)) & 0xFF));
       const uint4 wq = ks_lds128(srd + kk * 512);
       uint32_t rg[8], rh[8];  // rows g and g+8: pairs 0..7 of the 16-element block
-      decode_word(wq.x, rg);
-      decode_word(wq.y, rg + 4);
-      decode_word(wq.z, rh);
-      decode_word(wq.w, rh + 4);
+      decode_word_form<kForm2>(wq.x, rg);
+      decode_word_form<kForm2>(wq.y, rg + 4);
+      decode_word_form<kForm2>(wq.z, rh);
+      decode_word_form<kForm2>(wq.w, rh + 4);
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
         rg[jj] = bf16x2_mul(rg[jj], s_lo);
@@ -369,9 +373,11 @@ __global__ void __launch_bounds__(kKsThreads, 1)
 #endif
 }
 
-bool decode_kslab_selected() {
+int decode_kslab_selected() {
   const char* v = std::getenv("TRACE_EXT_DECODE_IMPL");
-  return v != nullptr && std::string(v) == "kslab";
+  if (v == nullptr) return 0;
+  const std::string sel = v;
+  return sel == "kslab" ? 1 : sel == "kslab2" ? 2 : 0;
 }
 
 // Slab count S (slab length L = ceil(KT / S) <= max_l) and N chunks C for one CTA per SM: one resident wave
@@ -400,14 +406,14 @@ KslabPlan kslab_plan(int n_blocks, int KT, int rows, int max_l, int sms) {
   return best;
 }
 
-template <int MT8, bool kAFp4>
+template <int MT8, bool kAFp4, bool kForm2>
 bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
   constexpr int kStages = kslab_stages(MT8);
   constexpr int kRing = kslab_ring_bytes(MT8);
   constexpr int kMaxL = kslab_max_l(MT8);
   constexpr int kSmemMax = kRing + 8 * MT8 * (kMaxL * kKsRowBytes + kKsRowPad);
   static_assert(kSmemMax <= kKsSmemMax, "rings + A slab must fit one CTA's shared memory");
-  auto kernel = gemm_w4_decode_kslab_kernel<MT8, kAFp4, kStages>;
+  auto kernel = gemm_w4_decode_kslab_kernel<MT8, kAFp4, kStages, kForm2>;
   static bool attr_set[kMaxDevices] = {};
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
@@ -433,19 +439,28 @@ bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream
   return true;
 }
 
-bool run_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
+template <bool kForm2>
+bool run_decode_kslab_form(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
+  const bool a4 = p.a_scales != nullptr;
+  if (p.M <= 8) {
+    return a4 ? launch_decode_kslab<1, true, kForm2>(p, like, stream) : launch_decode_kslab<1, false, kForm2>(p, like, stream);
+  }
+  if (p.M <= 16) {
+    return a4 ? launch_decode_kslab<2, true, kForm2>(p, like, stream) : launch_decode_kslab<2, false, kForm2>(p, like, stream);
+  }
+  return a4 ? launch_decode_kslab<4, true, kForm2>(p, like, stream) : launch_decode_kslab<4, false, kForm2>(p, like, stream);
+}
+
+bool run_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream_t stream, bool form2) {
   if (p.offsets != nullptr || p.M <= 0 || p.M > 32 || p.w_packed == nullptr || p.N % 16 != 0 || p.K % kKsSuperK != 0)
     return false;  // grouped or outside the decode layout: the default runs
   if ((int64_t)(p.N / 16) * (p.K / kKsSuperK) >= (int64_t{1} << 31)) return false;
   int dev = 0, major = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  TORCH_CHECK(major == 9, "trace_ext: TRACE_EXT_DECODE_IMPL=kslab is an sm_90a kernel; unset it on this device ",
-              "(compute capability ", major, ".x)");
-  const bool a4 = p.a_scales != nullptr;
-  if (p.M <= 8) return a4 ? launch_decode_kslab<1, true>(p, like, stream) : launch_decode_kslab<1, false>(p, like, stream);
-  if (p.M <= 16) return a4 ? launch_decode_kslab<2, true>(p, like, stream) : launch_decode_kslab<2, false>(p, like, stream);
-  return a4 ? launch_decode_kslab<4, true>(p, like, stream) : launch_decode_kslab<4, false>(p, like, stream);
+  TORCH_CHECK(major == 9, "trace_ext: TRACE_EXT_DECODE_IMPL=kslab / kslab2 is an sm_90a kernel; unset it on this ",
+              "device (compute capability ", major, ".x)");
+  return form2 ? run_decode_kslab_form<true>(p, like, stream) : run_decode_kslab_form<false>(p, like, stream);
 }
 
 }  // namespace gemm_w4

@@ -648,7 +648,8 @@ def test_decode_form2_switch_keeps_grouped(monkeypatch):
 # gemm_w4_decode_kslab_sm90.cu: a CTA (one per SM, 16 warps) owns a K slab of L super-tiles and a range of 16-row
 # blocks, stages A[:, slab] in shared memory once (W4A4: dequantized to bf16 there), and reduces the slabs through
 # fp32 partials + one self-resetting ticket per block (last slab adds them in slab order). Shapes: the pair shapes
-# plus two whose plans (kslab_plan below) have a partial last slab at every row count.
+# plus two whose plans (kslab_plan below) have a partial last slab at every row count. kslab2 is the same kernel on the
+# second packed form (decode_word2), so it must equal kslab bit for bit.
 KSLAB_SHAPES = PAIR_SHAPES + [(256, 8448), (64, 5376)]
 KSLAB_MAX_L = {1: 20, 2: 14, 4: 7}  # kslab_max_l(MT8) of the kernel file: A slab beside the rings in 227 KB
 
@@ -691,9 +692,10 @@ def test_decode_kslab_matches_f64_reference(monkeypatch, N, K, mode):
     """Protects the K-slab decode kernel: every shape of the pair tests plus partial-last-slab shapes, M = 1..32
     incl. odd M (rows M .. 8 / 16 / 32 of the MMA width unwritten in the shared A slab), W4A16 and W4A4 (A dequantized once into shared memory),
     within the f64 contract; same shape and dtype as the default; repeatable bits (self-resetting tickets, slab-order
-    and warp-order sums) also when calls of the default and the stream kernel come in between on the same stream."""
+    and warp-order sums) also when calls of the default and the stream kernel come in between on the same stream;
+    kslab2 (second packed form) equal to kslab bit for bit."""
     w = _quant_w(N, K)
-    wp = O.prepare_fp4_weight(w)
+    wp = O.prepare_fp4_weight(w, decode_form2=True)
     w64 = _w64(w)
     for M in PAIR_MS:
         a = torch.randn(M, K, device=DEV).bfloat16()
@@ -706,6 +708,8 @@ def test_decode_kslab_matches_f64_reference(monkeypatch, N, K, mode):
         y1 = O.fp4_linear(a, wp, backend="cuda")
         assert y1.shape == y0.shape == (M, N) and y1.dtype == y0.dtype == torch.bfloat16
         _check(y1, a64, w64, f"kslab N={N} K={K} M={M} {mode}")
+        _impl(monkeypatch, "kslab2")
+        assert torch.equal(O.fp4_linear(a, wp, backend="cuda"), y1), f"kslab2 differs from kslab (M={M})"
         for other in (None, "stream"):
             _impl(monkeypatch, other)
             O.fp4_linear(a, wp, backend="cuda")
@@ -717,8 +721,17 @@ def test_decode_kslab_adversarial(monkeypatch):
     """Protects the kslab kernel on the adversarial data of the pair test: +-6 codes with scale 448 against large
     cancelling activations (outputs near 0 and near the bf16 range), zero activation rows, subnormal scales (E4M3
     0x01), and a NaN scale byte (its output column NaN, SPEC 2, every other column finite), at K = 2048 (one slab)
-    and K = 8448 (several slabs, partial last one: the NaN travels through the slab partials)."""
-    _impl(monkeypatch, "kslab")
+    and K = 8448 (several slabs, partial last one: the NaN travels through the slab partials); kslab2 bit-equal."""
+
+    def both(a, wp):
+        _impl(monkeypatch, "kslab")
+        y = O.fp4_linear(a, wp, backend="cuda")
+        _impl(monkeypatch, "kslab2")
+        y2 = O.fp4_linear(a, wp, backend="cuda")
+        assert torch.equal(torch.nan_to_num(y2, nan=7.0), torch.nan_to_num(y, nan=7.0)), "kslab2 differs from kslab"
+        assert torch.equal(torch.isnan(y2), torch.isnan(y))
+        return y
+
     for N, K in ((1536, 2048), (512, 8448)):
         codes = torch.randint(0, 256, (N, K // 2), device=DEV, dtype=torch.uint8)
         codes[: N // 4] = 0x77  # +6, +6
@@ -728,29 +741,30 @@ def test_decode_kslab_adversarial(monkeypatch):
         scales[N // 2 : N // 2 + 64] = 0x01  # smallest subnormal scale
         w = NVFP4Tensor(codes, scales, torch.full((1,), 1e-2, device=DEV), shape=(N, K))
         w64 = _w64(w)
-        wp = O.prepare_fp4_weight(w)
+        wp = O.prepare_fp4_weight(w, decode_form2=True)
         for M in (1, 5, 16, 29, 32):
             a = (torch.randn(M, K, device=DEV) * 1e3).bfloat16()
             a[:, K // 2 :] = -a[:, : K // 2]  # exact cancellation of the two halves against repeated codes
             if M > 1:
                 a[M // 2] = 0
-            _check(O.fp4_linear(a, wp, backend="cuda"), a.double(), w64, f"kslab adv N={N} K={K} M={M}")
+            _check(both(a, wp), a.double(), w64, f"kslab adv N={N} K={K} M={M}")
             aq = ref.nvfp4_quantize(a.float() * 1e-3)
-            _check(O.fp4_linear(aq, wp, backend="cuda"), _a64(aq), w64, f"kslab adv w4a4 N={N} K={K} M={M}")
+            _check(both(aq, wp), _a64(aq), w64, f"kslab adv w4a4 N={N} K={K} M={M}")
         wn = _quantized_w(256, K)
         wn.scales[37, 5] = 0x7F
         wn.scales[200, K // 16 - 1] = 0x7F  # last NVFP4 block of K: in the last slab
-        wnp = O.prepare_fp4_weight(wn)
+        wnp = O.prepare_fp4_weight(wn, decode_form2=True)
         for M in (1, 8, 16, 32):
-            y = O.fp4_linear(torch.randn(M, K, device=DEV).bfloat16(), wnp, backend="cuda")
+            y = both(torch.randn(M, K, device=DEV).bfloat16(), wnp)
             nan_cols = torch.isnan(y).all(0)
             assert nan_cols[37] and nan_cols[200] and int(nan_cols.sum()) == 2, f"NaN columns K={K} M={M}"
             assert torch.isfinite(y[:, ~nan_cols]).all(), f"non-NaN columns K={K} M={M}"
 
 
 def test_decode_kslab_switch_keeps_errors_and_grouped(monkeypatch):
-    """Protects the switch: under TRACE_EXT_DECODE_IMPL=kslab the dense entry raises the default's error types
-    (SPEC 10), and grouped calls (not covered by kslab) run the default and match it bit for bit."""
+    """Protects the switch: under TRACE_EXT_DECODE_IMPL=kslab / kslab2 the dense entry raises the default's error
+    types (SPEC 10), and grouped calls (not covered by kslab; fp4_grouped_linear passes the first packed form) run the
+    default and match it bit for bit."""
     w = _quant_w(64, 256)
     wp = O.prepare_fp4_weight(w)
     a = torch.randn(4, 256, device=DEV).bfloat16()
@@ -764,12 +778,12 @@ def test_decode_kslab_switch_keeps_errors_and_grouped(monkeypatch):
     ]
     for call in bad_calls:
         kinds = []
-        for impl in (None, "kslab"):
+        for impl in (None, "kslab", "kslab2"):
             _impl(monkeypatch, impl)
             with pytest.raises(Exception) as ei:
                 call()
             kinds.append(type(ei.value))
-        assert kinds[0] is kinds[1], kinds
+        assert all(k is kinds[0] for k in kinds), kinds
     E, N, K = 128, 1536, 2048
     wg = O.prepare_fp4_weight(_quant_w(N, K, E))
     counts = torch.tensor(_routed_counts(4, E, 8, torch.Generator().manual_seed(5)))
@@ -779,5 +793,6 @@ def test_decode_kslab_switch_keeps_errors_and_grouped(monkeypatch):
     ag = torch.randn(32, K, device=DEV).bfloat16()
     _impl(monkeypatch, None)
     y0 = O.fp4_grouped_linear(ag, wg, offsets, backend="cuda")
-    _impl(monkeypatch, "kslab")
-    assert torch.equal(O.fp4_grouped_linear(ag, wg, offsets, backend="cuda"), y0)
+    for impl in ("kslab", "kslab2"):
+        _impl(monkeypatch, impl)
+        assert torch.equal(O.fp4_grouped_linear(ag, wg, offsets, backend="cuda"), y0), impl
