@@ -14,7 +14,9 @@ K splits differ, so a few fp32 sums round differently). Run: python bench/bench_
 decode_ab_h200.{json,md} under $BENCH_OUT or bench/results/).
 Arguments: optional shape indices (0, 1, 2 of SHAPES) to run a subset, e.g. `python bench/bench_decode_ab.py 2`
 (about 25 s per shape with the 7 kernels + cuBLAS, so run one shape per command to stay under 60 s; results then
-go to decode_ab_h200_s<indices>). quad3 = pair3 with items of 4 blocks (<= 16 rows; pair3 beyond).
+go to decode_ab_h200_s<indices>). quad3 = pair3 with items of 4 blocks (<= 16 rows; pair3 beyond). kslab = the K-slab
+kernel of gemm_w4_decode_kslab_sm90.cu (A staged once per CTA in shared memory, first packed form), kslab2 the same
+kernel on the second packed form (about 31 s per shape with both).
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ MS = (1, 8, 16, 32)
 ENV = "TRACE_EXT_DECODE_IMPL"
 # speedups are against stream (the flat-stream kernel, the default before c7928a5); pair (3 CTAs per SM) lost to
 # pair2 everywhere at ab46e90
-IMPLS = ("stream", "default", "pair2", "pair3", "stream2", "auto2", "quad3")
+IMPLS = ("stream", "default", "pair2", "pair3", "stream2", "auto2", "quad3", "kslab", "kslab2")
 
 
 def _with_impl(impl, fn):
@@ -52,13 +54,14 @@ def _with_impl(impl, fn):
 def _check_pair(a, q, wp):
     """All kernels within the reference bound (1 bf16 ulp + fp32 accumulation bound), same shape / dtype; returns
     the fraction of outputs where pair2 equals the stream kernel bit for bit, and raises unless pair3 equals pair2 and
-    stream2 equals the stream kernel bit for bit (same kernels, same sums; only the packed form differs); quad3 within the
-    bound."""
+    stream2 equals the stream kernel and kslab2 kslab bit for bit (same kernels, same sums; only the packed form
+    differs); quad3 and kslab within the bound."""
     ys = {impl: _with_impl(None if impl == "default" else impl, lambda: O.fp4_linear(a, wp, backend="cuda"))
           for impl in IMPLS}
     for impl, y in ys.items():
         assert y.shape == ys["default"].shape and y.dtype == torch.bfloat16, impl
-    if not torch.equal(ys["pair3"], ys["pair2"]) or not torch.equal(ys["stream2"], ys["stream"]):
+    if (not torch.equal(ys["pair3"], ys["pair2"]) or not torch.equal(ys["stream2"], ys["stream"])
+            or not torch.equal(ys["kslab2"], ys["kslab"])):
         raise AssertionError("the second packed form changed the results of its kernel")
     y0, y2 = ys["stream"], ys["pair2"]
     a64 = a.double()

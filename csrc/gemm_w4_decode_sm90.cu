@@ -96,6 +96,7 @@
 
 #include "trace_ext/fp4_numerics.cuh"
 #include "trace_ext/gemm_w4_common.cuh"
+#include "trace_ext/gemm_w4_decode_kslab.h"
 #include "trace_ext/host_checks.h"
 
 namespace trace_ext {
@@ -108,33 +109,10 @@ constexpr int kTileBytes = 16 * kSuperK / 2 + 16 * kSuperK / 16;  // 2304
 constexpr int kCodeBytes = 16 * kSuperK / 2;       // 2048
 static_assert(kTileBytes == 2304 && kCodeBytes == 2048, "packed super-tile layout (reference_gemm.to_decode_layout)");
 
-// One decode-layout word -> bf16x2 of pairs 0..3 (values q * 2^-126), reference_gemm.decode_word_pairs.
-__device__ __forceinline__ void decode_word(uint32_t q, uint32_t r[4]) {
-  constexpr uint32_t kM = 0x81C081C0u;
-  r[0] = q & kM;
-  r[1] = (q << 3) & kM;
-  r[2] = (q << 6) & kM;
-  r[3] = ((q << 2) & 0x80008000u) | ((q >> 4) & 0x00C000C0u) | ((q >> 6) & 0x01000100u);
-}
+// decode_word (one decode-layout word -> bf16x2 of pairs 0..3): trace_ext/gemm_w4_common.cuh (shared with the
+// kslab kernel of gemm_w4_decode_kslab_sm90.cu).
 
-// One word of the SECOND packed form (reference_gemm.to_decode_layout2, decode_word_pairs2) -> bf16x2 of pairs
-// 0..3: 9 integer ops per 8 elements instead of 11 (pair 3 = two shift classes, one a rotate: SHF.L.W).
-__device__ __forceinline__ void decode_word2(uint32_t q, uint32_t r[4]) {
-  constexpr uint32_t kM = 0x81C081C0u;
-  r[0] = q & kM;
-  r[1] = (q << 6) & kM;
-  r[2] = __funnelshift_l(q, q, 12) & kM;
-  r[3] = ((q << 2) & 0x00400040u) | (__funnelshift_l(q, q, 10) & 0x81808180u);
-}
-
-template <bool kForm2>
-__device__ __forceinline__ void decode_word_form(uint32_t q, uint32_t r[4]) {
-  if constexpr (kForm2) {
-    decode_word2(q, r);
-  } else {
-    decode_word(q, r);
-  }
-}
+// decode_word2 (the second packed form) and decode_word_form<kForm2>: trace_ext/gemm_w4_common.cuh as well.
 
 __device__ __forceinline__ uint4 ld_stream16(const void* p) {
   uint4 v;
@@ -1278,6 +1256,12 @@ void run_decode_new(const GemmParams& p, int64_t rows_hint, const at::Tensor& li
     return;
   }
   TORCH_CHECK(p.M <= 32, "trace_ext: dense decode GEMM takes at most 32 rows");
+  // opt-in K-slab kernel (gemm_w4_decode_kslab_sm90.cu; kslab2: on the second packed form); shapes kslab does not
+  // take run the default
+  if (const int ks = decode_kslab_selected()) {
+    if (run_decode_kslab(p, like, stream, ks == 2)) return;
+    TORCH_CHECK(ks == 1, "trace_ext: TRACE_EXT_DECODE_IMPL=kslab2 (second packed form) cannot take this shape");
+  }
   int pair = decode_pair_selected();
   if (pair == 0 && !kAFp4 && decode_prefers_pair(p)) pair = 2;  // the default rule
   if (pair >= 3) {

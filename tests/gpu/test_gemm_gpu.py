@@ -673,3 +673,157 @@ def test_decode_form2_switch_keeps_grouped(monkeypatch):
     for impl in FORM2_IMPLS:
         _impl(monkeypatch, impl)
         assert torch.equal(O.fp4_grouped_linear(ag, wg, offsets, backend="cuda"), y0), impl
+
+
+# ---- dense decode: K-slab kernel (TRACE_EXT_DECODE_IMPL=kslab, read at every call) ------------------------------
+# gemm_w4_decode_kslab_sm90.cu: a CTA (one per SM, 16 warps) owns a K slab of L super-tiles and a range of 16-row
+# blocks, stages A[:, slab] in shared memory once (W4A4: dequantized to bf16 there), and reduces the slabs through
+# fp32 partials + one self-resetting ticket per block (last slab adds them in slab order). Shapes: the pair shapes
+# plus two whose plans (kslab_plan below) have a partial last slab at every row count. kslab2 is the same kernel on the
+# second packed form (decode_word2), so it must equal kslab bit for bit.
+KSLAB_SHAPES = PAIR_SHAPES + [(256, 8448), (64, 5376)]
+KSLAB_MAX_L = {1: 20, 2: 14, 4: 7}  # kslab_max_l(MT8) of the kernel file: A slab beside the rings in 227 KB
+
+
+def _kslab_plan(N, K, M, sms):
+    """kslab_plan of gemm_w4_decode_kslab_sm90.cu (slab length L, slabs S, N chunks C), to show which reduction
+    paths the shapes of the tests reach (whole K in one slab, several slabs, a partial last slab)."""
+    mt8 = 1 if M <= 8 else 2 if M <= 16 else 4
+    nbk, KT, rows = N // 16, K // 256, 8 * mt8
+    best, best_cost = None, None
+    for S in range(1, KT + 1):
+        L = -(-KT // S)
+        if L > KSLAB_MAX_L[mt8] or -(-KT // L) != S:
+            continue
+        C = max(1, min(nbk, sms // S))
+        bpc = -(-nbk // C)
+        cost = bpc * L * 2304 + (bpc * (16.0 * rows * 4 + 1024) if S > 1 else 0.0)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = (L, S, C), cost
+    return best
+
+
+def test_decode_kslab_shapes_reach_every_reduction_path():
+    """Protects the coverage of the kslab tests below: on this GPU their shapes run with the whole K in one slab
+    (direct store), with several equal slabs (tickets + slab partials) and with a partial last slab, for each of the
+    8 / 16 / 32-row configurations."""
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    for M in (1, 16, 32):
+        kinds = set()
+        for N, K in KSLAB_SHAPES:
+            L, S, C = _kslab_plan(N, K, M, sms)
+            KT = K // 256
+            kinds.add("one" if S == 1 else "partial" if KT % L else "equal")
+        assert kinds == {"one", "partial", "equal"}, (M, kinds)
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("N,K", KSLAB_SHAPES, ids=[f"N{n}_K{k}" for n, k in KSLAB_SHAPES])
+def test_decode_kslab_matches_f64_reference(monkeypatch, N, K, mode):
+    """Protects the K-slab decode kernel: every shape of the pair tests plus partial-last-slab shapes, M = 1..32
+    incl. odd M (rows M .. 8 / 16 / 32 of the MMA width unwritten in the shared A slab), W4A16 and W4A4 (A dequantized once into shared memory),
+    within the f64 contract; same shape and dtype as the default; repeatable bits (self-resetting tickets, slab-order
+    and warp-order sums) also when calls of the default and the stream kernel come in between on the same stream;
+    kslab2 (second packed form) equal to kslab bit for bit."""
+    w = _quant_w(N, K)
+    wp = O.prepare_fp4_weight(w, decode_form2=True)
+    w64 = _w64(w)
+    for M in PAIR_MS:
+        a = torch.randn(M, K, device=DEV).bfloat16()
+        if mode == "w4a4":
+            a = ref.nvfp4_quantize(a)
+        a64 = _a64(a)
+        _impl(monkeypatch, None)
+        y0 = O.fp4_linear(a, wp, backend="cuda")
+        _impl(monkeypatch, "kslab")
+        y1 = O.fp4_linear(a, wp, backend="cuda")
+        assert y1.shape == y0.shape == (M, N) and y1.dtype == y0.dtype == torch.bfloat16
+        _check(y1, a64, w64, f"kslab N={N} K={K} M={M} {mode}")
+        _impl(monkeypatch, "kslab2")
+        assert torch.equal(O.fp4_linear(a, wp, backend="cuda"), y1), f"kslab2 differs from kslab (M={M})"
+        for other in (None, "stream"):
+            _impl(monkeypatch, other)
+            O.fp4_linear(a, wp, backend="cuda")
+            _impl(monkeypatch, "kslab")
+            assert torch.equal(O.fp4_linear(a, wp, backend="cuda"), y1), f"kslab call after {other} differs (M={M})"
+
+
+def test_decode_kslab_adversarial(monkeypatch):
+    """Protects the kslab kernel on the adversarial data of the pair test: +-6 codes with scale 448 against large
+    cancelling activations (outputs near 0 and near the bf16 range), zero activation rows, subnormal scales (E4M3
+    0x01), and a NaN scale byte (its output column NaN, SPEC 2, every other column finite), at K = 2048 (one slab)
+    and K = 8448 (several slabs, partial last one: the NaN travels through the slab partials); kslab2 bit-equal."""
+
+    def both(a, wp):
+        _impl(monkeypatch, "kslab")
+        y = O.fp4_linear(a, wp, backend="cuda")
+        _impl(monkeypatch, "kslab2")
+        y2 = O.fp4_linear(a, wp, backend="cuda")
+        assert torch.equal(torch.nan_to_num(y2, nan=7.0), torch.nan_to_num(y, nan=7.0)), "kslab2 differs from kslab"
+        assert torch.equal(torch.isnan(y2), torch.isnan(y))
+        return y
+
+    for N, K in ((1536, 2048), (512, 8448)):
+        codes = torch.randint(0, 256, (N, K // 2), device=DEV, dtype=torch.uint8)
+        codes[: N // 4] = 0x77  # +6, +6
+        codes[N // 4 : N // 2] = 0xFF  # -6, -6
+        scales = torch.randint(0, 0x7F, (N, K // 16), device=DEV, dtype=torch.uint8)
+        scales[: N // 2] = 0x7E  # 448
+        scales[N // 2 : N // 2 + 64] = 0x01  # smallest subnormal scale
+        w = NVFP4Tensor(codes, scales, torch.full((1,), 1e-2, device=DEV), shape=(N, K))
+        w64 = _w64(w)
+        wp = O.prepare_fp4_weight(w, decode_form2=True)
+        for M in (1, 5, 16, 29, 32):
+            a = (torch.randn(M, K, device=DEV) * 1e3).bfloat16()
+            a[:, K // 2 :] = -a[:, : K // 2]  # exact cancellation of the two halves against repeated codes
+            if M > 1:
+                a[M // 2] = 0
+            _check(both(a, wp), a.double(), w64, f"kslab adv N={N} K={K} M={M}")
+            aq = ref.nvfp4_quantize(a.float() * 1e-3)
+            _check(both(aq, wp), _a64(aq), w64, f"kslab adv w4a4 N={N} K={K} M={M}")
+        wn = _quantized_w(256, K)
+        wn.scales[37, 5] = 0x7F
+        wn.scales[200, K // 16 - 1] = 0x7F  # last NVFP4 block of K: in the last slab
+        wnp = O.prepare_fp4_weight(wn, decode_form2=True)
+        for M in (1, 8, 16, 32):
+            y = both(torch.randn(M, K, device=DEV).bfloat16(), wnp)
+            nan_cols = torch.isnan(y).all(0)
+            assert nan_cols[37] and nan_cols[200] and int(nan_cols.sum()) == 2, f"NaN columns K={K} M={M}"
+            assert torch.isfinite(y[:, ~nan_cols]).all(), f"non-NaN columns K={K} M={M}"
+
+
+def test_decode_kslab_switch_keeps_errors_and_grouped(monkeypatch):
+    """Protects the switch: under TRACE_EXT_DECODE_IMPL=kslab / kslab2 the dense entry raises the default's error
+    types (SPEC 10), and grouped calls (not covered by kslab; fp4_grouped_linear passes the first packed form) run the
+    default and match it bit for bit."""
+    w = _quant_w(64, 256)
+    wp = O.prepare_fp4_weight(w)
+    a = torch.randn(4, 256, device=DEV).bfloat16()
+    ops = torch.ops.trace_ext
+    g = w.g[:1].contiguous()
+    bad_calls = [
+        lambda: O.fp4_linear(a.cpu(), wp, backend="cuda"),
+        lambda: ops.fp4_linear(a.float(), None, None, w.codes, w.scales, g, wp.packed),
+        lambda: ops.fp4_linear(a[:, :128].contiguous(), None, None, w.codes, w.scales, g, wp.packed),
+        lambda: ops.fp4_linear(a, None, None, w.codes, w.scales, g, wp.packed[:-1].contiguous()),
+    ]
+    for call in bad_calls:
+        kinds = []
+        for impl in (None, "kslab", "kslab2"):
+            _impl(monkeypatch, impl)
+            with pytest.raises(Exception) as ei:
+                call()
+            kinds.append(type(ei.value))
+        assert all(k is kinds[0] for k in kinds), kinds
+    E, N, K = 128, 1536, 2048
+    wg = O.prepare_fp4_weight(_quant_w(N, K, E))
+    counts = torch.tensor(_routed_counts(4, E, 8, torch.Generator().manual_seed(5)))
+    offsets = torch.zeros(E + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    offsets = offsets.to(DEV)
+    ag = torch.randn(32, K, device=DEV).bfloat16()
+    _impl(monkeypatch, None)
+    y0 = O.fp4_grouped_linear(ag, wg, offsets, backend="cuda")
+    for impl in ("kslab", "kslab2"):
+        _impl(monkeypatch, impl)
+        assert torch.equal(O.fp4_grouped_linear(ag, wg, offsets, backend="cuda"), y0), impl

@@ -53,6 +53,35 @@ __device__ __forceinline__ uint32_t fp4x2_to_bf16x2_biased(uint32_t byte) {
   return ((x & 0x00080008u) << 12) | ((x & 0x00070007u) << 6);
 }
 
+// One word of the decode layout (reference_gemm.to_decode_layout) -> bf16x2 of pairs 0..3 (values q * 2^-126),
+// reference_gemm.decode_word_pairs (the decode kernels of gemm_w4_decode_sm90.cu and gemm_w4_decode_kslab_sm90.cu).
+__device__ __forceinline__ void decode_word(uint32_t q, uint32_t r[4]) {
+  constexpr uint32_t kM = 0x81C081C0u;
+  r[0] = q & kM;
+  r[1] = (q << 3) & kM;
+  r[2] = (q << 6) & kM;
+  r[3] = ((q << 2) & 0x80008000u) | ((q >> 4) & 0x00C000C0u) | ((q >> 6) & 0x01000100u);
+}
+
+// One word of the SECOND packed form (reference_gemm.to_decode_layout2, decode_word_pairs2) -> bf16x2 of pairs
+// 0..3: 9 integer ops per 8 elements instead of 11 (pair 3 = two shift classes, one a rotate: SHF.L.W).
+__device__ __forceinline__ void decode_word2(uint32_t q, uint32_t r[4]) {
+  constexpr uint32_t kM = 0x81C081C0u;
+  r[0] = q & kM;
+  r[1] = (q << 6) & kM;
+  r[2] = __funnelshift_l(q, q, 12) & kM;
+  r[3] = ((q << 2) & 0x00400040u) | (__funnelshift_l(q, q, 10) & 0x81808180u);
+}
+
+template <bool kForm2>
+__device__ __forceinline__ void decode_word_form(uint32_t q, uint32_t r[4]) {
+  if constexpr (kForm2) {
+    decode_word2(q, r);
+  } else {
+    decode_word(q, r);
+  }
+}
+
 // E4M3 scale byte -> bf16x2 of s * 2^119 (exact; NaN byte -> NaN, which then poisons the block as SPEC 2 asks).
 __device__ __forceinline__ uint32_t scale_bf16x2_folded(uint8_t s) {
   const float f = __fmul_rn(e4m3_to_float(s), kScaleFold);

@@ -99,7 +99,7 @@ def _weight_parts(w, grouped: bool):
 
 # TRACE_EXT_DECODE_IMPL values whose dense decode kernels read the second packed form (read per call, like the C++
 # side in gemm_w4_decode_sm90.cu decode_pair_selected): the op is then given packed2 instead of packed.
-DECODE_FORM2_IMPLS = ("pair3", "stream2", "auto2", "quad3")
+DECODE_FORM2_IMPLS = ("pair3", "stream2", "auto2", "quad3", "kslab2")
 
 
 def decode_form2_selected() -> bool:

@@ -1,0 +1,91 @@
+"""A/B of the dense W4A4 decode GEMM (NVFP4 activations): the default (the flat-stream kernel, which converts the
+activation fragments FP4 -> bf16 in every 256-K tile) against the K-slab kernel (TRACE_EXT_DECODE_IMPL=kslab,
+gemm_w4_decode_kslab_sm90.cu: A dequantized once per CTA into shared memory; kslab2: the same on the second packed
+form), interleaved in one process: per shape, ROUNDS rounds of (default, kslab, kslab2), each a do_bench_cold median over >= 4 rotated weight sets (cold L2); the row
+reports the median over the rounds. Shapes and M: those of bench_decode_ab.py. Before timing, each shape checks both
+kernels against the float64 reference bound of the GPU tests (1 bf16 ulp + the fp32 accumulation bound); bit_equal is
+the fraction of outputs equal between the two (their K splits differ). %copyBW is on the bytes moved (weight codes +
+scales, A codes + scales, Y). Run: python bench/bench_decode_kslab_w4a4.py (about 40 s on an H200; results in
+decode_kslab_w4a4_h200.{json,md} under $BENCH_OUT or bench/results/); optional shape indices as in bench_decode_ab.py.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode_ab import MS, N_SETS, ROUNDS, SHAPES, _with_impl  # noqa: E402
+from bench_gemm import _rot  # noqa: E402
+from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, print_table, write_results  # noqa: E402
+
+import trace_ext.ops as O  # noqa: E402
+from trace_ext import reference as ref  # noqa: E402
+from trace_ext import reference_gemm as R  # noqa: E402
+
+DEV = "cuda"
+IMPLS = ("default", "kslab", "kslab2")
+
+
+def _check(aq, q, wp):
+    """All kernels within the reference bound, same shape / dtype, kslab2 bit-equal to kslab; returns the fraction
+    of outputs where kslab equals the default bit for bit."""
+    ys = {impl: _with_impl(None if impl == "default" else impl, lambda: O.fp4_linear(aq, wp, backend="cuda"))
+          for impl in IMPLS}
+    a64 = R.dequantize_f64(aq.codes, aq.scales) * aq.g.double().reshape(-1, 1)
+    g = q.g.double().reshape(-1)
+    w64 = R.dequantize_f64(q.codes, q.scales) * (g[:, None] if g.numel() > 1 else g)
+    ref_bf16 = R.round_to_bf16(a64 @ w64.T)
+    tol = R.gemm_tolerance(a64, w64, ref_bf16)
+    for tag, y in ys.items():
+        assert y.shape == ref_bf16.shape and y.dtype == torch.bfloat16, tag
+        bad = int((~((y.double() - ref_bf16.double()).abs() <= tol)).sum())
+        if bad:
+            raise AssertionError(f"{tag}: {bad} outputs outside the reference bound")
+    if not torch.equal(ys["kslab2"], ys["kslab"]):
+        raise AssertionError("the second packed form changed the results of kslab")
+    return float((ys["default"] == ys["kslab"]).double().mean())
+
+
+def main():
+    torch.manual_seed(0)
+    copy_bw = copy_bandwidth_gbs()
+    print(f"copy bandwidth: {copy_bw:.0f} GB/s")
+    rows = []
+    pick = [int(x) for x in sys.argv[1:]] or list(range(len(SHAPES)))
+    for N, K in [SHAPES[i] for i in pick]:
+        sets = []
+        for _ in range(N_SETS):
+            q = ref.nvfp4_quantize(torch.randn(N, K, device=DEV) * 0.02, scope="tensor")
+            sets.append((q, O.prepare_fp4_weight(q, decode_form2=True)))
+        for M in MS:
+            aq = ref.nvfp4_quantize(torch.randn(M, K, device=DEV))
+            same = _check(aq, sets[0][0], sets[0][1])
+            nw = _rot([s[1] for s in sets])
+            t = {k: [] for k in IMPLS}
+            for _ in range(ROUNDS):
+                for impl in IMPLS:
+                    env = None if impl == "default" else impl
+                    t[impl].append(_with_impl(env, lambda: do_bench_cold(lambda: O.fp4_linear(aq, nw(), backend="cuda"))))
+            ms = {k: statistics.median(v) for k, v in t.items()}
+            nbytes = N * K // 2 + N * K // 16 + M * K // 2 + M * K // 16 + M * N * 2
+            row = {"shape": f"W4A4 M={M} N={N} K={K}"}
+            row.update({f"{k}_ms": ms[k] for k in IMPLS})
+            row.update({f"{k}_%BW": 100 * nbytes / (ms[k] * 1e-3) / 1e9 / copy_bw for k in IMPLS})
+            row.update({f"{k}_speedup": ms["default"] / ms[k] for k in IMPLS if k != "default"})
+            row["bit_equal"] = same
+            rows.append(row)
+            print_table(rows[-1:])
+        del sets
+        torch.cuda.empty_cache()
+    print_table(rows)
+    name = "decode_kslab_w4a4_h200" + ("" if len(pick) == len(SHAPES) else "_s" + "".join(map(str, pick)))
+    path = write_results(name, rows, env_stamp(" ".join(["python bench/bench_decode_kslab_w4a4.py", *sys.argv[1:]])),
+                         notes=f"copy BW {copy_bw:.0f} GB/s; medians of {ROUNDS} interleaved rounds")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,467 @@
+// Opt-in dense small-M (decode) NVFP4-weight GEMM for sm_90a with the activations staged in shared memory ("kslab",
+// TRACE_EXT_DECODE_IMPL=kslab, read at every call; hooked into run_decode_new of gemm_w4_decode_sm90.cu; kslab2: the
+// same kernel on the second packed form of reference_gemm.to_decode_layout2, decode_word2: 9 instead of 11 integer ops
+// per 8 weights, bit-equal to kslab; trace_ext.ops.fp4_linear passes packed2 for it, ops/gemm.py DECODE_FORM2_IMPLS).
+// Y[M, N] = A[M, K] @ W[N, K]^T, M <= 32, W packed by reference_gemm.to_decode_layout (prepare_fp4_weight).
+//
+// Design note:
+//  - Why: every kernel of gemm_w4_decode_sm90.cu streams consecutive 256-K tiles of a 16-row block per warp and
+//    re-loads the activation fragments of each tile from L1 / L2 (LDG). ncu at c7928a5 (14336 x 4096): at M = 1 the
+//    tile's first HMMA waiting on that LDG is 19 % of all stall samples; at M = 16 / 32 the activation traffic from
+//    L2 is 3-4x the weight bytes (L2 hit 81 %, long_sb 43 %).
+//  - Work order: CTA (c, s) owns K slab s (super-tiles [s L, s L + Ls), Ls = min(L, KT - s L)) and the contiguous
+//    16-row blocks [nbk c / C, nbk (c + 1) / C) of N. It first copies A[:, slab] once into shared memory (cp.async;
+//    W4A4: dequantized once into bf16 q * s * 2^-7, the same values load_act_frags builds per tile, so the W4A4 path
+//    loses its per-tile activation conversion). Rows M .. 8 MT8 - 1 of the MMA width are left unwritten rather than
+//    zero-filled: an MMA column only feeds its own accumulator column, and those of rows >= M are never stored, so
+//    at M = 1 the CTA copies 1 row instead of 8 (no per-tile row guards either way).
+//    Row stride Ls * 512 + 16 bytes (= 16 mod 128): a quarter warp's LDS.128 (lanes g = 2q, 2q + 1, t = 0..3 at
+//    byte 32 t of two consecutive rows) covers all 32 banks once, so the fragment reads are conflict free.
+//  - Weights: the CTA's items (block, k tile), block-major, are split flat over its 16 warps (equal shares +-1
+//    tile whatever N, K and M), each warp streaming its contiguous range through its own cp.async ring exactly like
+//    the stream kernel (each lane copies / reads back only its own 72 bytes, cp.async.wait_group orders, no
+//    barrier); within the slab a block's tiles are contiguous bytes. Activation fragments come from shared memory
+//    (2 LDS.128 per 8 rows per 64-K step, constant offsets), so no L2 latency per tile and no row guards.
+//  - One CTA of 16 warps per SM (<= 128 registers, __launch_bounds__(512, 1)) rather than 2 CTAs of 8: the same 16
+//    warps per SM, but one A slab shared by all of them, i.e. twice the slab length L for the same shared memory.
+//    Rings: 4 slots (3 tiles = 6.9 KB ahead per warp, 147 KB per SM) up to 8 rows, 3 slots (110 KB) for 16 / 32 rows;
+//    the rest of the 227 KB holds the slab: L <= 20 / 14 / 7 super-tiles at 8 / 16 / 32 rows.
+//  - Reduction (deterministic, same bits on every call): a block whose slab tiles one warp covers is finished by it;
+//    a block split between warps of the CTA gets one fp32 partial per warp segment (workspace, 2 slots per warp,
+//    fragment layout), and after one CTA barrier the warp holding the block's first tile adds them in warp order
+//    (= K order). A finished block is stored to Y directly when the slab is the whole K (S = 1: y = bf16(sum * fold *
+//    g_a[m] * g_w[n]), the epilogue of store_y); else its fp32 slab partial goes to the workspace and one
+//    self-resetting ticket per block (atom.add.acq_rel.gpu, the ticket buffer of the stream kernel) elects the last
+//    arriving slab, which adds all S partials in slab order and stores Y. Arrivals come after the whole stream.
+//  - Shape choice (host, kslab_plan): among the slab counts S whose L = ceil(KT / S) fits the shared memory, the
+//    one minimizing the largest CTA's bytes (blocks per CTA x L tiles + its partial / ticket traffic) with
+//    C = min(blocks, SMs / S) chunks, i.e. at most one resident wave. E.g. 132 SMs, M = 1: 14336 x 4096 -> S = 1,
+//    132 CTAs of 7 blocks x 16 tiles (no workspace); 4096 x 14336 -> S = 4, L = 14; 7168 x 4096 -> S = 2, L = 8.
+//    Weight copies carry an L2 evict_first policy (read once), so that the slab partials and A stay in L2.
+//  - Static SASS of the main loop per 256-K tile (4096 weights; sm_90a, whole tile unrolled, no spills; registers
+//    63 / 74 / 100 at 8 / 16 / 32 rows, W4A4 56 / 71 / 94): W4A16 364 / 391 / 442 instructions per tile against
+//    417 / 522 / 664 for the stream kernel and 389 / 561 / 526 for pair2 (per tile of its 2-tile item); W4A4
+//    381 / 408 / 460 against the stream kernel's 732 / 1145 / 1841 (its per-tile FP4 -> bf16 activation conversion).
+//    Per tile at 8 rows: 16 HMMA, 64 HMUL2, 104 LOP3 + 46 SHF + 50 IMAD (FP4 expansion: the layout's 11 ops per
+//    word), 16 LDS (8 x 128-bit activations, 4 weights, 1 scale word), 5 LDGSTS, ~28 scale conversion.
+//    kslab2 (second packed form): W4A16 332 / 359 / 410, W4A4 350 / 377 / 428 per tile (registers 64 / 76 / 96,
+//    W4A4 56 / 71 / 90).
+//  - Numbers: the exact products and fp32 MMA chains of the stream kernel; only the K split into partial sums
+//    differs (within the SPEC 7 bound, like pair2). sm_90a only (the body is empty elsewhere; the host raises).
+//  - Risks: at 32 rows L <= 7 (16 KB of A per super-tile), so 14336 x 4096 runs S = 4 slabs: 4 fp32 partials of
+//    2 KB per 16-row block (7.3 MB written + read through L2 against 33 MB of weights); one CTA per SM means its
+//    prologue (A slab, 3 ring slots per warp) is not overlapped by a second CTA; the plan assumes one resident CTA
+//    per SM of up to 224 / 220 / 220 KB (rings 144 / 108 / 108 KB + A); M = 1 still runs 8-wide MMAs (7/8 of the B
+//    operand unused).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+
+#include "trace_ext/fp4_numerics.cuh"
+#include "trace_ext/gemm_w4_common.cuh"
+#include "trace_ext/gemm_w4_decode_kslab.h"
+#include "trace_ext/host_checks.h"
+
+namespace trace_ext {
+namespace gemm_w4 {
+
+constexpr int kKsWarps = 16;                 // warps of a CTA (one CTA per SM)
+constexpr int kKsThreads = kKsWarps * 32;
+constexpr int kKsSuperK = 256;               // K per packed super-tile
+constexpr int kKsTileBytes = 2304;           // one (16-row block, super-tile) of the decode layout
+constexpr int kKsCodeBytes = 2048;           // its codes; then 8 scale bytes per lane
+constexpr int kKsRowBytes = kKsSuperK * 2;   // bf16 bytes of one A row per super-tile
+constexpr int kKsRowPad = 16;                // A row stride = Ls * 512 + 16 (= 16 mod 128: conflict-free LDS.128)
+constexpr int kKsSmemMax = 227 * 1024;       // dynamic shared memory of one CTA (sm_90)
+static_assert(kKsTileBytes == 16 * kKsSuperK / 2 + 16 * kKsSuperK / 16 && kKsCodeBytes == 16 * kKsSuperK / 2,
+              "packed super-tile layout (reference_gemm.to_decode_layout)");
+static_assert(kKsRowBytes % 128 == 0 && kKsRowPad % 128 == 16, "A row stride must be 16 mod 128 bytes");
+
+// ring slots per warp for MT8 8-row groups (see the design note)
+constexpr int kslab_stages(int mt8) { return mt8 == 1 ? 4 : 3; }
+constexpr int kslab_ring_bytes(int mt8) { return kKsWarps * kslab_stages(mt8) * kKsTileBytes; }
+// longest slab (super-tiles) whose A rows fit beside the rings
+constexpr int kslab_max_l(int mt8) {
+  return ((kKsSmemMax - kslab_ring_bytes(mt8)) / (8 * mt8) - kKsRowPad) / kKsRowBytes;
+}
+static_assert(kslab_max_l(1) >= 16 && kslab_max_l(2) >= 8 && kslab_max_l(4) >= 4,
+              "the A slab must hold at least 4 super-tiles beside the rings");
+
+// shared-memory accesses by 32-bit shared addresses (computed once per warp; a generic pointer makes the compiler
+// rebuild the shared window base of every cp.async destination per tile)
+// Weight copies carry an L2 evict_first policy: the weights are read once (into shared memory), so they should not
+// push the slab partials and the activations out of L2.
+__device__ __forceinline__ uint64_t ks_evict_first_policy() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ void ks_cp_async16(uint32_t dst, const void* src, uint64_t pol) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, 16, %2;\n" ::"r"(dst), "l"(src), "l"(pol));
+}
+__device__ __forceinline__ void ks_cp_async8(uint32_t dst, const void* src, uint64_t pol) {
+  asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 8, 8, %2;\n" ::"r"(dst), "l"(src), "l"(pol));
+}
+// volatile: kept after the cp.async.wait_group that completes the slot (both are volatile asm)
+__device__ __forceinline__ uint4 ks_lds128(uint32_t a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ uint2 ks_lds64(uint32_t a) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(a));
+  return v;
+}
+
+__device__ __forceinline__ int kslab_first(int w, int I) { return (int)((int64_t)I * w / kKsWarps); }
+__device__ __forceinline__ int kslab_warp_of(int j, int I) {  // the warp whose item range holds item j
+  return (int)(((int64_t)(j + 1) * kKsWarps - 1) / I);
+}
+
+// ws_slab: [S][N / 16][kFrag][32] fp32 slab partials (S > 1); ws_seg: [C * S][kKsWarps][2][kFrag][32] fp32 partials
+// of the blocks split between warps of a CTA. Grid (C, S).
+template <int MT8, bool kAFp4, int kStages, bool kForm2>
+__global__ void __launch_bounds__(kKsThreads, 1)
+    gemm_w4_decode_kslab_kernel(const GemmParams p, float* __restrict__ ws_slab, float* __restrict__ ws_seg,
+                                int* __restrict__ tickets, int L) {
+  static_assert(kStages >= 2, "a cp.async ring needs at least 2 slots");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+  constexpr int kFrag = MT8 * 4;  // fp32 accumulators per lane
+  extern __shared__ __align__(16) uint8_t ks_smem[];  // [warp][kStages][kKsTileBytes] rings, then A [8 MT8][a_stride]
+  const int warp_id = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int K = p.K, N = p.N, M = p.M;
+  const int KT = K / kKsSuperK, n_blocks = N / 16;
+  const int C = gridDim.x, c = blockIdx.x, s = blockIdx.y, S = gridDim.y;
+  const int kt0 = s * L, Ls = min(L, KT - kt0);
+  const int nb0 = (int)((int64_t)n_blocks * c / C), nb1 = (int)((int64_t)n_blocks * (c + 1) / C);
+  const int I = (nb1 - nb0) * Ls;  // items (block, k tile) of this CTA, block-major
+  const int a_stride = Ls * kKsRowBytes + kKsRowPad;
+  uint8_t* const ring = ks_smem + warp_id * kStages * kKsTileBytes;
+  uint8_t* const a_s = ks_smem + kKsWarps * kStages * kKsTileBytes;
+  const int i0 = kslab_first(warp_id, I), i1 = kslab_first(warp_id + 1, I);
+  const float fold = kAFp4 ? kUnfoldW4A4 : kUnfoldW4A16;
+
+  // ---- A slab -> shared memory (bf16: cp.async, one group issued before the weight ring's first groups). Rows
+  // M .. 8 MT8 - 1 are not written: MMA columns are independent, so they only feed accumulator columns m >= M, which
+  // are never stored (nor combined with stored ones).
+  if constexpr (!kAFp4) {
+    const int chunks = Ls * (kKsRowBytes / 16);  // 16-byte chunks per row
+    const uint8_t* a_g = reinterpret_cast<const uint8_t*>(p.a) + (int64_t)kt0 * kKsRowBytes;
+    for (int r = 0; r < M; ++r)
+      for (int cc = threadIdx.x; cc < chunks; cc += kKsThreads)
+        cp_async16(a_s + r * a_stride + cc * 16, a_g + (int64_t)r * K * 2 + cc * 16, true);
+    cp_async_commit();
+  }
+
+  // ---- weight ring: item j -> slot (j - i0) % kStages; each lane copies and reads back only its own 72 bytes
+  int j_issue = i0;
+  int k_issue = i0 < i1 ? i0 % Ls : 0;
+  const uint8_t* src_issue = p.w_packed + lane * 16 +  // the lane's first code chunk of item i0
+                             ((int64_t)(nb0 + (i0 < i1 ? i0 / Ls : 0)) * KT + kt0 + k_issue) * kKsTileBytes;
+  const int scale_src = kKsCodeBytes + 8 * lane - 16 * lane;  // the lane's 8 scale bytes, from its code chunk
+  const uint32_t ring_lane = smem_u32(ring) + lane * 16;  // the lane's code chunk in slot 0
+  const uint32_t ring_lane_sc = smem_u32(ring) + kKsCodeBytes + lane * 8;
+  uint32_t slot_issue = 0;  // byte offset of the slot being filled
+  const uint64_t pol = ks_evict_first_policy();
+  auto issue_next = [&]() {
+    if (j_issue < i1) {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) ks_cp_async16(ring_lane + slot_issue + kk * 512, src_issue + kk * 512, pol);
+      ks_cp_async8(ring_lane_sc + slot_issue, src_issue + scale_src, pol);
+      src_issue += kKsTileBytes;
+      if (++k_issue == Ls) {  // next block: skip the other slabs' tiles
+        k_issue = 0;
+        src_issue += (int64_t)(KT - Ls) * kKsTileBytes;
+      }
+    }
+    cp_async_commit();  // possibly empty: one group per item for wait_group
+    ++j_issue;
+    slot_issue = slot_issue + kKsTileBytes == kStages * kKsTileBytes ? 0 : slot_issue + kKsTileBytes;
+  };
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) issue_next();
+
+  if constexpr (kAFp4) {
+    // W4A4: dequantize the slab once (exactly load_act_frags' values), while the weight groups are in flight
+    const int blocks = Ls * (kKsSuperK / 16);  // NVFP4 blocks of 16 per row
+    for (int r = 0; r < M; ++r)
+      for (int b = threadIdx.x; b < blocks; b += kKsThreads) {
+        const int kb = kt0 * (kKsSuperK / 16) + b;
+        const uint2 cw2 = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const uint8_t*>(p.a) +
+                                                               (int64_t)r * (K / 2) + kb * 8));
+        const uint32_t sc = scale_bf16x2_folded(__ldg(p.a_scales + (int64_t)r * (K / 16) + kb));
+        const uint32_t cw[2] = {cw2.x, cw2.y};
+        uint32_t v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = bf16x2_mul(fp4x2_to_bf16x2_biased((cw[j >> 2] >> (8 * (j & 3))) & 0xFFu), sc);
+        uint4* dst = reinterpret_cast<uint4*>(a_s + r * a_stride + b * 32);
+        dst[0] = make_uint4(v[0], v[1], v[2], v[3]);
+        dst[1] = make_uint4(v[4], v[5], v[6], v[7]);
+      }
+  }
+  if constexpr (!kAFp4) cp_async_wait<kStages - 1>();  // this thread's A group (the oldest) is complete
+  __syncthreads();                                     // and every thread's A chunks are visible
+
+  // y = bf16(sum * fold * g_a[m] * g_w[n]) for the lane's fragment of block nb (store_y of the stream kernel)
+  auto store_y = [&](int nb, const float (&v)[MT8][4]) {
+#pragma unroll
+    for (int i = 0; i < MT8; ++i)
+#pragma unroll
+      for (int cc = 0; cc < 4; ++cc) {
+        const int n = nb * 16 + g + (cc >> 1) * 8, m = 8 * i + 2 * t + (cc & 1);
+        if (m >= M) continue;
+        const float ga = p.g_a != nullptr ? p.g_a[m] : 1.0f;
+        const float y = __fmul_rn(__fmul_rn(v[i][cc], fold), __fmul_rn(ga, p.g_w[(int64_t)n * p.gw_stride_n]));
+        p.y[(int64_t)m * N + n] = __float2bfloat16_rn(y);
+      }
+  };
+  // a block's sums over this slab: Y (one slab) or its slab partial (arrival after the stream)
+  auto finish_block = [&](int nb, const float (&v)[MT8][4]) {
+    if (S == 1) {
+      store_y(nb, v);
+    } else {
+      float* dst = ws_slab + ((int64_t)s * n_blocks + nb) * (kFrag * 32) + lane;
+#pragma unroll
+      for (int i = 0; i < MT8; ++i)
+#pragma unroll
+        for (int cc = 0; cc < 4; ++cc) __stcg(dst + (i * 4 + cc) * 32, v[i][cc]);
+    }
+  };
+  float* const seg_base = ws_seg + ((int64_t)(s * C + c) * kKsWarps) * 2 * (kFrag * 32) + lane;
+
+  float acc[MT8][4];
+#pragma unroll
+  for (int i = 0; i < MT8; ++i)
+#pragma unroll
+    for (int cc = 0; cc < 4; ++cc) acc[i][cc] = 0.f;
+
+  // compute cursor: block x (of the CTA), k tile kl (of the slab)
+  int x = i0 < i1 ? i0 / Ls : 0, kl = i0 < i1 ? i0 - x * Ls : 0;
+  uint32_t slot_rd = 0;  // byte offset of the slot being read
+  const uint32_t a_lane = smem_u32(a_s) + g * a_stride + 32 * t;  // row g, elements 16t .. 16t + 15 of a 64-K step
+  for (int j = i0; j < i1; ++j) {
+    asm volatile("" ::: "memory");  // the reads of the slot refilled here (previous item) stay before it
+    issue_next();
+    cp_async_wait<kStages - 1>();   // the group of item j is complete
+    asm volatile("" ::: "memory");  // and the reads below stay after the wait
+    const uint32_t srd = ring_lane + slot_rd;
+    const uint2 sv = ks_lds64(ring_lane_sc + slot_rd);
+    slot_rd = slot_rd + kKsTileBytes == kStages * kKsTileBytes ? 0 : slot_rd + kKsTileBytes;
+    const uint32_t a_t = a_lane + kl * kKsRowBytes;
+
+    constexpr int kKkUnroll = 4;  // whole tile unrolled (<= 128 registers at 32 rows: no spills)
+#pragma unroll kKkUnroll
+    for (int kk = 0; kk < 4; ++kk) {
+      uint32_t bq[MT8][8];
+#pragma unroll
+      for (int i = 0; i < MT8; ++i) {
+        const uint32_t src = a_t + 8 * i * a_stride + kk * 128;
+        const uint4 x0 = ks_lds128(src), x1 = ks_lds128(src + 16);
+        bq[i][0] = x0.x; bq[i][1] = x0.y; bq[i][2] = x0.z; bq[i][3] = x0.w;
+        bq[i][4] = x1.x; bq[i][5] = x1.y; bq[i][6] = x1.z; bq[i][7] = x1.w;
+      }
+      const uint32_t sw = kk < 2 ? sv.x : sv.y;
+      const uint32_t s_lo = scale_bf16x2_folded((uint8_t)((sw >> (16 * (kk & 1))) & 0xFF));
+      const uint32_t s_hi = scale_bf16x2_folded((uint8_t)((sw >> (16 * (kk & 1) + 8)) & 0xFF));
+      const uint4 wq = ks_lds128(srd + kk * 512);
+      uint32_t rg[8], rh[8];  // rows g and g+8: pairs 0..7 of the 16-element block
+      decode_word_form<kForm2>(wq.x, rg);
+      decode_word_form<kForm2>(wq.y, rg + 4);
+      decode_word_form<kForm2>(wq.z, rh);
+      decode_word_form<kForm2>(wq.w, rh + 4);
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        rg[jj] = bf16x2_mul(rg[jj], s_lo);
+        rh[jj] = bf16x2_mul(rh[jj], s_hi);
+      }
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+        const uint32_t af[4] = {rg[2 * ks], rh[2 * ks], rg[2 * ks + 1], rh[2 * ks + 1]};
+#pragma unroll
+        for (int i = 0; i < MT8; ++i) {
+          const uint32_t bf[2] = {bq[i][2 * ks], bq[i][2 * ks + 1]};
+          mma_bf16_16816(acc[i], af, bf);
+        }
+      }
+    }
+
+    // ---- end of a block segment: the whole slab of the block -> finish; part of it -> segment slot
+    if (kl == Ls - 1 || j == i1 - 1) {
+      if (kl == Ls - 1 && x * Ls >= i0) {
+        finish_block(nb0 + x, acc);
+      } else {
+        float* dst = seg_base + ((int64_t)warp_id * 2 + (i0 < x * Ls ? 1 : 0)) * (kFrag * 32);
+#pragma unroll
+        for (int i = 0; i < MT8; ++i)
+#pragma unroll
+          for (int cc = 0; cc < 4; ++cc) __stcg(dst + (i * 4 + cc) * 32, acc[i][cc]);
+      }
+#pragma unroll
+      for (int i = 0; i < MT8; ++i)
+#pragma unroll
+        for (int cc = 0; cc < 4; ++cc) acc[i][cc] = 0.f;
+      ++x;
+      kl = 0;
+    } else {
+      ++kl;
+    }
+  }
+  cp_async_wait<0>();  // no copy outlives the kernel's shared memory
+  __syncthreads();     // the segment partials of every warp are visible to the CTA
+
+  // ---- blocks split between warps: the warp holding a block's first tile adds the segments in warp order
+  const int xw0 = (i0 + Ls - 1) / Ls, xw1 = i1 / Ls;  // blocks whose slab tiles all lie in [i0, i1)
+  const int xl = i1 > i0 ? (i1 - 1) / Ls : -1;
+  const bool finisher = i1 > i0 && xl * Ls >= i0 && (xl + 1) * Ls > i1;  // then xl == xw1
+  if (finisher) {
+    float v[MT8][4];
+#pragma unroll
+    for (int i = 0; i < MT8; ++i)
+#pragma unroll
+      for (int cc = 0; cc < 4; ++cc) v[i][cc] = 0.f;
+    const int wl = kslab_warp_of((xl + 1) * Ls - 1, I);
+    for (int ww = warp_id; ww <= wl; ++ww) {
+      const int f = kslab_first(ww, I);
+      if (f == kslab_first(ww + 1, I)) continue;  // no items
+      const float* src = seg_base + ((int64_t)ww * 2 + (f < xl * Ls ? 1 : 0)) * (kFrag * 32);
+#pragma unroll
+      for (int i = 0; i < MT8; ++i)
+#pragma unroll
+        for (int cc = 0; cc < 4; ++cc) v[i][cc] = __fadd_rn(v[i][cc], __ldcg(src + (i * 4 + cc) * 32));
+    }
+    finish_block(nb0 + xl, v);
+  }
+  if (S == 1) return;
+
+  // ---- slab partials: one arrival per finished block; the last slab adds the S partials in slab order
+  __syncwarp();
+  const int x_end = finisher ? xw1 + 1 : xw1;
+  for (int xb = xw0; xb < x_end; ++xb) {
+    const int nb = nb0 + xb;
+    int last = 0;
+    if (lane == 0) {
+      int ticket;
+      // release: this warp's partial stores (ordered before lane 0 by the warp barrier) before the ticket
+      asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;\n" : "=r"(ticket) : "l"(tickets + nb) : "memory");
+      last = ticket == S - 1;
+      if (last) tickets[nb] = 0;  // self-reset for the next launch on this stream
+    }
+    last = __shfl_sync(0xffffffffu, last, 0);
+    if (!last) continue;
+    __syncwarp();  // acquire (lane 0's acq_rel atomic, then the warp barrier): every slab's partial is visible
+    float v[MT8][4];
+#pragma unroll
+    for (int i = 0; i < MT8; ++i)
+#pragma unroll
+      for (int cc = 0; cc < 4; ++cc) v[i][cc] = 0.f;
+    for (int ss = 0; ss < S; ++ss) {
+      const float* src = ws_slab + ((int64_t)ss * n_blocks + nb) * (kFrag * 32) + lane;
+#pragma unroll
+      for (int i = 0; i < MT8; ++i)
+#pragma unroll
+        for (int cc = 0; cc < 4; ++cc) v[i][cc] = __fadd_rn(v[i][cc], __ldcg(src + (i * 4 + cc) * 32));
+    }
+    store_y(nb, v);
+  }
+#endif
+}
+
+int decode_kslab_selected() {
+  const char* v = std::getenv("TRACE_EXT_DECODE_IMPL");
+  if (v == nullptr) return 0;
+  const std::string sel = v;
+  return sel == "kslab" ? 1 : sel == "kslab2" ? 2 : 0;
+}
+
+// Slab count S (slab length L = ceil(KT / S) <= max_l) and N chunks C for one CTA per SM: one resident wave
+// (C * S <= SMs; more only where K needs more than SMs slabs), minimizing the largest CTA's weight bytes plus its
+// slab-partial traffic (S > 1).
+struct KslabPlan {
+  int L, S, C;
+};
+KslabPlan kslab_plan(int n_blocks, int KT, int rows, int max_l, int sms) {
+  KslabPlan best{0, 0, 0};  // S = 0: no plan
+  double best_cost = -1.0;
+  for (int S = 1; S <= KT; ++S) {
+    const int L = (KT + S - 1) / S;
+    if (L > max_l || (KT + L - 1) / L != S) continue;  // too long, or the same L as a smaller S
+    const int C = std::max(1, std::min(n_blocks, sms / S));  // S > SMs: one chunk, several waves
+    const int64_t bpc = (n_blocks + C - 1) / C;  // blocks of the largest CTA
+    // a slab partial (fp32, 16 x rows) is written to and read back from L2 (about half the cost of DRAM bytes),
+    // plus about 1 KB worth of ticket round trip
+    const double cost = (double)bpc * L * kKsTileBytes + (S > 1 ? (double)bpc * (16.0 * rows * 4 + 1024) : 0.0);
+    if (S > 65535) break;  // grid.y limit
+    if (best_cost < 0 || cost < best_cost) {
+      best_cost = cost;
+      best = {L, S, C};
+    }
+  }
+  return best;
+}
+
+template <int MT8, bool kAFp4, bool kForm2>
+bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
+  constexpr int kStages = kslab_stages(MT8);
+  constexpr int kRing = kslab_ring_bytes(MT8);
+  constexpr int kMaxL = kslab_max_l(MT8);
+  constexpr int kSmemMax = kRing + 8 * MT8 * (kMaxL * kKsRowBytes + kKsRowPad);
+  static_assert(kSmemMax <= kKsSmemMax, "rings + A slab must fit one CTA's shared memory");
+  auto kernel = gemm_w4_decode_kslab_kernel<MT8, kAFp4, kStages, kForm2>;
+  static bool attr_set[kMaxDevices] = {};
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev >= kMaxDevices || !attr_set[dev]) {
+    require_kernel_image(kernel, "fp4_linear (decode kslab)");
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemMax));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        (int)cudaSharedmemCarveoutMaxShared));
+    if (dev < kMaxDevices) attr_set[dev] = true;
+  }
+  const int n_blocks = p.N / 16, KT = p.K / kKsSuperK;
+  const KslabPlan plan = kslab_plan(n_blocks, KT, 8 * MT8, kMaxL, sm_count(dev));
+  if (plan.S == 0) return false;
+  const int smem = kRing + 8 * MT8 * (plan.L * kKsRowBytes + kKsRowPad);
+  constexpr int64_t kFragFloats = MT8 * 4 * 32;
+  const int64_t slab_floats = plan.S > 1 ? (int64_t)plan.S * n_blocks * kFragFloats : 0;
+  const int64_t seg_floats = (int64_t)plan.C * plan.S * kKsWarps * 2 * kFragFloats;
+  at::Tensor ws = at::empty({slab_floats + seg_floats}, like.options().dtype(at::kFloat));
+  float* const ws_p = ws.data_ptr<float>();
+  int* tickets = plan.S > 1 ? ticket_buffer(like, stream, n_blocks) : nullptr;
+  kernel<<<dim3(plan.C, plan.S), kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L);
+  check_launch("fp4_linear (decode kslab)");
+  return true;
+}
+
+template <bool kForm2>
+bool run_decode_kslab_form(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
+  const bool a4 = p.a_scales != nullptr;
+  if (p.M <= 8) {
+    return a4 ? launch_decode_kslab<1, true, kForm2>(p, like, stream) : launch_decode_kslab<1, false, kForm2>(p, like, stream);
+  }
+  if (p.M <= 16) {
+    return a4 ? launch_decode_kslab<2, true, kForm2>(p, like, stream) : launch_decode_kslab<2, false, kForm2>(p, like, stream);
+  }
+  return a4 ? launch_decode_kslab<4, true, kForm2>(p, like, stream) : launch_decode_kslab<4, false, kForm2>(p, like, stream);
+}
+
+bool run_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream_t stream, bool form2) {
+  if (p.offsets != nullptr || p.M <= 0 || p.M > 32 || p.w_packed == nullptr || p.N % 16 != 0 || p.K % kKsSuperK != 0)
+    return false;  // grouped or outside the decode layout: the default runs
+  if ((int64_t)(p.N / 16) * (p.K / kKsSuperK) >= (int64_t{1} << 31)) return false;
+  int dev = 0, major = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  TORCH_CHECK(major == 9, "trace_ext: TRACE_EXT_DECODE_IMPL=kslab / kslab2 is an sm_90a kernel; unset it on this ",
+              "device (compute capability ", major, ".x)");
+  return form2 ? run_decode_kslab_form<true>(p, like, stream) : run_decode_kslab_form<false>(p, like, stream);
+}
+
+}  // namespace gemm_w4
+}  // namespace trace_ext
