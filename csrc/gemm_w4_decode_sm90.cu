@@ -535,6 +535,8 @@ __device__ __forceinline__ uint32_t scale2_bf16x2_folded(uint32_t w) {
   const __nv_bfloat162 b2 = __floats2bfloat162_rn(f0, f1);  // exact (at most 4 significant bits)
   return bf16x2_mul(*reinterpret_cast<const uint32_t*>(&b2), 0x7B007B00u);  // * 2^119 in both halves, exact
 }
+// Keeps p as one register value (no re-association of the address sums around it by the compiler).
+__device__ __forceinline__ void opaque_ptr(const uint8_t*& p) { asm("" : "+l"(p)); }
 __device__ __forceinline__ uint32_t bf16x2_lo_lo(uint32_t s) {  // folds into the .H0_H0 operand swizzle
   uint32_t d;
   asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n mov.b32 %0, {lo, lo};\n}" : "=r"(d) : "r"(s));
@@ -547,12 +549,16 @@ __device__ __forceinline__ uint32_t bf16x2_hi_hi(uint32_t s) {  // .H1_H1
 }
 
 // The lean item loop and epilogue of one warp (dense): items j in [j0, j1) of T, W warps; item j = (group gb of NB
-// adjacent 16-row blocks, super-tile kt), j = gb * KT + kt. kRoll: <= 8 rows of bf16, fragments one item ahead
-// (rolling, see above); kStepA: pair2's one-64-K-step-ahead fragments (<= 16 rows of bf16); else loaded per step.
-template <int MT8, int NB, bool kAFp4, int kStages, bool kRoll, bool kStepA, int kKkUnroll>
+// adjacent 16-row blocks, super-tile kt), j = gb * KT + kt. <= 8 rows of bf16, fragments one item ahead: kRoll
+// (stream, 80 registers) step by step into the registers just consumed (ptxas 13.0 issues them after the item's last
+// MMA: as early as the default's loads before the next ring wait, no later), kHoist2 (pair2, 128 registers) as in
+// pair2: a second set, all loaded at the start of the item; kStepA: pair2's one-64-K-step-ahead fragments (<= 16 rows
+// of bf16); else loaded per step.
+template <int MT8, int NB, bool kAFp4, int kStages, bool kRoll, bool kStepA, int kKkUnroll, bool kHoist2 = false>
 __device__ __forceinline__ void decode_items_lean(const GemmParams& p, float* __restrict__ ws, int* __restrict__ tickets,
                                                   int T, int W, int w, int j0, int j1, uint8_t* ring) {
-  static_assert(!kRoll || (MT8 == 1 && !kAFp4 && kKkUnroll == 4), "rolling fragments: <= 8 rows of bf16, whole item");
+  static_assert(!(kRoll || kHoist2) || (MT8 == 1 && !kAFp4 && kKkUnroll == 4), "item-ahead fragments: <= 8 rows of bf16");
+  static_assert(!(kRoll && kHoist2), "one item-ahead scheme");
   static_assert(!kStepA || (MT8 == 2 && !kAFp4), "step-ahead fragments: <= 16 rows of bf16");
   constexpr int kFrag = NB * MT8 * 4;
   constexpr uint32_t kItemBytes = NB * kTileBytes, kRingBytes = kStages * kItemBytes;
@@ -563,8 +569,10 @@ __device__ __forceinline__ void decode_items_lean(const GemmParams& p, float* __
 
   // this lane's bytes of ring slot offset so: codes at ring_c + so + b * 2304 + kk * 512, scales at ring_s + so + ..
   const uint32_t ring_c = smem_u32(ring) + lane * 16, ring_s = smem_u32(ring) + kCodeBytes + lane * 8;
-  const uint8_t* const src_c = p.w_packed + lane * 16;
-  const uint8_t* const src_s = p.w_packed + kCodeBytes + lane * 8;
+  const uint8_t* src_c = p.w_packed + lane * 16;
+  const uint8_t* src_s = p.w_packed + kCodeBytes + lane * 8;
+  opaque_ptr(src_c);  // one 64-bit base register each: tile addresses are one IMAD.WIDE.U32 from it
+  opaque_ptr(src_s);
   int j_issue = j0;
   int kt_i = j0 % KT;
   uint32_t ti = (uint32_t)(j0 / KT) * (uint32_t)(NB * KT) + (uint32_t)kt_i;  // first tile of item j_issue (< 2^32)
@@ -602,11 +610,16 @@ __device__ __forceinline__ void decode_items_lean(const GemmParams& p, float* __
       pa[i] = reinterpret_cast<const uint8_t*>(p.a) + (int64_t)m * (K / 2) + 8 * t;
       ps[i] = p.a_scales + (int64_t)m * (K / 16) + t;
     }
+    if constexpr (MT8 <= 2) {  // (32 rows: 8 more registers held would spill beside pair2's 128)
+      opaque_ptr(pa[i]);
+      if constexpr (kAFp4) opaque_ptr(ps[i]);
+    }
   }
   auto load_a = [&](int kt_a, int kk, uint32_t (&bq)[MT8][8]) {
 #pragma unroll
     for (int i = 0; i < MT8; ++i) {
       const uint8_t* q = pa[i] + (uint64_t)(uint32_t)kt_a * kAStep;
+      if constexpr (MT8 <= 2) opaque_ptr(q);  // the 64-K steps at immediate offsets from one pointer
       if constexpr (!kAFp4) {
         const uint4 x0 = __ldg(reinterpret_cast<const uint4*>(q + kk * 128));
         const uint4 x1 = __ldg(reinterpret_cast<const uint4*>(q + kk * 128 + 16));
@@ -654,8 +667,8 @@ __device__ __forceinline__ void decode_items_lean(const GemmParams& p, float* __
   int j_end = min(j1, (gb + 1) * KT) - 1;  // last item of the current group segment
   int pending0 = -1, pending1 = -1;  // groups whose partial this warp wrote (slot 0: first group, 1: last group)
   uint32_t so_rd = 0, so_prev = (kStages - 1) * kItemBytes;  // slot read now; slot read by the previous item
-  uint32_t bqr[kRoll ? 4 : 1][MT8][8];  // kRoll: this item's fragments (the next item's, step by step)
-  if constexpr (kRoll) {
+  uint32_t bqr[kRoll || kHoist2 ? 4 : 1][MT8][8];  // this item's fragments (kRoll: the next item's, step by step)
+  if constexpr (kRoll || kHoist2) {
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) load_a(kt, kk, bqr[kk]);
   }
@@ -664,6 +677,11 @@ __device__ __forceinline__ void decode_items_lean(const GemmParams& p, float* __
   for (int j = j0; j < j1; ++j) {
     const bool seg_end = j == j_end;
     const int kt_n = seg_end ? 0 : kt + 1;  // the next item's k tile (past the warp's last item: in range, unused)
+    uint32_t bqn[kHoist2 ? 4 : 1][MT8][8];  // kHoist2: the next item's fragments, in flight during this item
+    if constexpr (kHoist2) {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) load_a(kt_n, kk, bqn[kk]);
+    }
     asm volatile("" ::: "memory");  // the reads of the slot refilled here (previous item) stay before it
     issue(so_prev);
     cp_async_wait<kStages - 1>();   // the group of item j is complete
@@ -675,7 +693,7 @@ __device__ __forceinline__ void decode_items_lean(const GemmParams& p, float* __
 #pragma unroll kKkUnroll
     for (int kk = 0; kk < 4; ++kk) {
       uint32_t bq[MT8][8];
-      if constexpr (kRoll) {
+      if constexpr (kRoll || kHoist2) {
 #pragma unroll
         for (int i = 0; i < MT8; ++i)
 #pragma unroll
@@ -696,7 +714,12 @@ __device__ __forceinline__ void decode_items_lean(const GemmParams& p, float* __
 #pragma unroll
       for (int b = 0; b < NB; ++b) {
         const uint32_t sw = kk < 2 ? sv[b].x : sv[b].y;
-        const uint32_t s2 = (kk & 1) ? scale2_bf16x2_folded<1>(sw) : scale2_bf16x2_folded<0>(sw);
+        uint32_t s2;
+        if constexpr (kKkUnroll == 4) {  // whole item unrolled: the high halfword as the cvt's .H1 operand
+          s2 = (kk & 1) ? scale2_bf16x2_folded<1>(sw) : scale2_bf16x2_folded<0>(sw);
+        } else {
+          s2 = scale2_bf16x2_folded<0>((kk & 1) ? sw >> 16 : sw);
+        }
         const uint32_t s_lo = bf16x2_lo_lo(s2), s_hi = bf16x2_hi_hi(s2);
         const uint4 wq = lds128(ring_c + so_rd + b * kTileBytes + kk * 512);
         uint32_t rg[8], rh[8];  // rows g and g+8: pairs 0..7 of the 16-element block
@@ -745,6 +768,14 @@ __device__ __forceinline__ void decode_items_lean(const GemmParams& p, float* __
           for (int c = 0; c < 4; ++c) acc[b][i][c] = 0.f;
       ++gb;
       j_end = min(j1 - 1, j_end + KT);
+    }
+    if constexpr (kHoist2) {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int i = 0; i < MT8; ++i)
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) bqr[kk][i][jj] = bqn[kk][i][jj];
     }
     kt = kt_n;
     so_prev = so_rd;
@@ -1114,8 +1145,8 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
   uint8_t* const ring = dec_ring + warp_id * kStages * kItemBytes;
   if constexpr (kLean) {  // pair2-lean: first packed form (bit-equal to this kernel)
     static_assert(!kForm2, "lean pair variant: first packed form");
-    decode_items_lean<MT8, NB, kAFp4, kStages, kPrefA && MT8 == 1 && !kAFp4, kPrefA && MT8 == 2 && !kAFp4,
-                      (MT8 >= 2 ? 1 : 4)>(p, ws, tickets, T, W, w, j0, j1, ring);
+    decode_items_lean<MT8, NB, kAFp4, kStages, false, kPrefA && MT8 == 2 && !kAFp4, (MT8 >= 4 ? 1 : 4 / MT8),
+                      kPrefA && MT8 == 1 && !kAFp4>(p, ws, tickets, T, W, w, j0, j1, ring);
     return;
   }
 
