@@ -535,6 +535,20 @@ __device__ __forceinline__ uint32_t scale2_bf16x2_folded(uint32_t w) {
   const __nv_bfloat162 b2 = __floats2bfloat162_rn(f0, f1);  // exact (at most 4 significant bits)
   return bf16x2_mul(*reinterpret_cast<const uint32_t*>(&b2), 0x7B007B00u);  // * 2^119 in both halves, exact
 }
+// decode_word with pair 3 in 5 integer ops instead of 6 (10 per word instead of 11): bits 10, 11 -> 6, 7 and
+// 14 -> 8 of both halves are the high word of ONE product (q & 0x4C004C00) * (2^28 + 2^26): every partial product
+// lands at or above bit 36 (the low word is zero) and no two overlap (bits 4-8, 10 and 20-24, 26 of the high word),
+// so the high word is the exact OR of the shifted copies, masked to the pair's bits; bit 13 -> 15 is the shift class
+// of the sign (q << 2). Same bits as decode_word for every word (tests/test_decode_lean_emulation.py, both halves
+// exhaustively).
+__device__ __forceinline__ void decode_word_lean(uint32_t q, uint32_t r[4]) {
+  constexpr uint32_t kM = 0x81C081C0u;
+  r[0] = q & kM;
+  r[1] = (q << 3) & kM;
+  r[2] = (q << 6) & kM;
+  r[3] = (__umulhi(q & 0x4C004C00u, 0x14000000u) & 0x01C001C0u) | ((q << 2) & 0x80008000u);
+}
+
 // Keeps p as one register value (no re-association of the address sums around it by the compiler).
 __device__ __forceinline__ void opaque_ptr(const uint8_t*& p) { asm("" : "+l"(p)); }
 __device__ __forceinline__ uint32_t bf16x2_lo_lo(uint32_t s) {  // folds into the .H0_H0 operand swizzle
@@ -723,10 +737,10 @@ __device__ __forceinline__ void decode_items_lean(const GemmParams& p, float* __
         const uint32_t s_lo = bf16x2_lo_lo(s2), s_hi = bf16x2_hi_hi(s2);
         const uint4 wq = lds128(ring_c + so_rd + b * kTileBytes + kk * 512);
         uint32_t rg[8], rh[8];  // rows g and g+8: pairs 0..7 of the 16-element block
-        decode_word(wq.x, rg);
-        decode_word(wq.y, rg + 4);
-        decode_word(wq.z, rh);
-        decode_word(wq.w, rh + 4);
+        decode_word_lean(wq.x, rg);
+        decode_word_lean(wq.y, rg + 4);
+        decode_word_lean(wq.z, rh);
+        decode_word_lean(wq.w, rh + 4);
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj) {
           rg[jj] = bf16x2_mul(rg[jj], s_lo);

@@ -82,3 +82,27 @@ def test_default_conversion_is_the_exact_folded_scale():
     assert _bf16_value(bits[[0x01]])[0] == 2.0**-9 * FOLD
     assert _bf16_value(bits[[0x7E]])[0] == 448.0 * FOLD
     assert np.isnan(v[0x7F]) and np.isnan(v[0xFF]) and int(np.isnan(v).sum()) == 2
+
+
+def _decode_word_lean(w: torch.Tensor) -> list[torch.Tensor]:
+    """decode_word_lean of gemm_w4_decode_sm90.cu (int64 emulation; __umulhi = high word of the 64-bit product)."""
+    M = 0x81C081C0
+    hi = ((w & 0x4C004C00) * 0x14000000) >> 32
+    return [w & M, (w << 3) & M, (w << 6) & M, (hi & 0x01C001C0) | ((w << 2) & 0x80008000)]
+
+
+def test_lean_decode_word_equals_decode_word_in_both_halves_exhaustively():
+    """Protects decode_word_lean (pair 3 as the high word of one product): the same 4 bf16x2 words as decode_word
+    (reference_gemm.decode_word_pairs) for all 65536 values of each 16-bit half, the other half random. The halves
+    cannot interact (no carries: the partial products are disjoint), which the random other halves also exercise."""
+    from trace_ext import reference_gemm as R
+
+    g = torch.Generator().manual_seed(5)
+    half = torch.arange(1 << 16, dtype=torch.int64)
+    for _ in range(4):
+        other = torch.randint(0, 1 << 16, (1 << 16,), dtype=torch.int64, generator=g)
+        for w in (half | (other << 16), other | (half << 16)):
+            want = R.decode_word_pairs(w)
+            got = _decode_word_lean(w)
+            for j in range(4):
+                assert torch.equal(got[j] & 0xFFFFFFFF, want[j] & 0xFFFFFFFF), j
