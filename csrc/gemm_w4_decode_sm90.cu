@@ -64,6 +64,17 @@
 //    still capped at 128 (launch bound of 2 CTAs). Static main loop at <= 8 rows (sm_90a, whole item unrolled):
 //    pair2 1207 -> pair3 1143 -> quad3 1910 instructions per 8192 / 8192 / 16384 weights (4.71 / 4.46 / 3.73 thread
 //    instructions per weight); stream 579 -> stream2 547 per 4096 (4.52 / 4.27).
+//  - TRACE_EXT_DECODE_IMPL=stream-lean / pair2-lean / auto-lean (opt-in, dense, first packed form; read at every
+//    call): the stream / pair2 kernels (auto-lean: the default rule) with a shorter item loop, decode_items_lean
+//    (details there), bit-equal to their twins (same products, same fp32 MMA chains in the same order). Why: the
+//    profile at c7928a5 (14336 x 4096, M = 1: 4.0 thread instructions per weight against an issue budget of ~3.9 at
+//    DRAM rate). Per item: scales by one cvt.rn.f16x2.e4m3x2 per byte pair (5 ops per 2 scales instead of ~10),
+//    pair 3 of the FP4 expansion as the high word of one product (10 integer ops per 8 weights instead of 11), no
+//    zeroing of padded activation rows (they read row M - 1), one base register per address stream, 32-bit ring
+//    addresses computed once, one compare per item for the segment end, a dense store_y. Static SASS hot path of the
+//    item loop (sm_90a, ptxas 13.0; per 4096 weights for stream, 8192 for pair2), default -> lean: stream <= 8 rows
+//    417 -> 309, 16 rows 522 -> 382, 32 rows 664 -> 472; pair2 778 -> 606, 1010 -> 721, 1051 -> 808. Registers
+//    80 / 80 / 110 (stream, was 80 / 80 / 122) and 116 / 108 / 128 (pair2, was 127 / 113 / 128), no spills.
 //  - TRACE_EXT_DECODE_IMPL=ring (the path of de2a673, dense and grouped): every warp streams its super-tiles
 //    through its own cp.async ring in shared memory (3-4 slots of 2304 B, 2-3 super-tiles in flight per warp),
 //    each lane copying and reading back only its own 72 bytes, so cp.async.wait_group orders the copy before the
