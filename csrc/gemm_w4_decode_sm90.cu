@@ -508,9 +508,12 @@ __device__ __forceinline__ int64_t stream_first_tile(int w, int64_t T, int W) { 
 //  - activation rows at or past M load row M - 1 instead of zeros (their MMA columns are never stored nor reduced
 //    into stored outputs): no per-item zeroing (16 CS2R) nor predicates; per-row pointers computed once, one
 //    IMAD.WIDE per row and item.
-//  - <= 8 rows of bf16 (stream: 80 registers): each 64-K step's fragments of the NEXT item are loaded right after
-//    this step's MMAs into the registers just consumed (the item's first MMA no longer waits on an L2 round trip
-//    issued just before it), with no second register set; pair2's other prefetch rules are kept.
+//  - <= 8 rows of bf16, stream (80 registers, no room for a second fragment set): each 64-K step's fragments of the
+//    NEXT item are loaded after this step's MMAs into the registers just consumed; ptxas 13.0 schedules them after
+//    the item's last MMA, i.e. in flight about as long as the default's loads issued before the next ring wait
+//    (no loss, little gain in latency: the gain is the removed instructions). pair2-lean keeps pair2's prefetch rules
+//    (<= 8 rows: a second set for the next item, issued from mid-item by ptxas; <= 16 rows: one 64-K step ahead).
+//  - decode_word_lean: pair 3 of the FP4 expansion in 5 integer ops instead of 6 (see there).
 //  - 32-bit shared addresses of the ring computed once (no per-item generic -> shared conversion), one slot cursor
 //    (the slot refilled is the one read by the previous item), weights addressed by tile index (dense: tile
 //    gb * NB * KT + kt + b * KT at byte tile * 2304), one compare per item for the segment end, and a dense
