@@ -13,10 +13,13 @@ so a broken variant never reports a time; bit_equal is the fraction of outputs e
 K splits differ, so a few fp32 sums round differently). Run: python bench/bench_decode_ab.py (about 40 s on an H200; results in
 decode_ab_h200.{json,md} under $BENCH_OUT or bench/results/).
 Arguments: optional shape indices (0, 1, 2 of SHAPES) to run a subset, e.g. `python bench/bench_decode_ab.py 2`
-(about 25 s per shape with the 7 kernels + cuBLAS, so run one shape per command to stay under 60 s; results then
+(about 40 s per shape with the 12 kernels + cuBLAS, so run one shape per command to stay under 60 s; results then
 go to decode_ab_h200_s<indices>). quad3 = pair3 with items of 4 blocks (<= 16 rows; pair3 beyond). kslab = the K-slab
 kernel of gemm_w4_decode_kslab_sm90.cu (A staged once per CTA in shared memory, first packed form), kslab2 the same
-kernel on the second packed form (about 31 s per shape with both).
+kernel on the second packed form. stream-lean / pair2-lean / auto-lean: the stream / pair2 kernels / the default rule
+with the lean item loop (decode_items_lean: fewer instructions per weight, next item's activation fragments in
+flight), bit-equal to their twins (checked before timing); auto-lean_vs_default is the gain of the lean loop on the
+default path.
 """
 from __future__ import annotations
 
@@ -42,7 +45,9 @@ MS = (1, 8, 16, 32)
 ENV = "TRACE_EXT_DECODE_IMPL"
 # speedups are against stream (the flat-stream kernel, the default before c7928a5); pair (3 CTAs per SM) lost to
 # pair2 everywhere at ab46e90
-IMPLS = ("stream", "default", "pair2", "pair3", "stream2", "auto2", "quad3", "kslab", "kslab2")
+IMPLS = ("stream", "default", "pair2", "pair3", "stream2", "auto2", "quad3", "kslab", "kslab2", "stream-lean",
+         "pair2-lean", "auto-lean")
+LEAN_TWINS = (("stream-lean", "stream"), ("pair2-lean", "pair2"), ("auto-lean", "default"))
 
 
 def _with_impl(impl, fn):
@@ -55,7 +60,8 @@ def _check_pair(a, q, wp):
     """All kernels within the reference bound (1 bf16 ulp + fp32 accumulation bound), same shape / dtype; returns
     the fraction of outputs where pair2 equals the stream kernel bit for bit, and raises unless pair3 equals pair2 and
     stream2 equals the stream kernel and kslab2 kslab bit for bit (same kernels, same sums; only the packed form
-    differs); quad3 and kslab within the bound."""
+    differs), and unless stream-lean / pair2-lean / auto-lean equal stream / pair2 / the default bit for bit; quad3
+    and kslab within the bound."""
     ys = {impl: _with_impl(None if impl == "default" else impl, lambda: O.fp4_linear(a, wp, backend="cuda"))
           for impl in IMPLS}
     for impl, y in ys.items():
@@ -63,6 +69,9 @@ def _check_pair(a, q, wp):
     if (not torch.equal(ys["pair3"], ys["pair2"]) or not torch.equal(ys["stream2"], ys["stream"])
             or not torch.equal(ys["kslab2"], ys["kslab"])):
         raise AssertionError("the second packed form changed the results of its kernel")
+    for lean, twin in LEAN_TWINS:  # same products and sums: the same bits (NaN included)
+        if not torch.equal(ys[lean].view(torch.int16), ys[twin].view(torch.int16)):
+            raise AssertionError(f"{lean} differs from {twin}")
     y0, y2 = ys["stream"], ys["pair2"]
     a64 = a.double()
     g = q.g.double().reshape(-1)  # one value per tensor, or one per row
@@ -108,6 +117,7 @@ def main():
             row.update({f"{k}_%BW": bw(ms[k]) for k in IMPLS})
             row.update({f"{k}_speedup": ms["stream"] / ms[k] for k in IMPLS if k != "stream"})
             row["auto2_vs_best"] = best / ms["auto2"]
+            row["auto-lean_vs_default"] = ms["default"] / ms["auto-lean"]
             row["best_impl"] = min(IMPLS, key=lambda k: ms[k])
             row["best_vs_cublas"] = ms["cublas"] / best
             row["target"] = f">=75%BW >={3.0 if M <= 16 else 2.5}x"

@@ -827,3 +827,103 @@ def test_decode_kslab_switch_keeps_errors_and_grouped(monkeypatch):
     for impl in ("kslab", "kslab2"):
         _impl(monkeypatch, impl)
         assert torch.equal(O.fp4_grouped_linear(ag, wg, offsets, backend="cuda"), y0), impl
+
+
+# ---- dense decode: lean loops (TRACE_EXT_DECODE_IMPL=stream-lean / pair2-lean / auto-lean, read at every call) -----
+# The stream / pair2 kernels with a shorter per-item loop (decode_items_lean in gemm_w4_decode_sm90.cu: scales by one
+# cvt per byte pair, rows past M loaded from row M - 1 instead of zeroed, fragments of the next item in flight, 32-bit
+# ring addresses): the same products and the same fp32 MMA chains, so each must equal its twin bit for bit (NaN
+# included: compared as int16 bit patterns). pair2-lean falls back to stream-lean where N % 32 != 0, like pair2.
+LEAN_TWINS = (("stream-lean", "stream"), ("pair2-lean", "pair2"), ("auto-lean", None))
+
+
+def _bits(y):
+    return y.view(torch.int16)
+
+
+def _lean_equal_twins(monkeypatch, a, wp, what):
+    """Runs every lean value and its twin on a; asserts bit equality (and repeatable bits); returns the outputs."""
+    ys = {}
+    for lean, twin in LEAN_TWINS:
+        _impl(monkeypatch, twin)
+        ys[twin] = O.fp4_linear(a, wp, backend="cuda")
+        _impl(monkeypatch, lean)
+        ys[lean] = O.fp4_linear(a, wp, backend="cuda")
+        assert ys[lean].shape == ys[twin].shape and ys[lean].dtype == torch.bfloat16, what
+        assert torch.equal(_bits(ys[lean]), _bits(ys[twin])), f"{lean} != {twin or 'default'}: {what}"
+    _impl(monkeypatch, None)
+    O.fp4_linear(a, wp, backend="cuda")
+    for lean, _ in LEAN_TWINS:  # again, with other kernels on the stream in between (self-resetting tickets)
+        _impl(monkeypatch, lean)
+        assert torch.equal(_bits(O.fp4_linear(a, wp, backend="cuda")), _bits(ys[lean])), f"second {lean}: {what}"
+    return ys
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("N,K", PAIR_SHAPES, ids=[f"N{n}_K{k}" for n, k in PAIR_SHAPES])
+def test_decode_lean_kernels_equal_their_twins(monkeypatch, N, K, mode):
+    """Protects the lean decode loops: stream-lean == stream, pair2-lean == pair2 and auto-lean == the default bit for
+    bit, for every shape and M of the pair tests (8 / 16 / 32-row configurations, odd M whose padded rows now read row
+    M - 1, shared-group reductions at every split position, N % 32 != 0), repeatable, within the f64 contract."""
+    w = _quant_w(N, K)
+    wp = O.prepare_fp4_weight(w)
+    w64 = _w64(w)
+    for M in PAIR_MS:
+        a = torch.randn(M, K, device=DEV).bfloat16()
+        if mode == "w4a4":
+            a = ref.nvfp4_quantize(a)
+        ys = _lean_equal_twins(monkeypatch, a, wp, f"N={N} K={K} M={M} {mode}")
+        if M in (1, 9, 32):
+            _check(ys["auto-lean"], _a64(a), w64, f"auto-lean N={N} K={K} M={M} {mode}")
+
+
+def test_decode_lean_adversarial_and_grouped(monkeypatch):
+    """Protects the lean loops on the adversarial data of the pair test (+-6 codes with scale 448 against large
+    cancelling activations, zero rows, subnormal scales 0x01, zero scales), bf16 and FP4 activations, bit for bit
+    against their twins; a NaN scale byte (0x7F and 0xFF) gives a NaN output column and finite others; grouped calls
+    under the lean values run the default grouped kernel unchanged."""
+    N, K = 1536, 2048
+    codes = torch.randint(0, 256, (N, K // 2), device=DEV, dtype=torch.uint8)
+    codes[: N // 4] = 0x77
+    codes[N // 4 : N // 2] = 0xFF
+    scales = torch.randint(0, 0x7F, (N, K // 16), device=DEV, dtype=torch.uint8)
+    scales[: N // 2] = 0x7E
+    scales[N // 2 : N // 2 + 64] = 0x01
+    scales[N // 2 + 64 : N // 2 + 96] = 0x80  # -0 scale: zero blocks
+    w = NVFP4Tensor(codes, scales, torch.full((1,), 1e-2, device=DEV), shape=(N, K))
+    w64 = _w64(w)
+    wp = O.prepare_fp4_weight(w)
+    for M in (1, 5, 16, 29, 32):
+        a = (torch.randn(M, K, device=DEV) * 1e3).bfloat16()
+        a[:, K // 2 :] = -a[:, : K // 2]
+        if M > 1:
+            a[M // 2] = 0
+        ys = _lean_equal_twins(monkeypatch, a, wp, f"adv M={M}")
+        _check(ys["pair2-lean"], a.double(), w64, f"adv M={M} pair2-lean")
+        a4 = ref.nvfp4_quantize(a)
+        ys = _lean_equal_twins(monkeypatch, a4, wp, f"adv w4a4 M={M}")
+        _check(ys["stream-lean"], _a64(a4), w64, f"adv w4a4 M={M} stream-lean")
+    wn = _quantized_w(256, 2048)
+    wn.scales[37, 5] = 0x7F
+    wn.scales[200, 100] = 0xFF
+    wnp = O.prepare_fp4_weight(wn)
+    for M in (1, 8, 16, 32):
+        ys = _lean_equal_twins(monkeypatch, torch.randn(M, 2048, device=DEV).bfloat16(), wnp, f"nan M={M}")
+        for lean, _ in LEAN_TWINS:
+            y = ys[lean]
+            assert torch.isnan(y[:, 37]).all() and torch.isnan(y[:, 200]).all(), lean
+            keep = torch.ones(256, dtype=torch.bool, device=DEV)
+            keep[[37, 200]] = False
+            assert torch.isfinite(y[:, keep]).all(), lean
+    E, N, K = 128, 1536, 2048
+    wg = O.prepare_fp4_weight(_quant_w(N, K, E))
+    counts = torch.tensor(_routed_counts(4, E, 8, torch.Generator().manual_seed(5)))
+    offsets = torch.zeros(E + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    offsets = offsets.to(DEV)
+    ag = torch.randn(32, K, device=DEV).bfloat16()
+    _impl(monkeypatch, None)
+    y0 = O.fp4_grouped_linear(ag, wg, offsets, backend="cuda")
+    for lean, _ in LEAN_TWINS:
+        _impl(monkeypatch, lean)
+        assert torch.equal(O.fp4_grouped_linear(ag, wg, offsets, backend="cuda"), y0), lean
