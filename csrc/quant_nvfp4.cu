@@ -51,6 +51,14 @@
 //   nvfp4_quant_rowg_lean_kernel: persistent 256-thread CTAs (4 per SM, <= 64 registers), a team per row walking rows
 //   by a grid stride with the next row's loads issued before the current row's amax reduction, 32-bit indices, g by
 //   the correctly rounded reciprocal of 2688 (nvfp4_global_scale_rcp). Everything else runs the default's kernels.
+// - Opt-in TRACE_EXT_QUANT_IMPL=guided-lean (everything but guided quantize runs the default's kernels): guided
+//   quantize of 16-bit x through nvfp4_quant_guided_lean_kernel (the lean kernel's walk and loads). Floors by one
+//   cvt.rz.f16x2 and a mask per pair (e2m1_floor_pair_rz_x2m14), off-grid bits as the signs of lo - a gathered by byte
+//   permutes (e2m1_guided_lo8_rz_x2m14), the tiny-quotient test's minimum on packed halves (min.s16x2), x's signs
+//   from the raw words, compact bits spread by two multiplies. Static SASS per 16-element bf16 block (sm_90a, fast
+//   path with stores): compact 343 -> 266 (ALU-pipe 213 -> 141), full 338 -> 265 (215 -> 144); per 32-element tile
+//   with the walk 760 -> 608 / 750 -> 606. 60 / 58 registers, no spills. Checked: tests/test_guided_rz_emulation.py,
+//   tools/exhaustive_guided_rz.py (every float a in [0, 6 * 2^-14]), tests/gpu/test_quant_guided_lean_gpu.py.
 // - Swizzled scales: written at their 128x4 offsets; the zero padding is written by the same launch
 //   (a grid-stride pass over the padded bytes of the last row tile and the last column chunk of each tile).
 #include <ATen/ATen.h>
