@@ -55,9 +55,10 @@
 //   quantize of 16-bit x through nvfp4_quant_guided_lean_kernel (the lean kernel's walk and loads). Floors by one
 //   cvt.rz.f16x2 and a mask per pair (e2m1_floor_pair_rz_x2m14), off-grid bits as the signs of lo - a gathered by byte
 //   permutes (e2m1_guided_lo8_rz_x2m14), the tiny-quotient test's minimum on packed halves (min.s16x2), x's signs
-//   from the raw words, compact bits spread by two multiplies. Static SASS per 16-element bf16 block (sm_90a, fast
-//   path with stores): compact 343 -> 266 (ALU-pipe 213 -> 141), full 338 -> 265 (215 -> 144); per 32-element tile
-//   with the walk 760 -> 608 / 750 -> 606. 60 / 58 registers, no spills. Checked: tests/test_guided_rz_emulation.py,
+//   from the raw words, compact bits spread by two multiplies; full saturates the fp16 floors (min.u16x2 per pair)
+//   instead of each quotient. Static SASS per 16-element bf16 block (sm_90a, fast path with stores): compact 343 -> 266
+//   (ALU-pipe 213 -> 141), full 338 -> 257 (215 -> 136); per 32-element tile with the walk 760 -> 608 / 750 -> 590.
+//   60 / 58 registers, no spills. Checked: tests/test_guided_rz_emulation.py,
 //   tools/exhaustive_guided_rz.py (every float a in [0, 6 * 2^-14]), tests/gpu/test_quant_guided_lean_gpu.py.
 // - Swizzled scales: written at their 128x4 offsets; the zero padding is written by the same launch
 //   (a grid-stride pass over the padded bytes of the last row tile and the last column chunk of each tile).
@@ -768,11 +769,16 @@ __device__ __forceinline__ void quantize_guided_block_rz(const BlockRaw<T>& raw,
   const float t14 = __fmul_rn(t, 16384.0f), r14 = __fmul_rn(r, 0x1p-14f);
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
+    // compact: a = min(u, 6 * 2^-14); full: a = u, saturated after the floor (e2m1_guided_lo8_rz_x2m14<true>)
+    constexpr bool kSatAfter = MODE == kGuidedFull;
     float a[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) a[i] = fminf(div_rn_with_rcp(fabsf(x[8 * k + i]), t14, r14), kE2M1Max * 0x1p-14f);
+    for (int i = 0; i < 8; ++i) {
+      a[i] = div_rn_with_rcp(fabsf(x[8 * k + i]), t14, r14);
+      if constexpr (!kSatAfter) a[i] = fminf(a[i], kE2M1Max * 0x1p-14f);
+    }
     const uint4 v = raw.v[k];  // 16-bit x: elements 8k .. 8k + 7; t > 0, so v's signs are x's (-0.0 included)
-    const GuidedLo8 g = e2m1_guided_lo8_rz_x2m14(a, sign_bytes8_raw16(v.x, v.y, v.z, v.w));
+    const GuidedLo8 g = e2m1_guided_lo8_rz_x2m14<kSatAfter>(a, sign_bytes8_raw16(v.x, v.y, v.z, v.w));
     if constexpr (MODE == kGuidedCompact) {
       w[k] = e2m1_guided_compact_pack8(g.lo, g.off, bits_to_nibble_lsbs_mul((guide_bits >> (8 * k)) & 0xFFu));
     } else {

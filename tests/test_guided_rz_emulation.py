@@ -23,8 +23,9 @@ H = np.float16
 
 
 def rz_f16_bits(a: np.ndarray) -> np.ndarray:
-    """cvt.rz.f16 of float32 values a >= 0 (finite, below 65520): the largest float16 <= a, as uint32 bits."""
-    h = a.astype(H)  # RNE (subnormals included)
+    """cvt.rz.f16 of finite float32 values a >= 0: the largest float16 <= a (65504 above it), as uint32 bits."""
+    with np.errstate(over="ignore"):
+        h = a.astype(H)  # RNE (subnormals included; inf above 65520)
     h = np.where(h.astype(F) > a, np.nextafter(h, H(0)), h)
     return h.view(np.uint16).astype(np.uint32)
 
@@ -49,9 +50,12 @@ def sign_bytes8(s: np.ndarray):
     return se, so
 
 
-def guided_lo8(a: np.ndarray, s: np.ndarray):
-    """e2m1_guided_lo8_rz_x2m14 on rows of 8: a [n, 8] float32 in [0, 6 2^-14], s [n, 8] sign sources -> (lo, off)."""
+def guided_lo8(a: np.ndarray, s: np.ndarray, saturate: bool = False):
+    """e2m1_guided_lo8_rz_x2m14<saturate> on rows of 8: a [n, 8] float32 in [0, 6 2^-14] (saturate: any finite a >= 0),
+    s [n, 8] sign sources -> (lo, off)."""
     h = floor_rz(a)
+    if saturate:
+        h = np.minimum(h, 0x0E00)  # min.u16x2 with 0x0E000E00, lane by lane
     hb = h >> 8  # byte_perm 0x7531 keeps the high byte of each half
     even = hb[:, 0] | hb[:, 2] << 8 | hb[:, 4] << 16 | hb[:, 6] << 24
     odd = hb[:, 1] | hb[:, 3] << 8 | hb[:, 5] << 16 | hb[:, 7] << 24
@@ -63,8 +67,11 @@ def guided_lo8(a: np.ndarray, s: np.ndarray):
 
 
 def kernel_guided_codes(v: np.ndarray, payload: np.ndarray, kind: str) -> np.ndarray:
-    a = E.scaled_a(v)
-    lo, off = guided_lo8(a, v.view(np.uint32))
+    """The kernel's path: compact saturates a before the floor, full after it (e2m1_guided_lo8_rz_x2m14<true>)."""
+    if kind == "compact":
+        lo, off = guided_lo8(E.scaled_a(v), v.view(np.uint32))
+    else:
+        lo, off = guided_lo8((np.abs(v) * E.SCALE).astype(F), v.view(np.uint32), saturate=True)
     if kind == "compact":
         byte = (payload.astype(np.uint32) << np.arange(8, dtype=np.uint32)).sum(axis=1).astype(np.uint32)
         words = E.guided_compact_pack8(lo, off, E.bits_to_nibble_lsbs(byte))
@@ -111,6 +118,18 @@ def test_guided_compact_rz_every_bit_both_signs():
 
 def test_guided_full_rz_every_rollout_code_both_signs():
     check_guided(np.concatenate([E.dense_values(128), E.strided_values(262147)]), "full", 13)
+
+
+def test_saturated_floor_of_unsaturated_quotients():
+    """Full's saturation after the floor: min(rz floor of u, 0x0E00) is the floor of min(u, 6 2^-14) for u up to the
+    largest quotient of the fast path (v < 2^100), and every u above 6 2^-14 is off the grid only in the off bit."""
+    v = np.concatenate([E.dense_values(), E.strided_values(4099), np.array([2.0**99, 2.0**100], dtype=F)])
+    u = (np.abs(v) * E.SCALE).astype(F)
+    h = np.minimum(floor_rz(u), 0x0E00)
+    assert np.array_equal(h, floor_rz(E.scaled_a(v)))
+    off = (off_sign_words(u, h) >> 31).astype(bool)
+    sat = u > F(6 * 2.0**-14)
+    assert np.array_equal(off[~sat], (E.scaled_a(v) != E.floor_grid(E.scaled_a(v)))[~sat]) and off[sat].all()
 
 
 def test_guided_rz_zeros_grid_points_ties_and_saturation():

@@ -351,12 +351,24 @@ __device__ __forceinline__ uint32_t e2m1_floor_pair_rz_x2m14(float a_lo, float a
 
 // Lower bracket codes of eight elements with x's signs (what e2m1_pack8_abs_x2m14<false> of the floors gives) and the
 // off-grid nibbles (nibble i = 1 iff a_i != lo_i) for e2m1_guided_{compact,full}_pack8.
+// kSaturate (guided full only): the a_i may be unsaturated (any finite u >= 0); the floors are saturated as fp16 pairs by
+// one min.u16x2 each (rounding toward zero never overflows to inf, and flooring is monotone, so this is the floor of
+// min(u, 6 * 2^-14)). An element above 6 * 2^-14 then gets code 7 with its off-grid bit set, which full guidance never
+// uses: it takes hi only when the rollout's magnitude exceeds lo's, and no magnitude exceeds 7.
 struct GuidedLo8 {
   uint32_t lo, off;
 };
+template <bool kSaturate = false>
 __device__ __forceinline__ GuidedLo8 e2m1_guided_lo8_rz_x2m14(const float (&a)[8], SignBytes8 sb) {
-  const uint32_t h02 = e2m1_floor_pair_rz_x2m14(a[0], a[2]), h46 = e2m1_floor_pair_rz_x2m14(a[4], a[6]);
-  const uint32_t h13 = e2m1_floor_pair_rz_x2m14(a[1], a[3]), h57 = e2m1_floor_pair_rz_x2m14(a[5], a[7]);
+  uint32_t h02 = e2m1_floor_pair_rz_x2m14(a[0], a[2]), h46 = e2m1_floor_pair_rz_x2m14(a[4], a[6]);
+  uint32_t h13 = e2m1_floor_pair_rz_x2m14(a[1], a[3]), h57 = e2m1_floor_pair_rz_x2m14(a[5], a[7]);
+  if constexpr (kSaturate) {
+    constexpr uint32_t kSat = 0x0E000E00u;  // fp16 bits of 6 * 2^-14, twice
+    h02 = min_u16x2(h02, kSat);
+    h46 = min_u16x2(h46, kSat);
+    h13 = min_u16x2(h13, kSat);
+    h57 = min_u16x2(h57, kSat);
+  }
   const uint32_t h[4] = {h02, h13, h46, h57};  // element i: half (i / 2) % 2 of h[(i % 2) + 2 * (i / 4)]
   uint32_t d[8];
 #pragma unroll
