@@ -16,6 +16,9 @@ blocks per lane for every K) on K 4096 (rowg-lean: one block per lane), K 7168 (
 CTA), ~40 s:
   QUANT_IMPL_VARIANTS=rowg-lean,rowg-lean2 QUANT_IMPL_OPS="rtn (per-row,swizzled,capture" \
   QUANT_IMPL_SHAPES=65536x4096,16384x4096,37449x7168,262144x1024 python bench/bench_quant_impl.py
+The guided-lean kernel (=guided-lean: guided quantize through nvfp4_quant_guided_lean_kernel; everything else the
+default's), guided compact / full on 2^26 and 2^28 elements, ~20 s:
+  QUANT_IMPL_VARIANTS=guided-lean QUANT_IMPL_OPS=guided python bench/bench_quant_impl.py
 """
 from __future__ import annotations
 

@@ -51,6 +51,15 @@
 //   nvfp4_quant_rowg_lean_kernel: persistent 256-thread CTAs (4 per SM, <= 64 registers), a team per row walking rows
 //   by a grid stride with the next row's loads issued before the current row's amax reduction, 32-bit indices, g by
 //   the correctly rounded reciprocal of 2688 (nvfp4_global_scale_rcp). Everything else runs the default's kernels.
+// - Opt-in TRACE_EXT_QUANT_IMPL=guided-lean (everything but guided quantize runs the default's kernels): guided
+//   quantize of 16-bit x through nvfp4_quant_guided_lean_kernel (the lean kernel's walk and loads). Floors by one
+//   cvt.rz.f16x2 and a mask per pair (e2m1_floor_pair_rz_x2m14), off-grid bits as the signs of lo - a gathered by byte
+//   permutes (e2m1_guided_lo8_rz_x2m14), the tiny-quotient test's minimum on packed halves (min.s16x2), x's signs
+//   from the raw words, compact bits spread by two multiplies; full saturates the fp16 floors (min.u16x2 per pair)
+//   instead of each quotient. Static SASS per 16-element bf16 block (sm_90a, fast path with stores): compact 343 -> 266
+//   (ALU-pipe 213 -> 141), full 338 -> 257 (215 -> 136); per 32-element tile with the walk 760 -> 608 / 750 -> 590.
+//   60 / 58 registers, no spills. Checked: tests/test_guided_rz_emulation.py,
+//   tools/exhaustive_guided_rz.py (every float a in [0, 6 * 2^-14]), tests/gpu/test_quant_guided_lean_gpu.py.
 // - Swizzled scales: written at their 128x4 offsets; the zero padding is written by the same launch
 //   (a grid-stride pass over the padded bytes of the last row tile and the last column chunk of each tile).
 #include <ATen/ATen.h>
@@ -95,6 +104,8 @@ constexpr int kImplRowgLean = 4;  // TRACE_EXT_QUANT_IMPL=rowg-lean: kImplLean, 
 constexpr int kImplRowgLean2 = 5;  // default (TRACE_EXT_QUANT_IMPL=rowg-lean2): as kImplRowgLean, two blocks per lane
                                    // (16-bit x); H200 A/B at c7928a5 vs lean: per-row g 1.03-1.06x, swizzled
                                    // 1.12-1.16x, capture 1.03-1.05x (bench/results/quant_impl_h200.md)
+constexpr int kImplGuidedLean = 6;  // TRACE_EXT_QUANT_IMPL=guided-lean: the default, except guided quantize (linear
+                                    // scales, 32-bit walk) through nvfp4_quant_guided_lean_kernel
 static_assert(kChunkElems % 8 == 0, "a chunk must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kNvfp4Block % 8 == 0, "a block must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 2 blocks x 16 elements");
@@ -674,6 +685,187 @@ __global__ void __launch_bounds__(kFlatThreads, 4) nvfp4_quant_lean_kernel(const
   }
 }
 
+// ---- guided lean kernel (TRACE_EXT_QUANT_IMPL=guided-lean): guided quantize with fewer instructions per element ----
+// Taken where nvfp4_quant_lean_kernel is (guided quantize, linear scales, 32-bit block walk); the same walk, loads and
+// stores. Differences, all in the per-block / per-element work (the results are the same bits):
+// - Floors and off-grid bits by e2m1_guided_lo8_rz_x2m14 (one cvt.rz.f16x2 + one mask per pair, the floor back in
+//   fp32 by a half conversion, the off-grid bit as the sign of lo - a gathered by byte permutes) instead of
+//   e2m1_floor_grid_x2m14 (four instructions per element), an FSETP, a select and an add per element, and the fp16
+//   conversion of the floors for packing (the floors already are fp16).
+// - The block's smallest nonzero |x| (the tiny-quotient test of quantize_block) for 16-bit x on the raw halves, two
+//   at a time: h - 1 (mod 2^16) orders +0 last, and with h = |x| bits <= 0x7FFF, (h + 0x7FFF) read as a signed 16-bit
+//   number is h - 1 - 2^15 for h > 0 and 2^15 - 1 for h = 0: one add (no carry between the halves: h + 0x7FFF <
+//   2^16) and one signed min.s16x2 per pair instead of a mask, an add and a min per element (raw_min_nonzero_abs_bits;
+//   the masked halves are the amax's).
+// - x's signs gathered from the raw 16-bit words (sign_bytes8_raw16: four byte permutes per 8 elements instead of six);
+//   the rollout's compact bits spread to nibble LSBs by two multiplies (bits_to_nibble_lsbs_mul).
+// - Loads: the rollout's payload and scale bytes of both blocks are issued with x, before the row arithmetic (g's
+//   loads depend on it).
+// 16-bit x only (fp32 x: ptxas spills this kernel at 64 registers; fp32 keeps the default's kernels).
+
+// min.s16x2: signed min of two pairs of 16-bit lanes.
+__device__ __forceinline__ uint32_t min_s16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("min.s16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// Float bits of the smallest nonzero |x| of a block, 0 when every element is +-0 (any finite block).
+template <typename T>
+__device__ __forceinline__ uint32_t raw_min_nonzero_abs_bits(const BlockRaw<T>& raw) {
+  if constexpr (std::is_same_v<T, float>) {
+    uint32_t min_m1 = 0xFFFFFFFFu;  // m - 1 on the bits maps +-0 to 0xFFFFFFFF
+#pragma unroll
+    for (int v = 0; v < BlockRaw<T>::kVecs; ++v) {
+      const uint32_t w[4] = {raw.v[v].x, raw.v[v].y, raw.v[v].z, raw.v[v].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) min_m1 = min(min_m1, (w[i] & 0x7FFFFFFFu) - 1u);
+    }
+    return min_m1 + 1u;
+  } else {
+    uint32_t m = 0x7FFF7FFFu;  // the biased value of +0, twice
+#pragma unroll
+    for (int v = 0; v < BlockRaw<T>::kVecs; ++v) {
+      const uint32_t w[4] = {raw.v[v].x, raw.v[v].y, raw.v[v].z, raw.v[v].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) m = min_s16x2(m, (w[i] & 0x7FFF7FFFu) + 0x7FFF7FFFu);
+    }
+    m = min_s16x2(m, m >> 16);  // low half: the block's minimum (h - 1 - 2^15, or 2^15 - 1 for all zeros)
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      return (m << 16) + 0x80010000u;  // (h - 1 - 2^15 + 2^15 + 1) << 16 = h << 16; all zeros: 2^32 = 0
+    } else {
+      return __float_as_uint(__half2float(__ushort_as_half((unsigned short)((m + 0x8001u) & 0xFFFFu))));
+    }
+  }
+}
+
+// sign_bytes8 of the eight 16-bit values in raw words w[0..3] (value 2i in the low half of w[i], 2i + 1 in the high
+// half): four byte permutes instead of six (selector 0xFDB9 replicates the sign bits 15 and 31 of both words).
+__device__ __forceinline__ SignBytes8 sign_bytes8_raw16(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+  const uint32_t s03 = prmt_b32(w0, w1, 0xFDB9u), s47 = prmt_b32(w2, w3, 0xFDB9u);  // bytes: signs 0 1 2 3 / 4 5 6 7
+  return SignBytes8{prmt_b32(s03, s47, 0x6420u), prmt_b32(s03, s47, 0x7531u)};
+}
+
+// Codes of one finite guided block (quantize_block<MODE, 16, kImplLean>'s results): the fast path when t, 1/t and the
+// quotients are far from under/overflow and no nonzero quotient is tiny (judged from the block's amax and smallest
+// nonzero |x| bits, 0 = none), else quantize_elems' __fdiv_rn path.
+template <int MODE, typename T>
+__device__ __forceinline__ void quantize_guided_block_rz(const BlockRaw<T>& raw, const float (&x)[kNvfp4Block],
+                                                         uint32_t max_bits,
+                                                         uint32_t min_bits, float t, const QuantParams& p,
+                                                         uint32_t guide_bits, uint2 guide_codes, uint32_t (&w)[2]) {
+  if (t == 0.0f) {
+    w[0] = w[1] = 0u;
+    return;
+  }
+  const float r = __frcp_rn(t);
+  const float m = __uint_as_float(min_bits);
+  const bool fast = t >= 0x1p-100f && t <= 0x1p100f && __fmul_rn(__uint_as_float(max_bits), r) <= 0x1p100f &&
+                    (min_bits == 0u || (m >= 0x1p-100f && __fmul_rn(m, r) >= 0x1p-99f));
+  if (!fast) {
+    quantize_elems<MODE, false, kNvfp4Block, kImplLean>(x, t, r, 0u, p, guide_bits, guide_codes, w);
+    return;
+  }
+  const float t14 = __fmul_rn(t, 16384.0f), r14 = __fmul_rn(r, 0x1p-14f);
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    // compact: a = min(u, 6 * 2^-14); full: a = u, saturated after the floor (e2m1_guided_lo8_rz_x2m14<true>)
+    constexpr bool kSatAfter = MODE == kGuidedFull;
+    float a[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      a[i] = div_rn_with_rcp(fabsf(x[8 * k + i]), t14, r14);
+      if constexpr (!kSatAfter) a[i] = fminf(a[i], kE2M1Max * 0x1p-14f);
+    }
+    const uint4 v = raw.v[k];  // 16-bit x: elements 8k .. 8k + 7; t > 0, so v's signs are x's (-0.0 included)
+    const GuidedLo8 g = e2m1_guided_lo8_rz_x2m14<kSatAfter>(a, sign_bytes8_raw16(v.x, v.y, v.z, v.w));
+    if constexpr (MODE == kGuidedCompact) {
+      w[k] = e2m1_guided_compact_pack8(g.lo, g.off, bits_to_nibble_lsbs_mul((guide_bits >> (8 * k)) & 0xFFu));
+    } else {
+      w[k] = e2m1_guided_full_pack8(g.lo, g.off, k == 0 ? guide_codes.x : guide_codes.y);
+    }
+  }
+}
+
+template <typename T, int MODE>
+__global__ void __launch_bounds__(kFlatThreads, 4)
+    nvfp4_quant_guided_lean_kernel(const QuantParams p, const LeanWalk w) {
+  static_assert(MODE == kGuidedCompact || MODE == kGuidedFull, "guided rounding only");
+  static_assert(sizeof(T) == 2, "16-bit x only: the element signs are read off the raw halves (sign_bytes8_raw16)");
+  const uint32_t lane = threadIdx.x % 32;
+  uint32_t fb0 = (blockIdx.x * (uint32_t)kFlatThreads + threadIdx.x) / 32 * kWarpBlocks + lane;
+  uint32_t row0 = fb0 / w.kb;
+  uint32_t kbi0 = fb0 - row0 * w.kb;
+  const T* xp = reinterpret_cast<const T*>(p.x);
+  for (; fb0 < w.total_blocks; fb0 += w.stride_blocks) {
+    BlockRaw<T> raw[kBlocksPerLane];
+#pragma unroll
+    for (int q = 0; q < kBlocksPerLane; ++q) raw[q] = load_block<T>(xp, fb0 + 32 * q, fb0 + 32 * q < w.total_blocks);
+    uint32_t gbits[kBlocksPerLane];
+    uint2 gcodes[kBlocksPerLane];
+    uint8_t gscale[kBlocksPerLane];
+#pragma unroll
+    for (int q = 0; q < kBlocksPerLane; ++q) {
+      const uint32_t fb = fb0 + 32 * q;
+      gbits[q] = 0u;
+      gcodes[q] = make_uint2(0u, 0u);
+      gscale[q] = 0;
+      if (fb < w.total_blocks) {
+        if constexpr (MODE == kGuidedCompact) {
+          gbits[q] = __ldg(reinterpret_cast<const uint16_t*>(p.guide_payload) + fb);
+        } else {
+          gcodes[q] = __ldg(reinterpret_cast<const uint2*>(p.guide_payload) + fb);
+        }
+        gscale[q] = __ldg(p.guide_scales + fb);
+      }
+    }
+    float g[kBlocksPerLane];
+    uint32_t row = row0, kbi = kbi0;
+#pragma unroll
+    for (int q = 0; q < kBlocksPerLane; ++q) {
+      g[q] = fb0 + 32 * q < w.total_blocks ? __ldg(p.guide_g + row) : 0.0f;
+      kbi += 32;  // block q + 1 is 32 further (one carry step when kb >= 32)
+      while (kbi >= w.kb) {
+        kbi -= w.kb;
+        ++row;
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < kBlocksPerLane; ++q) {
+      const uint32_t fb = fb0 + 32 * q;
+      if (fb < w.total_blocks) {
+        float x[kNvfp4Block];
+        const uint32_t mb = unpack_block<T>(raw[q], x);
+        uint8_t s = gscale[q];
+        const float t = nvfp4_block_divisor(s, g[q]);
+        uint32_t codes[2] = {0u, 0u};
+        if (mb < 0x7F800000u && isfinite(t)) {  // a rollout NaN scale makes the block NaN
+          quantize_guided_block_rz<MODE, T>(raw[q], x, mb, raw_min_nonzero_abs_bits<T>(raw[q]), t, p, gbits[q],
+                                            gcodes[q], codes);
+        } else {
+          s = kE4M3NaN;
+        }
+        reinterpret_cast<uint2*>(p.codes)[fb] = make_uint2(codes[0], codes[1]);
+        if (p.mbits != nullptr) {
+          reinterpret_cast<uint16_t*>(p.mbits)[fb] = (uint16_t)(nibble_lsbs(codes[0]) | (nibble_lsbs(codes[1]) << 8));
+        }
+        p.scales[fb] = s;
+      }
+    }
+    row0 += w.step_rows;
+    kbi0 += w.step_kbi;
+    if (kbi0 >= w.kb) {
+      kbi0 -= w.kb;
+      ++row0;
+    }
+  }
+  // g_out[r]: the rollout's g, copied once per row.
+  if (p.g_out != nullptr) {
+    const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    for (int64_t r = tid; r < p.rows; r += (int64_t)gridDim.x * blockDim.x) p.g_out[r] = __ldg(p.guide_g + r);
+  }
+}
+
 // ---- fused kernel: per-row g computed in the same launch (rows up to kFusedMaxK) ------------------------------
 // A team (power of two, kMinTeam..512 threads) per row: lane l of the team owns the blocks l + team q
 // (q < kRowBlocksPerLane) of its row and loads them with its own 16-byte vectors (contiguous across the team). The
@@ -995,6 +1187,27 @@ bool launch_lean(const QuantParams& p, cudaStream_t stream, const char* op) {
   return true;
 }
 
+// nvfp4_quant_guided_lean_kernel where nvfp4_quant_lean_kernel would run (guided quantize with codes and linear
+// scales, 32-bit block walk; the same grid); false if not.
+template <int MODE, typename T>
+bool launch_guided_lean(const QuantParams& p, cudaStream_t stream, const char* op) {
+  if constexpr (std::is_same_v<T, float>) return false;  // fp32: the default's kernels (see the kernel's note)
+  if (p.swizzle || p.codes == nullptr || p.scales == nullptr || p.y != nullptr) return false;
+  const int64_t total = p.rows * p.kb;
+  const int64_t grid = std::max<int64_t>(1, div_up(flat_warps(p) * 32, kFlatThreads));
+  const int64_t stride = grid * (kFlatThreads / 32) * kWarpBlocks;
+  if (total + stride >= (int64_t(1) << 31)) return false;  // also keeps kbi + step_kbi < 2 kb < 2^32
+  const LeanWalk w{(uint32_t)total, (uint32_t)stride, (uint32_t)p.kb, (uint32_t)(stride / p.kb),
+                   (uint32_t)(stride % p.kb)};
+  if constexpr (!std::is_same_v<T, float>) {
+    auto kernel = nvfp4_quant_guided_lean_kernel<T, MODE>;
+    require_kernel_image(kernel, op);
+    kernel<<<(unsigned)grid, kFlatThreads, 0, stream>>>(p, w);
+    check_launch(op);
+  }
+  return true;
+}
+
 template <int MODE, bool FAKE, typename T, int IMPL>
 void launch_flat(const QuantParams& p, cudaStream_t stream, const char* op) {
   if constexpr (IMPL == kImplLean && !FAKE && MODE != kSR) {  // SR: ptxas spills the lean kernel at 64 registers
@@ -1098,8 +1311,9 @@ void launch_quant_impl(const QuantParams& p, int64_t rounding, bool rowg, cudaSt
 // guided element code (e2m1_*_bits), "rtn-fminf" the RTN saturated per element by fminf, "rtn-sat" the RTN saturated
 // after packing; "lean" kImplLean (the default before 2026-11-30): RTN by the power-of-two magic add, quantize with
 // linear scales through nvfp4_quant_lean_kernel, the scaled-domain SR / guided code; "rowg-lean": kImplLean except
-// RTN quantize with g None through nvfp4_quant_rowg_lean_kernel (one block per lane); unset (or anything else):
-// kImplRowgLean2, the same with two blocks per lane.
+// RTN quantize with g None through nvfp4_quant_rowg_lean_kernel (one block per lane); "guided-lean": the default except
+// guided quantize through nvfp4_quant_guided_lean_kernel; unset (or anything else): kImplRowgLean2, the per-row kernel
+// with two blocks per lane.
 int quant_impl() {
   const char* v = std::getenv("TRACE_EXT_QUANT_IMPL");
   if (v != nullptr && std::strcmp(v, "bits") == 0) return kImplBits;
@@ -1107,6 +1321,7 @@ int quant_impl() {
   if (v != nullptr && std::strcmp(v, "rtn-sat") == 0) return kImplRtnSat;
   if (v != nullptr && std::strcmp(v, "rowg-lean") == 0) return kImplRowgLean;
   if (v != nullptr && std::strcmp(v, "lean") == 0) return kImplLean;
+  if (v != nullptr && std::strcmp(v, "guided-lean") == 0) return kImplGuidedLean;
   return kImplRowgLean2;
 }
 
@@ -1123,10 +1338,14 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
     case kImplLean:
       launch_quant_impl<FAKE, T, kImplLean>(p, rounding, rowg, stream, op);
       break;
+    case kImplGuidedLean:  // the default's kernels except guided quantize (where the lean kernel would take it)
+      if (!FAKE && rounding == kGuidedCompact && launch_guided_lean<kGuidedCompact, T>(p, stream, op)) break;
+      if (!FAKE && rounding == kGuidedFull && launch_guided_lean<kGuidedFull, T>(p, stream, op)) break;
+      [[fallthrough]];
     case kImplRowgLean:  // the default's kernels except RTN quantize with g None (no duplicate instantiations)
     case kImplRowgLean2:
       if (!(!FAKE && rowg && rounding == kRTN && p.K <= kFusedMaxK &&
-            launch_rowg_lean<T>(p, stream, op, impl == kImplRowgLean2))) {
+            launch_rowg_lean<T>(p, stream, op, impl != kImplRowgLean))) {  // two blocks per lane but =rowg-lean
         launch_quant_impl<FAKE, T, kImplLean>(p, rounding, rowg, stream, op);
       }
       break;

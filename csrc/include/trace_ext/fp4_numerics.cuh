@@ -326,6 +326,72 @@ __device__ __forceinline__ uint32_t e2m1_guided_full_pack8(uint32_t lo_codes, ui
   return lo_codes + (off_grid & (take >> 3));
 }
 
+// ---- Guided rounding through fp16 round-toward-zero (TRACE_EXT_QUANT_IMPL=guided-lean) --------------------------
+// Same inputs as above (a = min(u, 6 * 2^-14), zero or normal). The floors come from one cvt.rz.f16x2.f32 per pair
+// and one mask per pair instead of four instructions per element: every grid value q * 2^-14 is an fp16 number
+// (bits 9..11 = code), rounding toward zero is the floor to fp16 (a >= 0), and clearing fp16 mantissa bits 0..8 floors
+// that to the grid (normal fp16: keeps one mantissa bit = 2 significant bits, a >= 2^-14; subnormal fp16, a < 2^-14:
+// keeps multiples of 2^-15); the grid is a subset of fp16, so the two floors compose to the grid's floor. Back in fp32
+// (exact), lo - a is exact (Sterbenz for a >= 2^-15, lo = 0 below) and negative exactly when a is off the grid (+0
+// on it), so the off-grid bits are the sign bits of the eight differences, gathered like x's signs (sign_bytes8).
+// Checked in numpy emulation against the reference (tests/test_guided_rz_emulation.py; every float in [0, 6 * 2^-14]
+// once by tools/exhaustive_guided_rz.py).
+
+// cvt.rz.f16x2.f32: (lo, hi) -> fp16 pair rounded toward zero, lo in bits 0..15.
+__device__ __forceinline__ uint32_t cvt_rz_f16x2(float lo, float hi) {
+  uint32_t d;
+  asm("cvt.rz.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+// Grid floors of a pair (each in [0, 6 * 2^-14]) as fp16 bits: code at bits 9..11 (and 25..27), nothing else.
+__device__ __forceinline__ uint32_t e2m1_floor_pair_rz_x2m14(float a_lo, float a_hi) {
+  return cvt_rz_f16x2(a_lo, a_hi) & 0xFE00FE00u;
+}
+
+// Lower bracket codes of eight elements with x's signs (what e2m1_pack8_abs_x2m14<false> of the floors gives) and the
+// off-grid nibbles (nibble i = 1 iff a_i != lo_i) for e2m1_guided_{compact,full}_pack8.
+// kSaturate (guided full only): the a_i may be unsaturated (any finite u >= 0); the floors are saturated as fp16 pairs by
+// one min.u16x2 each (rounding toward zero never overflows to inf, and flooring is monotone, so this is the floor of
+// min(u, 6 * 2^-14)). An element above 6 * 2^-14 then gets code 7 with its off-grid bit set, which full guidance never
+// uses: it takes hi only when the rollout's magnitude exceeds lo's, and no magnitude exceeds 7.
+struct GuidedLo8 {
+  uint32_t lo, off;
+};
+template <bool kSaturate = false>
+__device__ __forceinline__ GuidedLo8 e2m1_guided_lo8_rz_x2m14(const float (&a)[8], SignBytes8 sb) {
+  uint32_t h02 = e2m1_floor_pair_rz_x2m14(a[0], a[2]), h46 = e2m1_floor_pair_rz_x2m14(a[4], a[6]);
+  uint32_t h13 = e2m1_floor_pair_rz_x2m14(a[1], a[3]), h57 = e2m1_floor_pair_rz_x2m14(a[5], a[7]);
+  if constexpr (kSaturate) {
+    constexpr uint32_t kSat = 0x0E000E00u;  // fp16 bits of 6 * 2^-14, twice
+    h02 = min_u16x2(h02, kSat);
+    h46 = min_u16x2(h46, kSat);
+    h13 = min_u16x2(h13, kSat);
+    h57 = min_u16x2(h57, kSat);
+  }
+  const uint32_t h[4] = {h02, h13, h46, h57};  // element i: half (i / 2) % 2 of h[(i % 2) + 2 * (i / 4)]
+  uint32_t d[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const __half2 p = *reinterpret_cast<const __half2*>(&h[(i % 2) + 2 * (i / 4)]);
+    const float lo = ((i / 2) % 2) ? __high2float(p) : __low2float(p);
+    d[i] = __float_as_uint(__fsub_rn(lo, a[i]));  // sign bit: a > lo
+  }
+  const SignBytes8 ob = sign_bytes8(d);
+  const uint32_t even = __byte_perm(h02, h46, 0x7531);  // bytes: lo0 lo2 lo4 lo6, code at bits 1..3, nothing else
+  const uint32_t odd = __byte_perm(h13, h57, 0x7531);   // bytes: lo1 lo3 lo5 lo7
+  return GuidedLo8{(even >> 1) | (odd << 3) | (sb.even & 0x08080808u) | (sb.odd & 0x80808080u),
+                   (ob.even & 0x01010101u) | (ob.odd & 0x10101010u)};
+}
+
+// bits_to_nibble_lsbs by two multiplies: bit 2j (bit 2j + 1) of b moves by 6j (6j + 3) to bit 8j (8j + 4). Each product
+// sums shifted copies of b's even (odd) bits at even bit positions only, at most two per position, so carries land on
+// otherwise empty odd positions and never propagate; the target positions hold exactly one term (checked over every
+// byte in tests/test_guided_rz_emulation.py).
+__device__ __forceinline__ uint32_t bits_to_nibble_lsbs_mul(uint32_t b) {
+  return (((b & 0x55u) * 0x00041041u) & 0x01010101u) | (((b & 0xAAu) * 0x00208208u) & 0x10101010u);
+}
+
 // SPEC 5, compact guidance: the bracket end whose mantissa bit (code LSB) equals the rollout's bit.
 __device__ __forceinline__ uint32_t e2m1_guided_compact_magnitude(float a, uint32_t mantissa_bit) {
   E2M1Bracket b = e2m1_bracket(a);
