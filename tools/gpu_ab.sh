@@ -3,7 +3,8 @@
 # that a hang still returns the logs of the steps before it. Logs land in $OUT/<name>.log, bench tables in $OUT.
 #   OUT=/some/dir tools/gpu_ab.sh tools/ab/<round>.steps
 # A steps file has one step per line: NAME SECONDS TAIL_LINES COMMAND... ('#' lines are comments); commands run in
-# the repo root with BENCH_OUT=$OUT and PYTHONUNBUFFERED=1 exported.
+# the repo root with BENCH_OUT=$OUT and PYTHONUNBUFFERED=1 exported. After every step $OUT/ab.tgz holds all logs and
+# tables so far.
 set -u
 steps=$1
 [ -f COMMIT ] && export TRACE_EXT_COMMIT=${TRACE_EXT_COMMIT:-$(cat COMMIT)}  # a git-archive snapshot has no .git
@@ -18,4 +19,6 @@ while read -r name secs tailn cmd; do
   t0=$SECONDS
   timeout "$secs" bash -c "$cmd" > "$OUT/$name.log" 2>&1; rc=$?
   echo "=== $name rc=$rc $((SECONDS - t0))s"; tail -"$tailn" "$OUT/$name.log"
+  # everything so far in one archive (only a few files of $OUT come back one by one; a call cut short keeps this)
+  tar czf "$T/ab.tgz" -C "$OUT" --exclude=ab.tgz . && cp "$T/ab.tgz" "$OUT/ab.tgz"
 done < "$steps"
