@@ -1,25 +1,21 @@
-"""A/B of the dense W4A16 decode GEMM: the flat-stream kernel (TRACE_EXT_DECODE_IMPL=stream), the default (pair2 or
-stream by the shape rule decode_prefers_pair of gemm_w4_decode_sm90.cu) and the opt-in kernels (TRACE_EXT_DECODE_IMPL,
-read by the extension at every call: pair2 on the default packed form; pair3 = pair2's kernel, stream2 = the
-stream kernel, auto2 = the same shape rule, all three on the second packed
-form of prepare_fp4_weight(decode_form2=True), whose FP4 expansion is 9 instead of 11 integer ops per 8 weights),
-with cuBLAS bf16 in the same run,
-interleaved in one process: per shape, ROUNDS rounds of (IMPLS..., cuBLAS), each a do_bench_cold median over >= 4 rotated
-weight sets (cold L2); the row reports the median over the rounds. Shapes: the 12 dense decode rows of
+"""A/B of the dense decode GEMM kernels (W4A16): the flat-stream kernel (TRACE_EXT_DECODE_IMPL=stream), the default
+(on sm_90 the K-slab kernel of gemm_w4_decode_kslab_sm90.cu: A staged once per CTA in shared memory), auto (pair2 or
+stream by the shape rule decode_prefers_pair of gemm_w4_decode_sm90.cu, the default before 7b3e763) and the other
+kernels named by TRACE_EXT_DECODE_IMPL (read by the extension at every call): pair2; pair3 = pair2's kernel, stream2 =
+the stream kernel, auto2 = auto, kslab2 = the K-slab kernel, all four on the second packed form of
+prepare_fp4_weight(decode_form2=True) (FP4 expansion 9 instead of 10 integer ops per 8 weights); quad3 = pair3 with
+items of 4 blocks (<= 16 rows; pair3 beyond); stream-lean / pair2-lean / auto-lean: the stream / pair2 kernels / the
+auto rule with the lean item loop (decode_items_lean), bit-equal to their twins. cuBLAS bf16 in the same run.
+Interleaved in one process: per shape, ROUNDS rounds of (IMPLS..., cuBLAS), each a do_bench_cold median over >= 4
+rotated weight sets (cold L2); the row reports the median over the rounds. Shapes: the 12 dense decode rows of
 bench_gemm.py (M in {1, 8, 16, 32} x (N, K) in {(14336, 4096), (4096, 14336), (7168, 4096)}). %copyBW is on the
-bytes moved (codes + scales + A + Y). Before timing, each shape checks that both kernels give the same shape and
-dtype and outputs within the float64 reference bound of the GPU tests (1 bf16 ulp + the fp32 accumulation bound),
-so a broken variant never reports a time; bit_equal is the fraction of outputs equal between the two kernels (their
-K splits differ, so a few fp32 sums round differently). Run: python bench/bench_decode_ab.py (about 40 s on an H200; results in
-decode_ab_h200.{json,md} under $BENCH_OUT or bench/results/).
-Arguments: optional shape indices (0, 1, 2 of SHAPES) to run a subset, e.g. `python bench/bench_decode_ab.py 2`
-(about 40 s per shape with the 12 kernels + cuBLAS, so run one shape per command to stay under 60 s; results then
-go to decode_ab_h200_s<indices>). quad3 = pair3 with items of 4 blocks (<= 16 rows; pair3 beyond). kslab = the K-slab
-kernel of gemm_w4_decode_kslab_sm90.cu (A staged once per CTA in shared memory, first packed form), kslab2 the same
-kernel on the second packed form. stream-lean / pair2-lean / auto-lean: the stream / pair2 kernels / the default rule
-with the lean item loop (decode_items_lean: fewer instructions per weight, next item's activation fragments in
-flight), bit-equal to their twins (checked before timing); auto-lean_vs_default is the gain of the lean loop on the
-default path.
+bytes moved (codes + scales + A + Y); speedups are against stream. Before timing, each shape checks every kernel
+against the float64 reference bound of the GPU tests (1 bf16 ulp + the fp32 accumulation bound) and every twin pair
+for equal bits, so a broken variant never reports a time; pair2_bit_equal is the fraction of outputs where pair2
+equals stream (their K splits differ, so a few fp32 sums round differently).
+Run: python bench/bench_decode_ab.py [shape indices 0 1 2]; one shape with all 13 kernels + cuBLAS takes ~45 s on an
+H200 (results in decode_ab_h200[_s<indices>].{json,md} under $BENCH_OUT or bench/results/); DECODE_AB_IMPLS=a,b,...
+times stream, default and a subset.
 """
 from __future__ import annotations
 
@@ -45,7 +41,7 @@ MS = (1, 8, 16, 32)
 ENV = "TRACE_EXT_DECODE_IMPL"
 # speedups are against stream (the flat-stream kernel, the default before c7928a5); pair (3 CTAs per SM) lost to
 # pair2 everywhere at ab46e90
-IMPLS = ("stream", "default", "pair2", "pair3", "stream2", "auto2", "quad3", "kslab", "kslab2", "stream-lean",
+IMPLS = ("stream", "default", "auto", "pair2", "pair3", "stream2", "auto2", "quad3", "kslab", "kslab2", "stream-lean",
          "pair2-lean", "auto-lean")
 # DECODE_AB_IMPLS=stream,default,... times a subset (stream and default are always timed: the speedups refer to them)
 if os.environ.get("DECODE_AB_IMPLS"):
@@ -53,7 +49,7 @@ if os.environ.get("DECODE_AB_IMPLS"):
                                                                                                        "default")))
 # pairs that must give the same bits (same kernel on the other packed form, or the lean loop of the same kernel)
 TWINS = (("pair3", "pair2"), ("stream2", "stream"), ("kslab2", "kslab"),
-         ("stream-lean", "stream"), ("pair2-lean", "pair2"), ("auto-lean", "default"))
+         ("stream-lean", "stream"), ("pair2-lean", "pair2"), ("auto-lean", "auto"))
 
 
 def _with_impl(impl, fn):
@@ -122,7 +118,7 @@ def main():
             if "auto2" in ms:
                 row["auto2_vs_best"] = best / ms["auto2"]
             if "auto-lean" in ms:
-                row["auto-lean_vs_default"] = ms["default"] / ms["auto-lean"]
+                row["auto-lean_vs_auto"] = ms["auto"] / ms["auto-lean"] if "auto" in ms else float("nan")
             row["best_impl"] = min(IMPLS, key=lambda k: ms[k])
             row["best_vs_cublas"] = ms["cublas"] / best
             row["target"] = f">=75%BW >={3.0 if M <= 16 else 2.5}x"

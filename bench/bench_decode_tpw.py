@@ -63,8 +63,8 @@ def dense(copy_bw):
         for N, K in ((14336, 4096), (4096, 14336), (7168, 4096)):
             qs = [ref.nvfp4_quantize(torch.randn(N, K, device=DEV) * 0.02, scope="tensor") for _ in range(N_SETS)]
             ws = [O.prepare_fp4_weight(q) for q in qs]
-            g = qs[0].g.double().reshape(-1)
-            w64 = R.dequantize_f64(qs[0].codes, qs[0].scales) * g
+            g = qs[0].g.double().reshape(-1)  # one value per row (reference.nvfp4_quantize expands the tensor's g)
+            w64 = R.dequantize_f64(qs[0].codes, qs[0].scales) * (g[:, None] if g.numel() > 1 else g)
             for M in (1, 8, 16, 32):
                 a = torch.randn(M, K, device=DEV).bfloat16()
                 for v in TPWS:
@@ -93,8 +93,8 @@ def grouped(copy_bw):
             M = T * k
             a = torch.randn(M, K, device=DEV).bfloat16()
             off = offsets.tolist()
-            w64 = {e: R.dequantize_f64(qs[0].codes[e], qs[0].scales[e]) * float(qs[0].g.reshape(-1)[e])
-                   for e in range(E) if off[e + 1] > off[e]}
+            w64 = {e: R.dequantize_f64(qs[0].codes[e], qs[0].scales[e]) * qs[0].g[e].double().reshape(-1, 1)
+                   for e in range(E) if off[e + 1] > off[e]}  # g: one value per row of each expert
             for v in TPWS:
                 with env_switch("TRACE_EXT_DECODE_TPW", v):
                     y = O.fp4_grouped_linear(a, ws[0], offsets, backend="cuda")

@@ -1,5 +1,7 @@
-// Opt-in dense small-M (decode) NVFP4-weight GEMM for sm_90a with the activations staged in shared memory ("kslab",
-// TRACE_EXT_DECODE_IMPL=kslab, read at every call; hooked into run_decode_new of gemm_w4_decode_sm90.cu; kslab2: the
+// Dense small-M (decode) NVFP4-weight GEMM for sm_90a with the activations staged in shared memory ("kslab"): the
+// default dense decode kernel on sm_90 since the H200 A/B at 7b3e763 (1.08-1.88x the stream kernel on every bench row,
+// W4A16 and W4A4; bench/results/decode_ab_h200_s*.md, decode_kslab_w4a4_h200.md), also named by
+// TRACE_EXT_DECODE_IMPL=kslab (read at every call; hooked into run_decode_new of gemm_w4_decode_sm90.cu; kslab2: the
 // same kernel on the second packed form of reference_gemm.to_decode_layout2, decode_word2: 9 instead of 11 integer ops
 // per 8 weights, bit-equal to kslab; trace_ext.ops.fp4_linear passes packed2 for it, ops/gemm.py DECODE_FORM2_IMPLS).
 // Y[M, N] = A[M, K] @ W[N, K]^T, M <= 32, W packed by reference_gemm.to_decode_layout (prepare_fp4_weight).
@@ -375,9 +377,9 @@ __global__ void __launch_bounds__(kKsThreads, 1)
 
 int decode_kslab_selected() {
   const char* v = std::getenv("TRACE_EXT_DECODE_IMPL");
-  if (v == nullptr) return 0;
+  if (v == nullptr || *v == '\0') return 0;
   const std::string sel = v;
-  return sel == "kslab" ? 1 : sel == "kslab2" ? 2 : 0;
+  return sel == "kslab" ? 1 : sel == "kslab2" ? 2 : -1;
 }
 
 // Slab count S (slab length L = ceil(KT / S) <= max_l) and N chunks C for one CTA per SM: one resident wave
@@ -451,13 +453,14 @@ bool run_decode_kslab_form(const GemmParams& p, const at::Tensor& like, cudaStre
   return a4 ? launch_decode_kslab<4, true, kForm2>(p, like, stream) : launch_decode_kslab<4, false, kForm2>(p, like, stream);
 }
 
-bool run_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream_t stream, bool form2) {
+bool run_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream_t stream, bool form2, bool named) {
   if (p.offsets != nullptr || p.M <= 0 || p.M > 32 || p.w_packed == nullptr || p.N % 16 != 0 || p.K % kKsSuperK != 0)
     return false;  // grouped or outside the decode layout: the default runs
   if ((int64_t)(p.N / 16) * (p.K / kKsSuperK) >= (int64_t{1} << 31)) return false;
   int dev = 0, major = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  if (!named && major != 9) return false;  // the default elsewhere: the stream / pair kernels
   TORCH_CHECK(major == 9, "trace_ext: TRACE_EXT_DECODE_IMPL=kslab / kslab2 is an sm_90a kernel; unset it on this ",
               "device (compute capability ", major, ".x)");
   return form2 ? run_decode_kslab_form<true>(p, like, stream) : run_decode_kslab_form<false>(p, like, stream);

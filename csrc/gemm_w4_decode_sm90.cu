@@ -11,8 +11,11 @@
 //    16 activation elements are contiguous (two 16-byte loads of bf16, one 8-byte load of FP4 codes).
 //  - Packed layout: per (16-row block, 256-K super-tile) 2304 bytes, 72 per lane (4 x 16 B codes + 8 B scales),
 //    blocks nb-major, so the flat tile index j = nb * KT + kt is also the byte order of a dense weight.
-//  - Default (dense W4A16): the pair2 kernel below where every resident warp gets >= 2.5 items (decode_prefers_pair),
-//    else, and for grouped and W4A4 calls, the flat-stream kernel (TRACE_EXT_DECODE_IMPL=stream: everywhere).
+//  - Default (dense, sm_90): the K-slab kernel of gemm_w4_decode_kslab_sm90.cu (A staged once per CTA in shared
+//    memory; H200 A/B at 7b3e763: 1.08-1.88x the stream kernel on every bench row, W4A16 and W4A4). Shapes it does
+//    not take, other archs and TRACE_EXT_DECODE_IMPL=auto: the pair2 kernel below where every resident warp gets
+//    >= 2.5 items (decode_prefers_pair, W4A16), else the flat-stream kernel, which also runs every grouped call
+//    (TRACE_EXT_DECODE_IMPL=stream: the stream kernel for dense calls too).
 //  - Flat per-warp streams. One resident wave (3 CTAs of 8 warps per SM up to 16 rows per unit, 2 for
 //    32); the work is units x 16-row blocks x 256-K tiles (dense: one unit; grouped: one unit per (expert with
 //    rows, chunk of 8 / 16 / 32 rows), numbered by one block-wide scan of offsets, so empty experts cost nothing);
@@ -1546,8 +1549,7 @@ DecodeImpl decode_impl() {
 
 // TRACE_EXT_DECODE_IMPL=pair / pair2 / stream (dense decode only; grouped calls keep the default): read at every
 // call, so that one process can time the default and the pair kernels interleaved (1: pair, 2: pair2, -1: stream =
-// the flat-stream kernel everywhere, the default before 2026-11-30; 0: anything else = the default rule,
-// decode_prefers_pair). The second packed form (w_packed = reference_gemm.to_decode_layout2, passed
+// the flat-stream kernel everywhere; 0: anything else, e.g. auto = the rule decode_prefers_pair). The second packed form (w_packed = reference_gemm.to_decode_layout2, passed
 // by trace_ext.ops.fp4_linear for exactly these values, ops/gemm.py DECODE_FORM2_IMPLS): 3: pair3 (pair2's
 // kernel), 4: stream2 (the default's stream kernel), 5: auto2 (decode_prefers_pair: pair3 or stream2 by shape),
 // 6: quad3 (items of 4 blocks, <= 16 rows and N % 64 == 0; else pair3). First packed form, lean loops (bit-equal to
@@ -1562,7 +1564,8 @@ int decode_pair_selected() {
        : s == "stream" ? -1 : 0;
 }
 
-// The default rule for bf16 activations (and TRACE_EXT_DECODE_IMPL=auto2 on the second packed form): the pair2
+// The rule of TRACE_EXT_DECODE_IMPL=auto (the default where the K-slab kernel does not run; auto2 on the second
+// packed form), for bf16 activations: the pair2
 // kernel when every resident pair2 warp gets >= 2.5 items (14336 x 4096 and 4096 x 14336: 7168 items for 2112
 // warps = 3.4), else the stream kernel (7168 x 4096: 3584 items = 1.7 per warp: too few items per warp to fill
 // pair2's 2-item ring and to amortize the split-group reduction). Timed twice on the H200 (decode_ab_h200*.md, runs
@@ -1660,14 +1663,14 @@ void run_decode_new(const GemmParams& p, int64_t rows_hint, const at::Tensor& li
     return;
   }
   TORCH_CHECK(p.M <= 32, "trace_ext: dense decode GEMM takes at most 32 rows");
-  // opt-in K-slab kernel (gemm_w4_decode_kslab_sm90.cu; kslab2: on the second packed form); shapes kslab does not
-  // take run the default
-  if (const int ks = decode_kslab_selected()) {
-    if (run_decode_kslab(p, like, stream, ks == 2)) return;
-    TORCH_CHECK(ks == 1, "trace_ext: TRACE_EXT_DECODE_IMPL=kslab2 (second packed form) cannot take this shape");
+  // the K-slab kernel (gemm_w4_decode_kslab_sm90.cu): the default on sm_90 (W4A16 and W4A4), or named (kslab2: on
+  // the second packed form); shapes it does not take run the stream / pair kernels below
+  if (const int ks = decode_kslab_selected(); ks >= 0) {
+    if (run_decode_kslab(p, like, stream, ks == 2, ks > 0)) return;
+    TORCH_CHECK(ks != 2, "trace_ext: TRACE_EXT_DECODE_IMPL=kslab2 (second packed form) cannot take this shape");
   }
   int pair = decode_pair_selected();
-  if (pair == 0 && !kAFp4 && decode_prefers_pair(p)) pair = 2;  // the default rule
+  if (pair == 0 && !kAFp4 && decode_prefers_pair(p)) pair = 2;  // the rule of auto (the default where kslab did not run)
   if (pair >= 7) {
     run_decode_lean<kAFp4>(p, pair, like, stream);
     return;

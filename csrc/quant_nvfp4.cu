@@ -51,7 +51,8 @@
 //   nvfp4_quant_rowg_lean_kernel: persistent 256-thread CTAs (4 per SM, <= 64 registers), a team per row walking rows
 //   by a grid stride with the next row's loads issued before the current row's amax reduction, 32-bit indices, g by
 //   the correctly rounded reciprocal of 2688 (nvfp4_global_scale_rcp). Everything else runs the default's kernels.
-// - Opt-in TRACE_EXT_QUANT_IMPL=guided-lean (everything but guided quantize runs the default's kernels): guided
+// - Default since the H200 A/B at 7b3e763 (TRACE_EXT_QUANT_IMPL=guided-lean; =rowg-lean2 keeps the previous default;
+//   guided compact 1.29-1.31x -> 72.0% / 81.9% of copy at 2^26 / 2^28, full 1.26x -> 79.2% / 88.3%): guided
 //   quantize of 16-bit x through nvfp4_quant_guided_lean_kernel (the lean kernel's walk and loads). Floors by one
 //   cvt.rz.f16x2 and a mask per pair (e2m1_floor_pair_rz_x2m14), off-grid bits as the signs of lo - a gathered by byte
 //   permutes (e2m1_guided_lo8_rz_x2m14), the tiny-quotient test's minimum on packed halves (min.s16x2), x's signs
@@ -101,11 +102,12 @@ constexpr int kImplLean = 3;     // default: RTN by the power-of-two magic add, 
                                  // 1.06-1.10x, SR equal; bench/results/quant_impl_h200.md)
 constexpr int kImplRowgLean = 4;  // TRACE_EXT_QUANT_IMPL=rowg-lean: kImplLean, except RTN quantize with per-row g
                                   // fused through nvfp4_quant_rowg_lean_kernel
-constexpr int kImplRowgLean2 = 5;  // default (TRACE_EXT_QUANT_IMPL=rowg-lean2): as kImplRowgLean, two blocks per lane
+constexpr int kImplRowgLean2 = 5;  // TRACE_EXT_QUANT_IMPL=rowg-lean2: as kImplRowgLean, two blocks per lane
                                    // (16-bit x); H200 A/B at c7928a5 vs lean: per-row g 1.03-1.06x, swizzled
                                    // 1.12-1.16x, capture 1.03-1.05x (bench/results/quant_impl_h200.md)
-constexpr int kImplGuidedLean = 6;  // TRACE_EXT_QUANT_IMPL=guided-lean: the default, except guided quantize (linear
-                                    // scales, 32-bit walk) through nvfp4_quant_guided_lean_kernel
+constexpr int kImplGuidedLean = 6;  // default (TRACE_EXT_QUANT_IMPL=guided-lean): kImplRowgLean2, except guided
+                                    // quantize (linear scales, 32-bit walk) through nvfp4_quant_guided_lean_kernel;
+                                    // H200 A/B at 7b3e763: guided 1.26-1.31x, codes equal
 static_assert(kChunkElems % 8 == 0, "a chunk must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kNvfp4Block % 8 == 0, "a block must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 2 blocks x 16 elements");
@@ -1311,9 +1313,9 @@ void launch_quant_impl(const QuantParams& p, int64_t rounding, bool rowg, cudaSt
 // guided element code (e2m1_*_bits), "rtn-fminf" the RTN saturated per element by fminf, "rtn-sat" the RTN saturated
 // after packing; "lean" kImplLean (the default before 2026-11-30): RTN by the power-of-two magic add, quantize with
 // linear scales through nvfp4_quant_lean_kernel, the scaled-domain SR / guided code; "rowg-lean": kImplLean except
-// RTN quantize with g None through nvfp4_quant_rowg_lean_kernel (one block per lane); "guided-lean": the default except
-// guided quantize through nvfp4_quant_guided_lean_kernel; unset (or anything else): kImplRowgLean2, the per-row kernel
-// with two blocks per lane.
+// RTN quantize with g None through nvfp4_quant_rowg_lean_kernel (one block per lane); "rowg-lean2": the same with two
+// blocks per lane (the default before the A/B at 7b3e763); unset (or anything else, e.g. "guided-lean"):
+// kImplGuidedLean = rowg-lean2 except guided quantize through nvfp4_quant_guided_lean_kernel.
 int quant_impl() {
   const char* v = std::getenv("TRACE_EXT_QUANT_IMPL");
   if (v != nullptr && std::strcmp(v, "bits") == 0) return kImplBits;
@@ -1321,8 +1323,8 @@ int quant_impl() {
   if (v != nullptr && std::strcmp(v, "rtn-sat") == 0) return kImplRtnSat;
   if (v != nullptr && std::strcmp(v, "rowg-lean") == 0) return kImplRowgLean;
   if (v != nullptr && std::strcmp(v, "lean") == 0) return kImplLean;
-  if (v != nullptr && std::strcmp(v, "guided-lean") == 0) return kImplGuidedLean;
-  return kImplRowgLean2;
+  if (v != nullptr && std::strcmp(v, "rowg-lean2") == 0) return kImplRowgLean2;
+  return kImplGuidedLean;
 }
 
 template <bool FAKE, typename T>

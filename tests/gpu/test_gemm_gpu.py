@@ -494,7 +494,8 @@ def _prefers_pair(N, K):
 
 @pytest.mark.parametrize("N,K", PAIR_SHAPES[:8], ids=[f"N{n}_K{k}" for n, k in PAIR_SHAPES[:8]])
 def test_decode_default_follows_the_shape_rule(monkeypatch, N, K):
-    """Protects the default dense decode choice: bit for bit the pair2 kernel for bf16 activations where every resident
+    """Protects the default dense decode choice: on sm_90 bit for bit the K-slab kernel (TRACE_EXT_DECODE_IMPL=kslab);
+    TRACE_EXT_DECODE_IMPL=auto (the default elsewhere): the pair2 kernel for bf16 activations where every resident
     pair2 warp gets >= 2.5 items (on the H200: 14336 x 4096, 4096 x 14336), else the stream kernel (7168 x 4096 and
     the smaller projections; W4A4 always), at every M of the pair tests; TRACE_EXT_DECODE_IMPL=stream forces the
     stream kernel."""
@@ -506,11 +507,12 @@ def test_decode_default_follows_the_shape_rule(monkeypatch, N, K):
             if mode == "w4a4":
                 a = ref.nvfp4_quantize(a)
             ys = {}
-            for impl in (None, "stream", "pair2"):
+            for impl in (None, "kslab", "auto", "stream", "pair2"):
                 _impl(monkeypatch, impl)
                 ys[impl] = O.fp4_linear(a, wp, backend="cuda")
             want = "pair2" if mode == "w4a16" and _prefers_pair(N, K) else "stream"
-            assert torch.equal(ys[None], ys[want]), f"default is not {want}: N={N} K={K} M={M} {mode}"
+            assert torch.equal(ys["auto"], ys[want]), f"auto is not {want}: N={N} K={K} M={M} {mode}"
+            assert torch.equal(ys[None], ys["kslab"]), f"default is not kslab: N={N} K={K} M={M} {mode}"
     if torch.cuda.get_device_properties(DEV).multi_processor_count == 132:  # the H200 of the benchmarks
         assert _prefers_pair(14336, 4096) and _prefers_pair(4096, 14336) and not _prefers_pair(7168, 4096)
 
@@ -834,7 +836,7 @@ def test_decode_kslab_switch_keeps_errors_and_grouped(monkeypatch):
 # cvt per byte pair, rows past M loaded from row M - 1 instead of zeroed, fragments of the next item in flight, 32-bit
 # ring addresses): the same products and the same fp32 MMA chains, so each must equal its twin bit for bit (NaN
 # included: compared as int16 bit patterns). pair2-lean falls back to stream-lean where N % 32 != 0, like pair2.
-LEAN_TWINS = (("stream-lean", "stream"), ("pair2-lean", "pair2"), ("auto-lean", None))
+LEAN_TWINS = (("stream-lean", "stream"), ("pair2-lean", "pair2"), ("auto-lean", "auto"))
 
 
 def _bits(y):

@@ -1,13 +1,14 @@
-"""TRACE_EXT_QUANT_IMPL=guided-lean (nvfp4_quant_guided_lean_kernel: guided quantize with the fp16 round-toward-zero
-floors, the off-grid bits as signs of lo - a, the packed-half minimum for the tiny-quotient test): codes, scales, g and
-capture mbits equal to the reference's and to the default's, bit for bit, on
+"""TRACE_EXT_QUANT_IMPL=guided-lean, the default since 7b3e763 (nvfp4_quant_guided_lean_kernel: guided quantize with
+the fp16 round-toward-zero floors, the off-grid bits as signs of lo - a, the packed-half minimum for the tiny-quotient
+test): codes, scales, g and capture mbits equal to the reference's and to rowg-lean2's (the previous default), bit for
+bit, on
 - every dense value around each grid point / tie / binade edge with every payload (t = 1, both signs);
 - random activations with random rollout records (compact bits and full codes of both signs, not derived from x);
 - adversarial records and inputs: subnormal E4M3 scale bytes, zero scales (t = 0), NaN scales, tiny and huge g (the
   __fdiv_rn path), blocks of zeros / -0, blocks holding NaN / +-Inf, bf16 subnormal and tiny |x| (the tiny-quotient
   test), exact ties and grid points times t;
 - odd shapes (block counts per row below 32 and not dividing the grid stride, many tiles per warp);
-- fp16 x, and fp32 x (falls back to the default's kernels).
+- fp16 x, and fp32 x (falls back to rowg-lean2's kernels).
 Run: pytest tests/gpu/test_quant_guided_lean_gpu.py -q   (on the H200, with the extension built; ~20 s)
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
 VARIANT = "guided-lean"
+PREVIOUS = "rowg-lean2"  # the default before guided-lean
 
 
 def run(monkeypatch, variant, x, rec, capture=False):
@@ -34,12 +36,14 @@ def run(monkeypatch, variant, x, rec, capture=False):
 
 
 def check(monkeypatch, x, rec, what):
-    """guided-lean == reference == default (codes, scales, g), and capture mbits == the default's."""
+    """guided-lean == reference == rowg-lean2 (the previous default) == the default (codes, scales, g), and capture
+    mbits == rowg-lean2's."""
     want = ops.nvfp4_quantize(x, rounding="guided", guidance=rec, backend="reference")
     got = run(monkeypatch, VARIANT, x, rec)
     assert_same(got, want, f"{what}: guided-lean vs reference")
-    assert_same(got, run(monkeypatch, None, x, rec), f"{what}: guided-lean vs default")
-    (qc, rc), (qd, rd) = run(monkeypatch, VARIANT, x, rec, True), run(monkeypatch, None, x, rec, True)
+    assert_same(got, run(monkeypatch, PREVIOUS, x, rec), f"{what}: guided-lean vs rowg-lean2")
+    assert_same(got, run(monkeypatch, None, x, rec), f"{what}: guided-lean vs the default (guided-lean)")
+    (qc, rc), (qd, rd) = run(monkeypatch, VARIANT, x, rec, True), run(monkeypatch, PREVIOUS, x, rec, True)
     assert_same(qc, qd, f"{what}: capture")
     assert torch.equal(rc.payload, rd.payload), f"{what}: capture mbits"
 
@@ -142,7 +146,7 @@ def test_adversarial_records_and_inputs(monkeypatch, kind, dtype, seed):
 
 def test_other_modes_are_the_default(monkeypatch):
     """guided-lean changes guided quantize only: RTN (fused g, g given, swizzled), SR and fake quantization give the
-    default's outputs."""
+    outputs of rowg-lean2 (the previous default)."""
     gen = torch.Generator(device=DEV).manual_seed(7)
     x = torch.randn(333, 2048, generator=gen, device=DEV).to(torch.bfloat16)
     g = ref.nvfp4_global_scale(x, "row").contiguous()
@@ -153,11 +157,11 @@ def test_other_modes_are_the_default(monkeypatch):
              lambda: ops.nvfp4_quantize(x, rounding="sr", seed=3, offset=1, backend="cuda"),
              lambda: ops.nvfp4_quantize(x, rounding="guided", guidance=rec, swizzle=True, backend="cuda"))
     for i, call in enumerate(calls):
-        _set_impl(monkeypatch, None)
+        _set_impl(monkeypatch, PREVIOUS)
         a = call()
         _set_impl(monkeypatch, VARIANT)
         assert_same(call(), a, f"call {i}")
-    _set_impl(monkeypatch, None)
+    _set_impl(monkeypatch, PREVIOUS)
     fa = ops.nvfp4_fake_quantize(x, rounding="guided", guidance=rec, backend="cuda")
     _set_impl(monkeypatch, VARIANT)
     fb = ops.nvfp4_fake_quantize(x, rounding="guided", guidance=rec, backend="cuda")

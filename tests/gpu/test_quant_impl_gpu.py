@@ -25,7 +25,7 @@ GRID = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
-@pytest.fixture(params=("default", "bits", "rtn-fminf", "rtn-sat", "lean", "rowg-lean", "guided-lean"))
+@pytest.fixture(params=("default", "bits", "rtn-fminf", "rtn-sat", "lean", "rowg-lean", "rowg-lean2"))
 def impl(request, monkeypatch):
     if request.param == "default":
         monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
