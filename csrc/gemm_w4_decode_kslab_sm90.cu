@@ -388,12 +388,22 @@ int decode_kslab_selected() {
 struct KslabPlan {
   int L, S, C;
 };
+// TRACE_EXT_KSLAB_S (read per call; an A/B knob, bench/bench_decode_kslab_plan.py): the slab count to use instead of
+// the cost model's, when it is a valid count for the shape (L = ceil(KT / S) fits, and no smaller S has that L);
+// unset or 0: the model.
+int kslab_forced_slabs() {
+  const char* v = std::getenv("TRACE_EXT_KSLAB_S");
+  return v != nullptr ? std::max(0, std::atoi(v)) : 0;
+}
+
 KslabPlan kslab_plan(int n_blocks, int KT, int rows, int max_l, int sms) {
   KslabPlan best{0, 0, 0};  // S = 0: no plan
   double best_cost = -1.0;
+  const int forced = kslab_forced_slabs();
   for (int S = 1; S <= KT; ++S) {
     const int L = (KT + S - 1) / S;
     if (L > max_l || (KT + L - 1) / L != S) continue;  // too long, or the same L as a smaller S
+    if (forced > 0 && S == forced) return {L, S, std::max(1, std::min(n_blocks, sms / S))};
     const int C = std::max(1, std::min(n_blocks, sms / S));  // S > SMs: one chunk, several waves
     const int64_t bpc = (n_blocks + C - 1) / C;  // blocks of the largest CTA
     // a slab partial (fp32, 16 x rows) is written to and read back from L2 (about half the cost of DRAM bytes),

@@ -929,3 +929,40 @@ def test_decode_lean_adversarial_and_grouped(monkeypatch):
     for lean, _ in LEAN_TWINS:
         _impl(monkeypatch, lean)
         assert torch.equal(O.fp4_grouped_linear(ag, wg, offsets, backend="cuda"), y0), lean
+
+
+# ---- K-slab decode: forced slab counts (TRACE_EXT_KSLAB_S, read per call; an A/B knob) -----------------------------
+
+
+def test_kslab_forced_slab_counts(monkeypatch):
+    """Protects every slab count the K-slab plan can be forced to (bench/bench_decode_kslab_plan.py times them): for
+    each valid S (slab length fits the shared memory, no smaller S with the same length) of 4096 x 14336 and 2048 x
+    2048 at M = 1 / 9 / 32, W4A16 and W4A4: within the f64 contract (other partial sums per slab, other N chunks per
+    CTA), repeatable with model-planned calls in between; an invalid S falls back to the model."""
+    import sys  # noqa: PLC0415
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+    from bench_decode_kslab_plan import valid_slab_counts  # noqa: PLC0415
+
+    monkeypatch.delenv("TRACE_EXT_DECODE_IMPL", raising=False)
+    for N, K in ((4096, 14336), (2048, 2048)):
+        w = _quant_w(N, K)
+        wp = O.prepare_fp4_weight(w)
+        w64 = _w64(w)
+        for M in (1, 9, 32):
+            for mode in ("w4a16", "w4a4"):
+                a = torch.randn(M, K, device=DEV).bfloat16()
+                if mode == "w4a4":
+                    a = ref.nvfp4_quantize(a)
+                monkeypatch.delenv("TRACE_EXT_KSLAB_S", raising=False)
+                y_model = O.fp4_linear(a, wp, backend="cuda")
+                for S in valid_slab_counts(K, M):
+                    monkeypatch.setenv("TRACE_EXT_KSLAB_S", str(S))
+                    y = O.fp4_linear(a, wp, backend="cuda")
+                    _check(y, _a64(a), w64, f"kslab S={S} N={N} K={K} M={M} {mode}")
+                    monkeypatch.delenv("TRACE_EXT_KSLAB_S")
+                    O.fp4_linear(a, wp, backend="cuda")
+                    monkeypatch.setenv("TRACE_EXT_KSLAB_S", str(S))
+                    assert torch.equal(O.fp4_linear(a, wp, backend="cuda"), y), f"second S={S} call differs"
+                monkeypatch.setenv("TRACE_EXT_KSLAB_S", "5000")  # not a valid count: the model's plan
+                assert torch.equal(O.fp4_linear(a, wp, backend="cuda"), y_model), f"invalid S M={M} {mode}"
