@@ -4,8 +4,7 @@ stream by the shape rule decode_prefers_pair of gemm_w4_decode_sm90.cu, the defa
 kernels named by TRACE_EXT_DECODE_IMPL (read by the extension at every call): pair2; pair3 = pair2's kernel, stream2 =
 the stream kernel, auto2 = auto, kslab2 = the K-slab kernel, all four on the second packed form of
 prepare_fp4_weight(decode_form2=True) (FP4 expansion 9 instead of 10 integer ops per 8 weights); quad3 = pair3 with
-items of 4 blocks (<= 16 rows; pair3 beyond); stream-lean / pair2-lean / auto-lean: the stream / pair2 kernels / the
-auto rule with the lean item loop (decode_items_lean), bit-equal to their twins. cuBLAS bf16 in the same run.
+items of 4 blocks (<= 16 rows; pair3 beyond). cuBLAS bf16 in the same run.
 Interleaved in one process: per shape, ROUNDS rounds of (IMPLS..., cuBLAS), each a do_bench_cold median over >= 4
 rotated weight sets (cold L2); the row reports the median over the rounds. Shapes: the 12 dense decode rows of
 bench_gemm.py (M in {1, 8, 16, 32} x (N, K) in {(14336, 4096), (4096, 14336), (7168, 4096)}). %copyBW is on the
@@ -13,7 +12,7 @@ bytes moved (codes + scales + A + Y); speedups are against stream. Before timing
 against the float64 reference bound of the GPU tests (1 bf16 ulp + the fp32 accumulation bound) and every twin pair
 for equal bits, so a broken variant never reports a time; pair2_bit_equal is the fraction of outputs where pair2
 equals stream (their K splits differ, so a few fp32 sums round differently).
-Run: python bench/bench_decode_ab.py [shape indices 0 1 2]; one shape with all 13 kernels + cuBLAS takes ~45 s on an
+Run: python bench/bench_decode_ab.py [shape indices 0 1 2]; one shape with all 10 kernels + cuBLAS takes ~40 s on an
 H200 (results in decode_ab_h200[_s<indices>].{json,md} under $BENCH_OUT or bench/results/); DECODE_AB_IMPLS=a,b,...
 times stream, default and a subset.
 """
@@ -41,15 +40,13 @@ MS = (1, 8, 16, 32)
 ENV = "TRACE_EXT_DECODE_IMPL"
 # speedups are against stream (the flat-stream kernel, the default before c7928a5); pair (3 CTAs per SM) lost to
 # pair2 everywhere at ab46e90
-IMPLS = ("stream", "default", "auto", "pair2", "pair3", "stream2", "auto2", "quad3", "kslab", "kslab2", "stream-lean",
-         "pair2-lean", "auto-lean")
+IMPLS = ("stream", "default", "auto", "pair2", "pair3", "stream2", "auto2", "quad3", "kslab", "kslab2")
 # DECODE_AB_IMPLS=stream,default,... times a subset (stream and default are always timed: the speedups refer to them)
 if os.environ.get("DECODE_AB_IMPLS"):
     IMPLS = ("stream", "default", *(v for v in os.environ["DECODE_AB_IMPLS"].split(",") if v not in ("", "stream",
                                                                                                        "default")))
-# pairs that must give the same bits (same kernel on the other packed form, or the lean loop of the same kernel)
-TWINS = (("pair3", "pair2"), ("stream2", "stream"), ("kslab2", "kslab"),
-         ("stream-lean", "stream"), ("pair2-lean", "pair2"), ("auto-lean", "auto"))
+# pairs that must give the same bits (the same kernel on the other packed form)
+TWINS = (("pair3", "pair2"), ("stream2", "stream"), ("kslab2", "kslab"), ("auto2", "auto"))
 
 
 def _with_impl(impl, fn):
@@ -62,8 +59,7 @@ def _check_pair(a, q, wp):
     """All kernels within the reference bound (1 bf16 ulp + fp32 accumulation bound), same shape / dtype; returns
     the fraction of outputs where pair2 equals the stream kernel bit for bit, and raises unless pair3 equals pair2 and
     stream2 equals the stream kernel and kslab2 kslab bit for bit (same kernels, same sums; only the packed form
-    differs), and unless stream-lean / pair2-lean / auto-lean equal stream / pair2 / the default bit for bit; quad3
-    and kslab within the bound."""
+    differs); quad3 and kslab within the bound."""
     ys = {impl: _with_impl(None if impl == "default" else impl, lambda: O.fp4_linear(a, wp, backend="cuda"))
           for impl in IMPLS}
     for impl, y in ys.items():
@@ -117,8 +113,6 @@ def main():
             row.update({f"{k}_speedup": ms["stream"] / ms[k] for k in IMPLS if k != "stream"})
             if "auto2" in ms:
                 row["auto2_vs_best"] = best / ms["auto2"]
-            if "auto-lean" in ms:
-                row["auto-lean_vs_auto"] = ms["auto"] / ms["auto-lean"] if "auto" in ms else float("nan")
             row["best_impl"] = min(IMPLS, key=lambda k: ms[k])
             row["best_vs_cublas"] = ms["cublas"] / best
             row["target"] = f">=75%BW >={3.0 if M <= 16 else 2.5}x"

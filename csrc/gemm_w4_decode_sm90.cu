@@ -67,17 +67,6 @@
 //    still capped at 128 (launch bound of 2 CTAs). Static main loop at <= 8 rows (sm_90a, whole item unrolled):
 //    pair2 1207 -> pair3 1143 -> quad3 1910 instructions per 8192 / 8192 / 16384 weights (4.71 / 4.46 / 3.73 thread
 //    instructions per weight); stream 579 -> stream2 547 per 4096 (4.52 / 4.27).
-//  - TRACE_EXT_DECODE_IMPL=stream-lean / pair2-lean / auto-lean (opt-in, dense, first packed form; read at every
-//    call): the stream / pair2 kernels (auto-lean: the default rule) with a shorter item loop, decode_items_lean
-//    (details there), bit-equal to their twins (same products, same fp32 MMA chains in the same order). Why: the
-//    profile at c7928a5 (14336 x 4096, M = 1: 4.0 thread instructions per weight against an issue budget of ~3.9 at
-//    DRAM rate). Per item: scales by one cvt.rn.f16x2.e4m3x2 per byte pair (5 ops per 2 scales instead of ~10),
-//    pair 3 of the FP4 expansion as the high word of one product (10 integer ops per 8 weights instead of 11), no
-//    zeroing of padded activation rows (they read row M - 1), one base register per address stream, 32-bit ring
-//    addresses computed once, one compare per item for the segment end, a dense store_y. Static SASS hot path of the
-//    item loop (sm_90a, ptxas 13.0; per 4096 weights for stream, 8192 for pair2), default -> lean: stream <= 8 rows
-//    417 -> 309, 16 rows 522 -> 382, 32 rows 664 -> 472; pair2 778 -> 606, 1010 -> 721, 1051 -> 808. Registers
-//    80 / 80 / 110 (stream, was 80 / 80 / 122) and 116 / 108 / 128 (pair2, was 127 / 113 / 128), no spills.
 //  - TRACE_EXT_DECODE_IMPL=ring (the path of de2a673, dense and grouped): every warp streams its super-tiles
 //    through its own cp.async ring in shared memory (3-4 slots of 2304 B, 2-3 super-tiles in flight per warp),
 //    each lane copying and reading back only its own 72 bytes, so cp.async.wait_group orders the copy before the
@@ -478,363 +467,7 @@ __device__ __forceinline__ int stream_warp_of(int64_t j, int64_t T, int W) {  //
 }
 __device__ __forceinline__ int64_t stream_first_tile(int w, int64_t T, int W) { return T * w / W; }
 
-// ---- lean variants (TRACE_EXT_DECODE_IMPL=stream-lean / pair2-lean / auto-lean, dense, first packed form) -------
-// The per-item loop of the stream (NB = 1) and pair (NB = 2) kernels with less bookkeeping per weight; the same
-// products and the same fp32 MMA chains in the same order, so each equals its twin bit for bit:
-//  - scales: one cvt.rn.f16x2.e4m3x2 per 2 scale bytes (exact: every E4M3 value, subnormals included, is a normal
-//    f16), 2 f16 -> f32, one bf16x2 pack (exact), one bf16x2 multiply by 2^119 (exact: 448 * 2^119 < 2^128) = 5 ops
-//    per 2 scales instead of ~10 (two unpacks, byte extracts, two fp32 multiplies); 0 -> +-0 and NaN -> NaN as
-//    before (tests/test_decode_lean_emulation.py: all 65536 byte pairs). The halves are broadcast by operand
-//    swizzles (.H0_H0 / .H1_H1) of the weight multiply.
-//  - activation rows at or past M load row M - 1 instead of zeros (their MMA columns are never stored nor reduced
-//    into stored outputs): no per-item zeroing (16 CS2R) nor predicates; per-row pointers computed once, one
-//    IMAD.WIDE per row and item.
-//  - <= 8 rows of bf16, stream (80 registers, no room for a second fragment set): each 64-K step's fragments of the
-//    NEXT item are loaded after this step's MMAs into the registers just consumed; ptxas 13.0 schedules them after
-//    the item's last MMA, i.e. in flight about as long as the default's loads issued before the next ring wait
-//    (no loss, little gain in latency: the gain is the removed instructions). pair2-lean keeps pair2's prefetch rules
-//    (<= 8 rows: a second set for the next item, issued from mid-item by ptxas; <= 16 rows: one 64-K step ahead).
-//  - decode_word_lean: pair 3 of the FP4 expansion in 5 integer ops instead of 6 (see there).
-//  - 32-bit shared addresses of the ring computed once (no per-item generic -> shared conversion), one slot cursor
-//    (the slot refilled is the one read by the previous item), weights addressed by tile index (dense: tile
-//    gb * NB * KT + kt + b * KT at byte tile * 2304), one compare per item for the segment end, and a dense
-//    store_y (no unit / expert lookup).
-__device__ __forceinline__ void cp_async16_s(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-}
-__device__ __forceinline__ void cp_async8_s(uint32_t dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src));
-}
-__device__ __forceinline__ uint4 lds128(uint32_t a) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
-  return v;
-}
-__device__ __forceinline__ uint2 lds64(uint32_t a) {
-  uint2 v;
-  asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(a));
-  return v;
-}
-// E4M3 scale bytes 2 kHalf (low half) and 2 kHalf + 1 (high half) of w -> bf16x2 of (s * 2^119) each, bit-equal to
-// scale_bf16x2_folded of either byte (NaN -> NaN).
-template <int kHalf>
-__device__ __forceinline__ uint32_t scale2_bf16x2_folded(uint32_t w) {
-  uint32_t h;
-  if constexpr (kHalf == 0) {
-    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(h) : "r"(w));
-  } else {
-    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}" : "=r"(h) : "r"(w));
-  }
-  const float f0 = __half2float(__ushort_as_half((unsigned short)(h & 0xFFFFu)));
-  const float f1 = __half2float(__ushort_as_half((unsigned short)(h >> 16)));
-  const __nv_bfloat162 b2 = __floats2bfloat162_rn(f0, f1);  // exact (at most 4 significant bits)
-  return bf16x2_mul(*reinterpret_cast<const uint32_t*>(&b2), 0x7B007B00u);  // * 2^119 in both halves, exact
-}
-// decode_word with pair 3 in 5 integer ops instead of 6 (10 per word instead of 11): bits 10, 11 -> 6, 7 and
-// 14 -> 8 of both halves are the high word of ONE product (q & 0x4C004C00) * (2^28 + 2^26): every partial product
-// lands at or above bit 36 (the low word is zero) and no two overlap (bits 4-8, 10 and 20-24, 26 of the high word),
-// so the high word is the exact OR of the shifted copies, masked to the pair's bits; bit 13 -> 15 is the shift class
-// of the sign (q << 2). Same bits as decode_word for every word (tests/test_decode_lean_emulation.py, both halves
-// exhaustively).
-__device__ __forceinline__ void decode_word_lean(uint32_t q, uint32_t r[4]) {
-  constexpr uint32_t kM = 0x81C081C0u;
-  r[0] = q & kM;
-  r[1] = (q << 3) & kM;
-  r[2] = (q << 6) & kM;
-  r[3] = (__umulhi(q & 0x4C004C00u, 0x14000000u) & 0x01C001C0u) | ((q << 2) & 0x80008000u);
-}
-
-// Keeps p as one register value (no re-association of the address sums around it by the compiler).
-__device__ __forceinline__ void opaque_ptr(const uint8_t*& p) { asm("" : "+l"(p)); }
-__device__ __forceinline__ uint32_t bf16x2_lo_lo(uint32_t s) {  // folds into the .H0_H0 operand swizzle
-  uint32_t d;
-  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n mov.b32 %0, {lo, lo};\n}" : "=r"(d) : "r"(s));
-  return d;
-}
-__device__ __forceinline__ uint32_t bf16x2_hi_hi(uint32_t s) {  // .H1_H1
-  uint32_t d;
-  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n mov.b32 %0, {hi, hi};\n}" : "=r"(d) : "r"(s));
-  return d;
-}
-
-// The lean item loop and epilogue of one warp (dense): items j in [j0, j1) of T, W warps; item j = (group gb of NB
-// adjacent 16-row blocks, super-tile kt), j = gb * KT + kt. <= 8 rows of bf16, fragments one item ahead: kRoll
-// (stream, 80 registers) step by step into the registers just consumed (ptxas 13.0 issues them after the item's last
-// MMA: as early as the default's loads before the next ring wait, no later), kHoist2 (pair2, 128 registers) as in
-// pair2: a second set, all loaded at the start of the item; kStepA: pair2's one-64-K-step-ahead fragments (<= 16 rows
-// of bf16); else loaded per step.
-template <int MT8, int NB, bool kAFp4, int kStages, bool kRoll, bool kStepA, int kKkUnroll, bool kHoist2 = false>
-__device__ __forceinline__ void decode_items_lean(const GemmParams& p, float* __restrict__ ws, int* __restrict__ tickets,
-                                                  int T, int W, int w, int j0, int j1, uint8_t* ring) {
-  static_assert(!(kRoll || kHoist2) || (MT8 == 1 && !kAFp4 && kKkUnroll == 4), "item-ahead fragments: <= 8 rows of bf16");
-  static_assert(!(kRoll && kHoist2), "one item-ahead scheme");
-  static_assert(!kStepA || (MT8 == 2 && !kAFp4), "step-ahead fragments: <= 16 rows of bf16");
-  constexpr int kFrag = NB * MT8 * 4;
-  constexpr uint32_t kItemBytes = NB * kTileBytes, kRingBytes = kStages * kItemBytes;
-  constexpr uint32_t kAStep = kAFp4 ? kSuperK / 2 : kSuperK * 2;  // activation bytes per row and super-tile
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int K = p.K, N = p.N, M = p.M, KT = K / kSuperK;
-  const float fold = kAFp4 ? kUnfoldW4A4 : kUnfoldW4A16;
-
-  // this lane's bytes of ring slot offset so: codes at ring_c + so + b * 2304 + kk * 512, scales at ring_s + so + ..
-  const uint32_t ring_c = smem_u32(ring) + lane * 16, ring_s = smem_u32(ring) + kCodeBytes + lane * 8;
-  const uint8_t* src_c = p.w_packed + lane * 16;
-  const uint8_t* src_s = p.w_packed + kCodeBytes + lane * 8;
-  opaque_ptr(src_c);  // one 64-bit base register each: tile addresses are one IMAD.WIDE.U32 from it
-  opaque_ptr(src_s);
-  int j_issue = j0;
-  int kt_i = j0 % KT;
-  uint32_t ti = (uint32_t)(j0 / KT) * (uint32_t)(NB * KT) + (uint32_t)kt_i;  // first tile of item j_issue (< 2^32)
-  auto issue = [&](uint32_t so) {
-    if (j_issue < j1) {
-#pragma unroll
-      for (int b = 0; b < NB; ++b) {
-        const uint64_t off = (uint64_t)(ti + (uint32_t)(b * KT)) * kTileBytes;
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) cp_async16_s(ring_c + so + b * kTileBytes + kk * 512, src_c + off + kk * 512);
-        cp_async8_s(ring_s + so + b * kTileBytes, src_s + off);
-      }
-      ++ti;
-      if (++kt_i == KT) {
-        kt_i = 0;
-        ti += (uint32_t)((NB - 1) * KT);
-      }
-    }
-    cp_async_commit();  // possibly empty: one group per item for wait_group
-    ++j_issue;
-  };
-#pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) issue(i * kItemBytes);
-
-  // activation rows: row min(8i + g, M - 1) (rows past M feed MMA columns that are never stored)
-  const uint8_t* pa[MT8];
-  const uint8_t* ps[MT8];
-#pragma unroll
-  for (int i = 0; i < MT8; ++i) {
-    const int m = min(8 * i + g, M - 1);
-    if constexpr (!kAFp4) {
-      pa[i] = reinterpret_cast<const uint8_t*>(p.a) + ((int64_t)m * K + 16 * t) * 2;
-      ps[i] = nullptr;
-    } else {
-      pa[i] = reinterpret_cast<const uint8_t*>(p.a) + (int64_t)m * (K / 2) + 8 * t;
-      ps[i] = p.a_scales + (int64_t)m * (K / 16) + t;
-    }
-    if constexpr (MT8 <= 2) {  // (32 rows: 8 more registers held would spill beside pair2's 128)
-      opaque_ptr(pa[i]);
-      if constexpr (kAFp4) opaque_ptr(ps[i]);
-    }
-  }
-  auto load_a = [&](int kt_a, int kk, uint32_t (&bq)[MT8][8]) {
-#pragma unroll
-    for (int i = 0; i < MT8; ++i) {
-      const uint8_t* q = pa[i] + (uint64_t)(uint32_t)kt_a * kAStep;
-      if constexpr (MT8 <= 2) opaque_ptr(q);  // the 64-K steps at immediate offsets from one pointer
-      if constexpr (!kAFp4) {
-        const uint4 x0 = __ldg(reinterpret_cast<const uint4*>(q + kk * 128));
-        const uint4 x1 = __ldg(reinterpret_cast<const uint4*>(q + kk * 128 + 16));
-        bq[i][0] = x0.x; bq[i][1] = x0.y; bq[i][2] = x0.z; bq[i][3] = x0.w;
-        bq[i][4] = x1.x; bq[i][5] = x1.y; bq[i][6] = x1.z; bq[i][7] = x1.w;
-      } else {
-        const uint2 c = __ldg(reinterpret_cast<const uint2*>(q + kk * 32));
-        const uint32_t sc = scale_bf16x2_folded(__ldg(ps[i] + (uint64_t)(uint32_t)kt_a * (kSuperK / 16) + kk * 4));
-        const uint32_t cw[2] = {c.x, c.y};
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj)
-          bq[i][jj] = bf16x2_mul(fp4x2_to_bf16x2_biased((cw[jj >> 2] >> (8 * (jj & 3))) & 0xFFu), sc);
-      }
-    }
-  };
-
-  float acc[NB][MT8][4];
-#pragma unroll
-  for (int b = 0; b < NB; ++b)
-#pragma unroll
-    for (int i = 0; i < MT8; ++i)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[b][i][c] = 0.f;
-
-  auto store_y = [&](int gb, const float (&v)[NB][MT8][4]) {
-#pragma unroll
-    for (int b = 0; b < NB; ++b) {
-      const int n0 = (gb * NB + b) * 16 + g;
-      const float gw0 = p.g_w[(int64_t)n0 * p.gw_stride_n], gw1 = p.g_w[(int64_t)(n0 + 8) * p.gw_stride_n];
-#pragma unroll
-      for (int i = 0; i < MT8; ++i)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int n = n0 + (c >> 1) * 8, m = 8 * i + 2 * t + (c & 1);
-          if (m >= M) continue;
-          const float ga = p.g_a != nullptr ? p.g_a[m] : 1.0f;
-          const float y = __fmul_rn(__fmul_rn(v[b][i][c], fold), __fmul_rn(ga, (c >> 1) ? gw1 : gw0));
-          p.y[(int64_t)m * N + n] = __float2bfloat16_rn(y);
-        }
-    }
-  };
-
-  int gb = j0 / KT, kt = j0 - gb * KT;  // compute cursor
-  const int gb_first = gb, kt_first = kt;
-  int j_end = min(j1, (gb + 1) * KT) - 1;  // last item of the current group segment
-  int pending0 = -1, pending1 = -1;  // groups whose partial this warp wrote (slot 0: first group, 1: last group)
-  uint32_t so_rd = 0, so_prev = (kStages - 1) * kItemBytes;  // slot read now; slot read by the previous item
-  uint32_t bqr[kRoll || kHoist2 ? 4 : 1][MT8][8];  // this item's fragments (kRoll: the next item's, step by step)
-  if constexpr (kRoll || kHoist2) {
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) load_a(kt, kk, bqr[kk]);
-  }
-  uint32_t bqs[MT8][8];  // kStepA: the next 64-K step's fragments
-  if constexpr (kStepA) load_a(kt, 0, bqs);
-  for (int j = j0; j < j1; ++j) {
-    const bool seg_end = j == j_end;
-    const int kt_n = seg_end ? 0 : kt + 1;  // the next item's k tile (past the warp's last item: in range, unused)
-    uint32_t bqn[kHoist2 ? 4 : 1][MT8][8];  // kHoist2: the next item's fragments, in flight during this item
-    if constexpr (kHoist2) {
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) load_a(kt_n, kk, bqn[kk]);
-    }
-    asm volatile("" ::: "memory");  // the reads of the slot refilled here (previous item) stay before it
-    issue(so_prev);
-    cp_async_wait<kStages - 1>();   // the group of item j is complete
-    asm volatile("" ::: "memory");  // and the reads below stay after the wait
-    uint2 sv[NB];
-#pragma unroll
-    for (int b = 0; b < NB; ++b) sv[b] = lds64(ring_s + so_rd + b * kTileBytes);
-
-#pragma unroll kKkUnroll
-    for (int kk = 0; kk < 4; ++kk) {
-      uint32_t bq[MT8][8];
-      if constexpr (kRoll || kHoist2) {
-#pragma unroll
-        for (int i = 0; i < MT8; ++i)
-#pragma unroll
-          for (int jj = 0; jj < 8; ++jj) bq[i][jj] = bqr[kk][i][jj];
-      } else if constexpr (kStepA) {
-#pragma unroll
-        for (int i = 0; i < MT8; ++i)
-#pragma unroll
-          for (int jj = 0; jj < 8; ++jj) bq[i][jj] = bqs[i][jj];
-        if (kk < 3) {
-          load_a(kt, kk + 1, bqs);
-        } else {
-          load_a(kt_n, 0, bqs);
-        }
-      } else {
-        load_a(kt, kk, bq);
-      }
-#pragma unroll
-      for (int b = 0; b < NB; ++b) {
-        const uint32_t sw = kk < 2 ? sv[b].x : sv[b].y;
-        uint32_t s2;
-        if constexpr (kKkUnroll == 4) {  // whole item unrolled: the high halfword as the cvt's .H1 operand
-          s2 = (kk & 1) ? scale2_bf16x2_folded<1>(sw) : scale2_bf16x2_folded<0>(sw);
-        } else {
-          s2 = scale2_bf16x2_folded<0>((kk & 1) ? sw >> 16 : sw);
-        }
-        const uint32_t s_lo = bf16x2_lo_lo(s2), s_hi = bf16x2_hi_hi(s2);
-        const uint4 wq = lds128(ring_c + so_rd + b * kTileBytes + kk * 512);
-        uint32_t rg[8], rh[8];  // rows g and g+8: pairs 0..7 of the 16-element block
-        decode_word_lean(wq.x, rg);
-        decode_word_lean(wq.y, rg + 4);
-        decode_word_lean(wq.z, rh);
-        decode_word_lean(wq.w, rh + 4);
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {
-          rg[jj] = bf16x2_mul(rg[jj], s_lo);
-          rh[jj] = bf16x2_mul(rh[jj], s_hi);
-        }
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks) {
-          const uint32_t af[4] = {rg[2 * ks], rh[2 * ks], rg[2 * ks + 1], rh[2 * ks + 1]};
-#pragma unroll
-          for (int i = 0; i < MT8; ++i) {
-            const uint32_t bf[2] = {bq[i][2 * ks], bq[i][2 * ks + 1]};
-            mma_bf16_16816(acc[b][i], af, bf);
-          }
-        }
-      }
-      if constexpr (kRoll) load_a(kt_n, kk, bqr[kk]);  // the next item's step kk, in flight from here
-    }
-
-    // ---- end of a group segment: the whole group -> Y; part of it -> partial slot
-    if (seg_end) {
-      const bool first_seg = gb == gb_first;  // the warp's first group
-      if (kt == KT - 1 && (!first_seg || kt_first == 0)) {
-        store_y(gb, acc);
-      } else {
-        float* dst = ws + ((int64_t)w * 2 + (first_seg ? 0 : 1)) * (kFrag * 32) + lane;
-#pragma unroll
-        for (int b = 0; b < NB; ++b)
-#pragma unroll
-          for (int i = 0; i < MT8; ++i)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) __stcg(dst + ((b * MT8 + i) * 4 + c) * 32, acc[b][i][c]);
-        if (first_seg) pending0 = gb; else pending1 = gb;
-      }
-#pragma unroll
-      for (int b = 0; b < NB; ++b)
-#pragma unroll
-        for (int i = 0; i < MT8; ++i)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) acc[b][i][c] = 0.f;
-      ++gb;
-      j_end = min(j1 - 1, j_end + KT);
-    }
-    if constexpr (kHoist2) {
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-        for (int i = 0; i < MT8; ++i)
-#pragma unroll
-          for (int jj = 0; jj < 8; ++jj) bqr[kk][i][jj] = bqn[kk][i][jj];
-    }
-    kt = kt_n;
-    so_prev = so_rd;
-    so_rd = so_rd + kItemBytes == kRingBytes ? 0u : so_rd + kItemBytes;
-  }
-  cp_async_wait<0>();  // no copy outlives the kernel's shared memory
-
-  // ---- shared groups: arrive (after all of this warp's partial stores), the last warp reduces in warp order
-  if (pending0 < 0 && pending1 < 0) return;
-  __syncwarp();
-#pragma unroll
-  for (int q = 0; q < 2; ++q) {
-    const int b = q == 0 ? pending0 : pending1;
-    if (b < 0) continue;
-    const int wf = stream_warp_of((int64_t)b * KT, T, W), wl = stream_warp_of((int64_t)b * KT + KT - 1, T, W);
-    int last = 0;
-    if (lane == 0) {
-      int ticket;
-      // release: this warp's partial stores (ordered before lane 0 by the warp barrier) before the ticket
-      asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;\n" : "=r"(ticket) : "l"(tickets + b) : "memory");
-      last = ticket == wl - wf;
-      if (last) tickets[b] = 0;  // self-reset for the next launch on this stream
-    }
-    last = __shfl_sync(0xffffffffu, last, 0);
-    if (!last) continue;
-    // acquire (lane 0's acq_rel atomic, then the warp barrier): the other warps' partials are visible in L2
-    __syncwarp();
-    float v[NB][MT8][4];
-#pragma unroll
-    for (int bb = 0; bb < NB; ++bb)
-#pragma unroll
-      for (int i = 0; i < MT8; ++i)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) v[bb][i][c] = 0.f;
-    for (int ww = wf; ww <= wl; ++ww) {
-      const int slot = stream_first_tile(ww, T, W) < (int64_t)b * KT ? 1 : 0;  // started in an earlier group
-      const float* src = ws + ((int64_t)ww * 2 + slot) * (kFrag * 32) + lane;
-#pragma unroll
-      for (int bb = 0; bb < NB; ++bb)
-#pragma unroll
-        for (int i = 0; i < MT8; ++i)
-#pragma unroll
-          for (int c = 0; c < 4; ++c)
-            v[bb][i][c] = __fadd_rn(v[bb][i][c], __ldcg(src + ((bb * MT8 + i) * 4 + c) * 32));
-    }
-    store_y(b, v);
-  }
-}
-
-template <int MT8, bool kAFp4, int kStages, int kMinBlocks, bool kGrouped, bool kForm2, bool kLean = false>
+template <int MT8, bool kAFp4, int kStages, int kMinBlocks, bool kGrouped, bool kForm2>
 __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
     gemm_w4_decode_stream_kernel(const GemmParams p, float* __restrict__ ws, int* __restrict__ tickets, int n_warps) {
   static_assert(kStages >= 2, "a cp.async ring needs at least 2 slots");
@@ -918,12 +551,6 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
   const int j0 = (int)stream_first_tile(w, T, W), j1 = (int)stream_first_tile(w + 1, T, W);  // T < 2^31
   const float fold = kAFp4 ? kUnfoldW4A4 : kUnfoldW4A16;
   uint8_t* const ring = dec_ring + warp_id * kStages * kTileBytes;
-  if constexpr (kLean) {  // stream-lean: dense, first packed form (bit-equal to this kernel)
-    static_assert(!kGrouped && !kForm2, "lean stream variant: dense, first packed form");
-    decode_items_lean<MT8, 1, kAFp4, kStages, MT8 == 1 && !kAFp4, false, (MT8 >= 4 ? 1 : 4 / MT8)>(
-        p, ws, tickets, (int)T, W, w, j0, j1, ring);
-    return;
-  }
 
   // tile j -> ring slot (j - j0) % kStages; each lane copies and reads back only its own 72 bytes, so
   // cp.async.wait_group alone orders copy before read (no barrier)
@@ -1127,7 +754,7 @@ constexpr int kPairNB = 2;
 // 64-K step right before use.
 // kForm2: the second packed form (decode_word2). kNB: 16-row blocks per item (2: pair; 4: quad3, each activation
 // fragment used by 4 blocks, a quarter of the default's activation traffic per weight).
-template <int MT8, bool kAFp4, int kStages, int kMinBlocks, bool kPrefA, bool kForm2, int kNB, bool kLean = false>
+template <int MT8, bool kAFp4, int kStages, int kMinBlocks, bool kPrefA, bool kForm2, int kNB>
 __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
     gemm_w4_decode_pair_kernel(const GemmParams p, float* __restrict__ ws, int* __restrict__ tickets, int n_warps) {
   static_assert(kStages >= 2, "a cp.async ring needs at least 2 slots");
@@ -1152,12 +779,6 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
   const float fold = kAFp4 ? kUnfoldW4A4 : kUnfoldW4A16;
   const int64_t blk_bytes = (int64_t)KT * kTileBytes;  // block 2 gb -> 2 gb + 1
   uint8_t* const ring = dec_ring + warp_id * kStages * kItemBytes;
-  if constexpr (kLean) {  // pair2-lean: first packed form (bit-equal to this kernel)
-    static_assert(!kForm2, "lean pair variant: first packed form");
-    decode_items_lean<MT8, NB, kAFp4, kStages, false, kPrefA && MT8 == 2 && !kAFp4, (MT8 >= 4 ? 1 : 4 / MT8),
-                      kPrefA && MT8 == 1 && !kAFp4>(p, ws, tickets, T, W, w, j0, j1, ring);
-    return;
-  }
 
   // issue cursor: item j_issue = gb_i * KT + kt_i; each lane copies and later reads back only its own bytes
   int j_issue = j0, slot_issue = 0;
@@ -1407,9 +1028,9 @@ int decode_tiles_per_warp() {
   return t < 2 ? 2 : t > 64 ? 64 : t;
 }
 
-template <int MT8, bool kAFp4, int kStages, int kMinBlocks, bool kGrouped, bool kForm2 = false, bool kLean = false>
+template <int MT8, bool kAFp4, int kStages, int kMinBlocks, bool kGrouped, bool kForm2 = false>
 void launch_decode_stream(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
-  auto kernel = gemm_w4_decode_stream_kernel<MT8, kAFp4, kStages, kMinBlocks, kGrouped, kForm2, kLean>;
+  auto kernel = gemm_w4_decode_stream_kernel<MT8, kAFp4, kStages, kMinBlocks, kGrouped, kForm2>;
   constexpr int kRing = kDecWarps * kStages * kTileBytes;  // the warps' cp.async rings
   // dense: no other shared memory; grouped: + s_pref[E + 1] (0.5 KB at E = 128) and 32 B of scan sums
   static_assert(kMinBlocks * (kRing + 1024) <= 228 * 1024,
@@ -1443,9 +1064,9 @@ void launch_decode_stream(const GemmParams& p, const at::Tensor& like, cudaStrea
 
 // Pair-stream launch (TRACE_EXT_DECODE_IMPL=pair / pair2, dense): one resident wave.
 template <int MT8, bool kAFp4, int kStages, int kMinBlocks, bool kPrefA = false, bool kForm2 = false,
-          int kNB = kPairNB, bool kLean = false>
+          int kNB = kPairNB>
 void launch_decode_pair(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
-  auto kernel = gemm_w4_decode_pair_kernel<MT8, kAFp4, kStages, kMinBlocks, kPrefA, kForm2, kNB, kLean>;
+  auto kernel = gemm_w4_decode_pair_kernel<MT8, kAFp4, kStages, kMinBlocks, kPrefA, kForm2, kNB>;
   constexpr int kRing = kDecWarps * kStages * kNB * kTileBytes;  // the warps' cp.async rings
   // resident CTAs per SM: kMinBlocks (the register cap of __launch_bounds__) unless the rings allow fewer (quad3:
   // 3 slots of 4 tiles = 216 KB, one CTA per SM, still capped at 128 registers by kMinBlocks = 2)
@@ -1552,16 +1173,13 @@ DecodeImpl decode_impl() {
 // the flat-stream kernel everywhere; 0: anything else, e.g. auto = the rule decode_prefers_pair). The second packed form (w_packed = reference_gemm.to_decode_layout2, passed
 // by trace_ext.ops.fp4_linear for exactly these values, ops/gemm.py DECODE_FORM2_IMPLS): 3: pair3 (pair2's
 // kernel), 4: stream2 (the default's stream kernel), 5: auto2 (decode_prefers_pair: pair3 or stream2 by shape),
-// 6: quad3 (items of 4 blocks, <= 16 rows and N % 64 == 0; else pair3). First packed form, lean loops (bit-equal to
-// their twins, see decode_items_lean): 7: stream-lean, 8: pair2-lean (N % 32 == 0; else stream-lean), 9: auto-lean
-// (the default rule with the lean kernels).
+// 6: quad3 (items of 4 blocks, <= 16 rows and N % 64 == 0; else pair3).
 int decode_pair_selected() {
   const char* v = std::getenv("TRACE_EXT_DECODE_IMPL");
   if (v == nullptr) return 0;
   const std::string s = v;
   return s == "pair" ? 1 : s == "pair2" ? 2 : s == "pair3" ? 3 : s == "stream2" ? 4 : s == "auto2" ? 5
-       : s == "quad3" ? 6 : s == "stream-lean" ? 7 : s == "pair2-lean" ? 8 : s == "auto-lean" ? 9
-       : s == "stream" ? -1 : 0;
+       : s == "quad3" ? 6 : s == "stream" ? -1 : 0;
 }
 
 // The rule of TRACE_EXT_DECODE_IMPL=auto (the default where the K-slab kernel does not run; auto2 on the second
@@ -1619,28 +1237,6 @@ void run_decode_ring(const GemmParams& p, int64_t rows_hint, const at::Tensor& l
   }
 }
 
-// TRACE_EXT_DECODE_IMPL=stream-lean / pair2-lean / auto-lean (dense): the configurations of stream / pair2 / the
-// default rule with the lean item loop (decode_items_lean), bit-equal to them.
-template <bool kAFp4>
-void run_decode_lean(const GemmParams& p, int sel, const at::Tensor& like, cudaStream_t stream) {
-  const bool pair = p.N % (16 * kPairNB) == 0 && (sel == 8 || (sel == 9 && !kAFp4 && decode_prefers_pair(p)));
-  if (pair) {
-    if (p.M <= 8) {
-      launch_decode_pair<1, kAFp4, 3, 2, !kAFp4, false, kPairNB, true>(p, like, stream);
-    } else if (p.M <= 16) {
-      launch_decode_pair<2, kAFp4, 3, 2, !kAFp4, false, kPairNB, true>(p, like, stream);
-    } else {
-      launch_decode_pair<4, kAFp4, 3, 2, false, false, kPairNB, true>(p, like, stream);
-    }
-  } else if (p.M <= 8) {
-    launch_decode_stream<1, kAFp4, 4, 3, false, false, true>(p, like, stream);
-  } else if (p.M <= 16) {
-    launch_decode_stream<2, kAFp4, 4, 3, false, false, true>(p, like, stream);
-  } else {
-    launch_decode_stream<4, kAFp4, 6, 2, false, false, true>(p, like, stream);
-  }
-}
-
 // Default: pair2 for dense W4A16 where decode_prefers_pair holds; else flat per-warp streams (3 tiles = 6.9 KB
 // ahead per warp, 24 warps per SM up to 16 rows per unit; 5 tiles ahead, 16 warps per SM for 32 rows), dense and
 // grouped.
@@ -1671,10 +1267,6 @@ void run_decode_new(const GemmParams& p, int64_t rows_hint, const at::Tensor& li
   }
   int pair = decode_pair_selected();
   if (pair == 0 && !kAFp4 && decode_prefers_pair(p)) pair = 2;  // the rule of auto (the default where kslab did not run)
-  if (pair >= 7) {
-    run_decode_lean<kAFp4>(p, pair, like, stream);
-    return;
-  }
   if (pair >= 3) {
     int dev = 0, major = 0;
     C10_CUDA_CHECK(cudaGetDevice(&dev));
