@@ -101,7 +101,9 @@ def main() -> None:
         del x, x_train, codes, scales, g_out, mbits
         torch.cuda.empty_cache()
     print_table(rows)
-    path = write_results("quant_impl_h200", rows, env_stamp("python bench/bench_quant_impl.py"),
+    env = " ".join(f"{k}={os.environ[k]!r}" for k in ("QUANT_IMPL_VARIANTS", "QUANT_IMPL_OPS", "QUANT_IMPL_SHAPES")
+                   if os.environ.get(k))
+    path = write_results("quant_impl_h200", rows, env_stamp((env + " " if env else "") + "python bench/bench_quant_impl.py"),
                          notes=f"copy bandwidth {copy_gbs:.1f} GB/s; variants via {ENV} (read per call)")
     print(f"wrote {path}")
 
