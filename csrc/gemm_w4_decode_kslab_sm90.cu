@@ -55,12 +55,37 @@
 //    prologue (A slab, 3 ring slots per warp) is not overlapped by a second CTA; the plan assumes one resident CTA
 //    per SM of up to 224 / 220 / 220 KB (rings 144 / 108 / 108 KB + A); M = 1 still runs 8-wide MMAs (7/8 of the B
 //    operand unused).
+//
+// Grouped (MoE) decode, opt-in TRACE_EXT_DECODE_IMPL=kslab-grouped (read at every call; hooked into run_decode_new's
+// grouped branch; dense calls under that value keep the dense default; other archs: RuntimeError):
+//  - Why: the grouped stream kernel re-reads every tile's activation fragments from L2 (Qwen3 T = 256, ~16 rows per
+//    expert: ~3.5x the weight bytes); it reached 10-49 % of copy on the Qwen3 expert shapes.
+//  - Work order: units = (expert with rows, chunk of R = 8 / 16 / 32 rows; R by rows_hint as the stream kernel),
+//    numbered on the device by the stream kernel's block-wide scan of offsets (s_pref in shared memory, unit ->
+//    expert by binary search; empty experts cost nothing). Jobs (unit u, slab s, N chunk c), job = (u S + s) C + c;
+//    one resident CTA of 16 warps per SM loops over jobs blockIdx-strided. Per job: a CTA barrier (the previous job's
+//    A / segment reads are done), the unit's rows r_lo .. r_hi - 1 of A[:, slab] staged in shared memory, then the
+//    dense kernel's job body verbatim on the expert's weights (w_packed + e * N/16 * K/256 * 2304): per-warp
+//    cp.async rings, warp segments + warp-order sums, slab partials per (unit, block) + self-resetting tickets
+//    [max_units][N / 16] (last slab sums in slab order: deterministic). Y rows r_lo .. r_hi - 1, g_w of expert e.
+//  - Plan (host, kslab_grouped_plan): S and C minimizing max(all job bytes / SMs, busiest CTA's job bytes / 1.5),
+//    a job = its weight tiles + half its A bytes + 32 KB of ramp + its slab partials, from an estimate of the unit
+//    count (E (1 - (1 - 1/E)^M) experts with rows + rows beyond R); buffers sized by the bound min(E, M) + M / R + 1.
+//    Qwen3 (132 SMs): gate_up T = 1 / 16 / 64 / 256 -> (S, C) = (1, 12) / (1, 3) / (1, 1) / (2, 1); down (1, 11) /
+//    (1, 1) / (1, 1) / (1, 1).
+//  - Static SASS (sm_90a, no spills): registers 78 / 95 / 126 at 8 / 16 / 32 rows (W4A4 80 / 96 / 124); the j loop
+//    (tile + block-end code) 608 / 837 / 1294 instructions against 591 / 815 / 1264 for the dense kernel (same
+//    per-tile body; the difference is the per-expert g_w / row bounds of the block-end store).
+//  - Risks: one barrier-separated job at a time per CTA: the A staging and ring ramp of each job are not overlapped
+//    (jobs are large: >= 64 tiles); equal-size jobs over one wave quantize (e.g. 133 units x 2 slabs on 132 SMs would
+//    run 3 job rounds instead of 2); the plan's unit estimate assumes uniform routing; 126 registers at 32 rows.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <string>
 
@@ -375,11 +400,322 @@ __global__ void __launch_bounds__(kKsThreads, 1)
 #endif
 }
 
+// ---- grouped (MoE) decode, opt-in TRACE_EXT_DECODE_IMPL=kslab-grouped (read per call) -----------------------------
+// Units = (expert with rows, chunk of R = 8 MT8 rows), numbered on the device exactly as the grouped stream kernel
+// (one block-wide scan of offsets -> s_pref, unit -> expert by binary search). Jobs = (unit u, slab s, N chunk c),
+// job = (u S + s) C + c; one resident CTA per SM loops over jobs (blockIdx-strided). Per job the CTA stages the unit's
+// rows r_lo .. r_hi - 1 of A[:, slab] in shared memory (behind a barrier: the previous job's reads are done), then runs
+// exactly the dense kernel's job body on the expert's weights (w_packed + e * exp_bytes). Workspace: ws_slab
+// [max_units][S][N / 16][kFrag][32], ws_seg [gridDim.x][kKsWarps][2][kFrag][32] (reused job after job: the barrier
+// opening the next job orders the finisher's reads before the next writes), tickets [max_units][N / 16].
+constexpr int kKsGrpPrefBytes = ((kMaxExperts + 1) * 4 + kKsWarps * 4 + 15) / 16 * 16;  // s_pref + scan sums
+constexpr int kslab_grp_max_l(int mt8) {
+  return ((kKsSmemMax - kslab_ring_bytes(mt8) - kKsGrpPrefBytes) / (8 * mt8) - kKsRowPad) / kKsRowBytes;
+}
+static_assert(kslab_grp_max_l(1) >= 16 && kslab_grp_max_l(2) >= 8 && kslab_grp_max_l(4) >= 4,
+              "grouped: the A slab must hold at least 4 super-tiles beside the rings and the unit prefix");
+
+template <int MT8, bool kAFp4, int kStages>
+__global__ void __launch_bounds__(kKsThreads, 1)
+    gemm_w4_decode_kslab_grouped_kernel(const GemmParams p, float* __restrict__ ws_slab, float* __restrict__ ws_seg,
+                                        int* __restrict__ tickets, int L, int S, int C, int max_units) {
+  static_assert(kStages >= 2, "a cp.async ring needs at least 2 slots");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+  constexpr int kFrag = MT8 * 4;  // fp32 accumulators per lane
+  constexpr int R = 8 * MT8;      // rows of a unit
+  // [warp][kStages][kKsTileBytes] rings, then A [8 MT8][L * 512 + 16], then s_pref[E + 1], s_wsum[kKsWarps]
+  extern __shared__ __align__(16) uint8_t ks_smem[];
+  const int warp_id = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int K = p.K, N = p.N;
+  const int KT = K / kKsSuperK, n_blocks = N / 16;
+  const int64_t exp_bytes = (int64_t)n_blocks * KT * kKsTileBytes;  // one expert's packed weight
+  uint8_t* const ring = ks_smem + warp_id * kStages * kKsTileBytes;
+  uint8_t* const a_s = ks_smem + kKsWarps * kStages * kKsTileBytes;
+  int* const s_pref = reinterpret_cast<int*>(a_s + R * (L * kKsRowBytes + kKsRowPad));
+  int* const s_wsum = s_pref + kMaxExperts + 1;
+  const float fold = kAFp4 ? kUnfoldW4A4 : kUnfoldW4A16;
+
+  // ---- units, numbered expert by expert (the grouped stream kernel's scan)
+  int base = 0;
+  for (int c0 = 0; c0 < p.E; c0 += kKsThreads) {
+    const int e = c0 + threadIdx.x;
+    int cnt = 0;
+    if (e < p.E) {
+      const int lo = min(max(p.offsets[e], 0), p.M);
+      cnt = (min(max(p.offsets[e + 1], lo), p.M) - lo + R - 1) / R;
+    }
+    int inc = cnt;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, inc, d);
+      if (lane >= d) inc += v;
+    }
+    if (lane == 31) s_wsum[warp_id] = inc;
+    __syncthreads();
+    int before = base, total = base;
+#pragma unroll
+    for (int q = 0; q < kKsWarps; ++q) {
+      before += q < warp_id ? s_wsum[q] : 0;
+      total += s_wsum[q];
+    }
+    if (e < p.E) s_pref[e] = before + inc - cnt;
+    __syncthreads();
+    base = total;
+  }
+  const int n_units = min(base, max_units);  // (the host bound holds for offsets within [0, M])
+  const int n_jobs = n_units * S * C;
+  float* const seg_base = ws_seg + (int64_t)blockIdx.x * kKsWarps * 2 * (kFrag * 32) + lane;
+  const uint64_t pol = ks_evict_first_policy();
+  const int scale_src = kKsCodeBytes + 8 * lane - 16 * lane;  // the lane's 8 scale bytes, from its code chunk
+  const uint32_t ring_lane = smem_u32(ring) + lane * 16;      // the lane's code chunk in slot 0
+  const uint32_t ring_lane_sc = smem_u32(ring) + kKsCodeBytes + lane * 8;
+
+  for (int job = blockIdx.x; job < n_jobs; job += gridDim.x) {
+    const int c = job % C, s = (job / C) % S, u = job / (C * S);
+    int e = 0;  // the last expert with s_pref[e] <= u (it has rows)
+    {
+      int hi = p.E - 1;
+      while (e < hi) {
+        const int mid = (e + hi + 1) >> 1;
+        if (s_pref[mid] <= u) e = mid; else hi = mid - 1;
+      }
+    }
+    const int m0 = min(max(p.offsets[e], 0), p.M), m1 = min(max(p.offsets[e + 1], m0), p.M);
+    const int r_lo = m0 + (u - s_pref[e]) * R, r_hi = min(m1, r_lo + R), rows = r_hi - r_lo;
+    const int kt0 = s * L, Ls = min(L, KT - kt0);
+    const int nb0 = (int)((int64_t)n_blocks * c / C), nb1 = (int)((int64_t)n_blocks * (c + 1) / C);
+    const int I = (nb1 - nb0) * Ls;  // items (block, k tile) of this job, block-major
+    const int a_stride = Ls * kKsRowBytes + kKsRowPad;
+    const int i0 = kslab_first(warp_id, I), i1 = kslab_first(warp_id + 1, I);
+    const uint8_t* const w_e = p.w_packed + e * exp_bytes;
+    const float* const gw = p.g_w + (int64_t)e * p.gw_stride_e;
+    __syncthreads();  // the previous job's A reads and segment reads are done
+
+    // ---- the unit's A rows of the slab -> shared memory (rows >= rows: never stored, see the dense kernel)
+    if constexpr (!kAFp4) {
+      const int chunks = Ls * (kKsRowBytes / 16);
+      const uint8_t* a_g = reinterpret_cast<const uint8_t*>(p.a) + ((int64_t)r_lo * K + (int64_t)kt0 * kKsSuperK) * 2;
+      for (int r = 0; r < rows; ++r)
+        for (int cc = threadIdx.x; cc < chunks; cc += kKsThreads)
+          cp_async16(a_s + r * a_stride + cc * 16, a_g + (int64_t)r * K * 2 + cc * 16, true);
+      cp_async_commit();
+    }
+
+    int j_issue = i0;
+    int k_issue = i0 < i1 ? i0 % Ls : 0;
+    const uint8_t* src_issue =
+        w_e + lane * 16 + ((int64_t)(nb0 + (i0 < i1 ? i0 / Ls : 0)) * KT + kt0 + k_issue) * kKsTileBytes;
+    uint32_t slot_issue = 0;
+    auto issue_next = [&]() {
+      if (j_issue < i1) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) ks_cp_async16(ring_lane + slot_issue + kk * 512, src_issue + kk * 512, pol);
+        ks_cp_async8(ring_lane_sc + slot_issue, src_issue + scale_src, pol);
+        src_issue += kKsTileBytes;
+        if (++k_issue == Ls) {
+          k_issue = 0;
+          src_issue += (int64_t)(KT - Ls) * kKsTileBytes;
+        }
+      }
+      cp_async_commit();
+      ++j_issue;
+      slot_issue = slot_issue + kKsTileBytes == kStages * kKsTileBytes ? 0 : slot_issue + kKsTileBytes;
+    };
+#pragma unroll
+    for (int i = 0; i < kStages - 1; ++i) issue_next();
+
+    if constexpr (kAFp4) {
+      const int blocks = Ls * (kKsSuperK / 16);
+      for (int r = 0; r < rows; ++r)
+        for (int b = threadIdx.x; b < blocks; b += kKsThreads) {
+          const int kb = kt0 * (kKsSuperK / 16) + b;
+          const int64_t row = r_lo + r;
+          const uint2 cw2 = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const uint8_t*>(p.a) +
+                                                                 row * (K / 2) + kb * 8));
+          const uint32_t sc = scale_bf16x2_folded(__ldg(p.a_scales + row * (K / 16) + kb));
+          const uint32_t cw[2] = {cw2.x, cw2.y};
+          uint32_t v[8];
+#pragma unroll
+          for (int j = 0; j < 8; ++j) v[j] = bf16x2_mul(fp4x2_to_bf16x2_biased((cw[j >> 2] >> (8 * (j & 3))) & 0xFFu), sc);
+          uint4* dst = reinterpret_cast<uint4*>(a_s + r * a_stride + b * 32);
+          dst[0] = make_uint4(v[0], v[1], v[2], v[3]);
+          dst[1] = make_uint4(v[4], v[5], v[6], v[7]);
+        }
+    }
+    if constexpr (!kAFp4) cp_async_wait<kStages - 1>();  // this thread's A group (the oldest) is complete
+    __syncthreads();                                     // and every thread's A chunks are visible
+
+    // y rows r_lo .. r_hi - 1 of the unit (store_y of the grouped stream kernel)
+    auto store_y = [&](int nb, const float (&v)[MT8][4]) {
+#pragma unroll
+      for (int i = 0; i < MT8; ++i)
+#pragma unroll
+        for (int cc = 0; cc < 4; ++cc) {
+          const int n = nb * 16 + g + (cc >> 1) * 8, m = r_lo + 8 * i + 2 * t + (cc & 1);
+          if (m >= r_hi) continue;
+          const float ga = p.g_a != nullptr ? p.g_a[m] : 1.0f;
+          const float y = __fmul_rn(__fmul_rn(v[i][cc], fold), __fmul_rn(ga, gw[(int64_t)n * p.gw_stride_n]));
+          p.y[(int64_t)m * N + n] = __float2bfloat16_rn(y);
+        }
+    };
+    float* const slab_u = ws_slab + (int64_t)u * S * n_blocks * (kFrag * 32) + lane;  // this unit's slab partials
+    auto finish_block = [&](int nb, const float (&v)[MT8][4]) {
+      if (S == 1) {
+        store_y(nb, v);
+      } else {
+        float* dst = slab_u + ((int64_t)s * n_blocks + nb) * (kFrag * 32);
+#pragma unroll
+        for (int i = 0; i < MT8; ++i)
+#pragma unroll
+          for (int cc = 0; cc < 4; ++cc) __stcg(dst + (i * 4 + cc) * 32, v[i][cc]);
+      }
+    };
+
+    float acc[MT8][4];
+#pragma unroll
+    for (int i = 0; i < MT8; ++i)
+#pragma unroll
+      for (int cc = 0; cc < 4; ++cc) acc[i][cc] = 0.f;
+
+    int x = i0 < i1 ? i0 / Ls : 0, kl = i0 < i1 ? i0 - x * Ls : 0;
+    uint32_t slot_rd = 0;
+    const uint32_t a_lane = smem_u32(a_s) + g * a_stride + 32 * t;
+    for (int j = i0; j < i1; ++j) {
+      asm volatile("" ::: "memory");
+      issue_next();
+      cp_async_wait<kStages - 1>();
+      asm volatile("" ::: "memory");
+      const uint32_t srd = ring_lane + slot_rd;
+      const uint2 sv = ks_lds64(ring_lane_sc + slot_rd);
+      slot_rd = slot_rd + kKsTileBytes == kStages * kKsTileBytes ? 0 : slot_rd + kKsTileBytes;
+      const uint32_t a_t = a_lane + kl * kKsRowBytes;
+#pragma unroll 4
+      for (int kk = 0; kk < 4; ++kk) {
+        uint32_t bq[MT8][8];
+#pragma unroll
+        for (int i = 0; i < MT8; ++i) {
+          const uint32_t src = a_t + 8 * i * a_stride + kk * 128;
+          const uint4 x0 = ks_lds128(src), x1 = ks_lds128(src + 16);
+          bq[i][0] = x0.x; bq[i][1] = x0.y; bq[i][2] = x0.z; bq[i][3] = x0.w;
+          bq[i][4] = x1.x; bq[i][5] = x1.y; bq[i][6] = x1.z; bq[i][7] = x1.w;
+        }
+        const uint32_t sw = kk < 2 ? sv.x : sv.y;
+        const uint32_t s_lo = scale_bf16x2_folded((uint8_t)((sw >> (16 * (kk & 1))) & 0xFF));
+        const uint32_t s_hi = scale_bf16x2_folded((uint8_t)((sw >> (16 * (kk & 1) + 8)) & 0xFF));
+        const uint4 wq = ks_lds128(srd + kk * 512);
+        uint32_t rg[8], rh[8];
+        decode_word_form<false>(wq.x, rg);
+        decode_word_form<false>(wq.y, rg + 4);
+        decode_word_form<false>(wq.z, rh);
+        decode_word_form<false>(wq.w, rh + 4);
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+          rg[jj] = bf16x2_mul(rg[jj], s_lo);
+          rh[jj] = bf16x2_mul(rh[jj], s_hi);
+        }
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+          const uint32_t af[4] = {rg[2 * ks], rh[2 * ks], rg[2 * ks + 1], rh[2 * ks + 1]};
+#pragma unroll
+          for (int i = 0; i < MT8; ++i) {
+            const uint32_t bf[2] = {bq[i][2 * ks], bq[i][2 * ks + 1]};
+            mma_bf16_16816(acc[i], af, bf);
+          }
+        }
+      }
+      if (kl == Ls - 1 || j == i1 - 1) {
+        if (kl == Ls - 1 && x * Ls >= i0) {
+          finish_block(nb0 + x, acc);
+        } else {
+          float* dst = seg_base + ((int64_t)warp_id * 2 + (i0 < x * Ls ? 1 : 0)) * (kFrag * 32);
+#pragma unroll
+          for (int i = 0; i < MT8; ++i)
+#pragma unroll
+            for (int cc = 0; cc < 4; ++cc) __stcg(dst + (i * 4 + cc) * 32, acc[i][cc]);
+        }
+#pragma unroll
+        for (int i = 0; i < MT8; ++i)
+#pragma unroll
+          for (int cc = 0; cc < 4; ++cc) acc[i][cc] = 0.f;
+        ++x;
+        kl = 0;
+      } else {
+        ++kl;
+      }
+    }
+    cp_async_wait<0>();  // no copy into this job's slots or A outlives the job
+    __syncthreads();     // the segment partials of every warp are visible to the CTA
+
+    // ---- blocks split between warps: the warp holding a block's first tile adds the segments in warp order
+    const int xw0 = (i0 + Ls - 1) / Ls, xw1 = i1 / Ls;
+    const int xl = i1 > i0 ? (i1 - 1) / Ls : -1;
+    const bool finisher = i1 > i0 && xl * Ls >= i0 && (xl + 1) * Ls > i1;
+    if (finisher) {
+      float v[MT8][4];
+#pragma unroll
+      for (int i = 0; i < MT8; ++i)
+#pragma unroll
+        for (int cc = 0; cc < 4; ++cc) v[i][cc] = 0.f;
+      const int wl = kslab_warp_of((xl + 1) * Ls - 1, I);
+      for (int ww = warp_id; ww <= wl; ++ww) {
+        const int f = kslab_first(ww, I);
+        if (f == kslab_first(ww + 1, I)) continue;
+        const float* src = seg_base + ((int64_t)ww * 2 + (f < xl * Ls ? 1 : 0)) * (kFrag * 32);
+#pragma unroll
+        for (int i = 0; i < MT8; ++i)
+#pragma unroll
+          for (int cc = 0; cc < 4; ++cc) v[i][cc] = __fadd_rn(v[i][cc], __ldcg(src + (i * 4 + cc) * 32));
+      }
+      finish_block(nb0 + xl, v);
+    }
+    if (S == 1) continue;
+
+    // ---- slab partials: one arrival per finished block; the last slab adds the S partials in slab order
+    __syncwarp();
+    const int x_end = finisher ? xw1 + 1 : xw1;
+    for (int xb = xw0; xb < x_end; ++xb) {
+      const int nb = nb0 + xb;
+      int* const tk = tickets + (int64_t)u * n_blocks + nb;
+      int last = 0;
+      if (lane == 0) {
+        int ticket;
+        asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;\n" : "=r"(ticket) : "l"(tk) : "memory");
+        last = ticket == S - 1;
+        if (last) *tk = 0;  // self-reset for the next launch on this stream
+      }
+      last = __shfl_sync(0xffffffffu, last, 0);
+      if (!last) continue;
+      __syncwarp();
+      float v[MT8][4];
+#pragma unroll
+      for (int i = 0; i < MT8; ++i)
+#pragma unroll
+        for (int cc = 0; cc < 4; ++cc) v[i][cc] = 0.f;
+      for (int ss = 0; ss < S; ++ss) {
+        const float* src = slab_u + ((int64_t)ss * n_blocks + nb) * (kFrag * 32);
+#pragma unroll
+        for (int i = 0; i < MT8; ++i)
+#pragma unroll
+          for (int cc = 0; cc < 4; ++cc) v[i][cc] = __fadd_rn(v[i][cc], __ldcg(src + (i * 4 + cc) * 32));
+      }
+      store_y(nb, v);
+    }
+  }
+#endif
+}
+
 int decode_kslab_selected() {
   const char* v = std::getenv("TRACE_EXT_DECODE_IMPL");
   if (v == nullptr || *v == '\0') return 0;
   const std::string sel = v;
-  return sel == "kslab" ? 1 : sel == "kslab2" ? 2 : -1;
+  // kslab-grouped names the grouped K-slab kernel; dense calls keep the default (0)
+  return sel == "kslab" ? 1 : sel == "kslab2" ? 2 : sel == "kslab-grouped" ? 0 : -1;
+}
+
+bool decode_kslab_grouped_selected() {
+  const char* v = std::getenv("TRACE_EXT_DECODE_IMPL");
+  return v != nullptr && std::string(v) == "kslab-grouped";
 }
 
 // Slab count S (slab length L = ceil(KT / S) <= max_l) and N chunks C for one CTA per SM: one resident wave
@@ -474,6 +810,97 @@ bool run_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream_t 
   TORCH_CHECK(major == 9, "trace_ext: TRACE_EXT_DECODE_IMPL=kslab / kslab2 is an sm_90a kernel; unset it on this ",
               "device (compute capability ", major, ".x)");
   return form2 ? run_decode_kslab_form<true>(p, like, stream) : run_decode_kslab_form<false>(p, like, stream);
+}
+
+// Grouped plan: slab count S (L = ceil(KT / S) <= max_l) and N chunks C per unit, for jobs (unit, slab, chunk) over
+// one resident wave of CTAs looping over jobs. A job costs its weight tiles + its A rows (from L2: half weight) +
+// ~32 KB worth of ramp / barriers (one CTA per SM: nothing overlaps them) + its slab partials; the plan minimizes
+// max(all jobs / SMs (DRAM-bound), the busiest CTA's jobs / 1.5 (one SM streams at most ~1.5x its DRAM share)), with
+// units_est units (the unit count is only known on the device).
+KslabPlan kslab_grouped_plan(int n_blocks, int KT, int rows, int max_l, int sms, double units_est) {
+  KslabPlan best{0, 0, 0};
+  double best_cost = -1.0;
+  const double U = std::max(1.0, units_est);
+  for (int S = 1; S <= KT && S <= 64; ++S) {
+    const int L = (KT + S - 1) / S;
+    if (L > max_l || (KT + L - 1) / L != S) continue;
+    const int c_max = (int)std::max(1.0, std::min((double)n_blocks, std::ceil(8.0 * sms / (U * S))));
+    for (int C = 1; C <= c_max; ++C) {
+      const double jobs = std::ceil(U) * S * C;
+      const double waves = std::ceil(jobs / sms);
+      const int64_t bpc = (n_blocks + C - 1) / C;
+      const double job = (double)bpc * L * kKsTileBytes + 0.5 * rows * L * kKsRowBytes + 32768.0 +
+                         (S > 1 ? (double)bpc * (16.0 * rows * 4 + 1024) : 0.0);
+      const double cost = std::max(jobs * job / sms, waves * job / 1.5);
+      if (best_cost < 0 || cost < best_cost) {
+        best_cost = cost;
+        best = {L, S, C};
+      }
+    }
+  }
+  return best;
+}
+
+template <int MT8, bool kAFp4>
+bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
+  constexpr int kStages = kslab_stages(MT8);
+  constexpr int kRing = kslab_ring_bytes(MT8);
+  constexpr int kMaxL = kslab_grp_max_l(MT8);
+  constexpr int kSmemMax = kRing + 8 * MT8 * (kMaxL * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes;
+  static_assert(kSmemMax <= kKsSmemMax, "rings + A slab + unit prefix must fit one CTA's shared memory");
+  auto kernel = gemm_w4_decode_kslab_grouped_kernel<MT8, kAFp4, kStages>;
+  static bool attr_set[kMaxDevices] = {};
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev >= kMaxDevices || !attr_set[dev]) {
+    require_kernel_image(kernel, "fp4_grouped_linear (decode kslab-grouped)");
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemMax));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        (int)cudaSharedmemCarveoutMaxShared));
+    if (dev < kMaxDevices) attr_set[dev] = true;
+  }
+  constexpr int R = 8 * MT8;
+  const int n_blocks = p.N / 16, KT = p.K / kKsSuperK;
+  // units: at most one per expert with rows plus one per further R rows (the stream kernel's bound); estimate for the
+  // plan: the expected experts with rows under uniform routing, E (1 - (1 - 1/E)^M), plus the rows beyond R each
+  const int64_t max_units = std::min<int64_t>(p.E, p.M) + p.M / R + 1;
+  const double nonempty = std::min<double>(std::min(p.E, p.M), p.E * (1.0 - std::pow(1.0 - 1.0 / p.E, (double)p.M)));
+  const double units_est = nonempty + std::max(0.0, p.M - nonempty * R) / R;
+  if (max_units * n_blocks >= (int64_t{1} << 30)) return false;
+  const int sms = sm_count(dev);
+  const KslabPlan plan = kslab_grouped_plan(n_blocks, KT, R, kMaxL, sms, units_est);
+  if (plan.S == 0 || max_units * plan.S * plan.C >= (int64_t{1} << 31)) return false;
+  const int smem = kRing + R * (plan.L * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes;
+  const int ctas = (int)std::max<int64_t>(1, std::min<int64_t>(sms, max_units * plan.S * plan.C));
+  constexpr int64_t kFragFloats = MT8 * 4 * 32;
+  const int64_t slab_floats = plan.S > 1 ? max_units * plan.S * n_blocks * kFragFloats : 0;
+  const int64_t seg_floats = (int64_t)ctas * kKsWarps * 2 * kFragFloats;
+  at::Tensor ws = at::empty({slab_floats + seg_floats}, like.options().dtype(at::kFloat));
+  float* const ws_p = ws.data_ptr<float>();
+  int* tickets = plan.S > 1 ? ticket_buffer(like, stream, (int)(max_units * n_blocks)) : nullptr;
+  kernel<<<ctas, kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L, plan.S, plan.C,
+                                             (int)max_units);
+  check_launch("fp4_grouped_linear (decode kslab-grouped)");
+  return true;
+}
+
+bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream) {
+  int dev = 0, major = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  TORCH_CHECK(major == 9, "trace_ext: TRACE_EXT_DECODE_IMPL=kslab-grouped is an sm_90a kernel; unset it on this ",
+              "device (compute capability ", major, ".x)");
+  if (p.offsets == nullptr || p.M <= 0 || p.w_packed == nullptr || p.N % 16 != 0 || p.K % kKsSuperK != 0 ||
+      p.E <= 0 || p.E > kMaxExperts)
+    return false;  // the stream kernel runs
+  if ((int64_t)(p.N / 16) * (p.K / kKsSuperK) >= (int64_t{1} << 31)) return false;
+  const bool a4 = p.a_scales != nullptr;
+  // rows per unit as the grouped stream kernel: a little above the average rows per expert (rows_hint)
+  if (rows_hint <= 2) return a4 ? launch_decode_kslab_grouped<1, true>(p, like, stream)
+                                : launch_decode_kslab_grouped<1, false>(p, like, stream);
+  if (rows_hint <= 8) return a4 ? launch_decode_kslab_grouped<2, true>(p, like, stream)
+                                : launch_decode_kslab_grouped<2, false>(p, like, stream);
+  return a4 ? launch_decode_kslab_grouped<4, true>(p, like, stream) : launch_decode_kslab_grouped<4, false>(p, like, stream);
 }
 
 }  // namespace gemm_w4

@@ -1248,6 +1248,8 @@ void run_decode_new(const GemmParams& p, int64_t rows_hint, const at::Tensor& li
   }
   if (p.M <= 0) return;
   if (p.offsets != nullptr) {
+    // opt-in TRACE_EXT_DECODE_IMPL=kslab-grouped (gemm_w4_decode_kslab_sm90.cu); shapes it does not take run below
+    if (decode_kslab_grouped_selected() && run_decode_kslab_grouped(p, rows_hint, like, stream)) return;
     // grouped: rows per unit a little above the average rows per expert (rows_hint), as on the ring path
     if (rows_hint <= 2) {
       launch_decode_stream<1, kAFp4, 4, 3, true>(p, like, stream);

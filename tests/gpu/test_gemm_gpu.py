@@ -866,3 +866,105 @@ def test_kslab_forced_slab_counts(monkeypatch):
                     assert torch.equal(O.fp4_linear(a, wp, backend="cuda"), y), f"second S={S} call differs"
                 monkeypatch.setenv("TRACE_EXT_KSLAB_S", "5000")  # not a valid count: the model's plan
                 assert torch.equal(O.fp4_linear(a, wp, backend="cuda"), y_model), f"invalid S M={M} {mode}"
+
+
+# ---- grouped decode: K-slab work order (TRACE_EXT_DECODE_IMPL=kslab-grouped, read at every call) ------------------
+# gemm_w4_decode_kslab_grouped_kernel: jobs (unit = expert chunk of 8 / 16 / 32 rows, K slab, N chunk), the unit's A
+# rows staged once per job in shared memory. Only the K split into partial sums differs from the stream kernel, so it
+# is held to the f64 contract (not to the default's bits), and to its own bits on every call.
+
+
+def _kslab_grouped_case(monkeypatch, E, N, K, counts, mode, w, what):
+    counts = torch.tensor(counts, dtype=torch.int64)
+    M = int(counts.sum())
+    offsets = torch.zeros(E + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    offsets = offsets.to(DEV)
+    a = torch.randn(M, K, device=DEV).bfloat16()
+    if mode == "w4a4":
+        a = ref.nvfp4_quantize(a)
+    wp = O.prepare_fp4_weight(w)
+    _impl(monkeypatch, "kslab-grouped")
+    y1 = O.fp4_grouped_linear(a, wp, offsets, backend="cuda")
+    assert y1.shape == (M, N) and y1.dtype == torch.bfloat16
+    a64 = _a64(a)
+    off = offsets.tolist()
+    for e in range(E):
+        lo, hi = off[e], off[e + 1]
+        if hi > lo:
+            _check(y1[lo:hi], a64[lo:hi], _w64(w, e), f"{what} expert {e}")
+    for other in (None, "stream", None):
+        _impl(monkeypatch, other)
+        y0 = O.fp4_grouped_linear(a, wp, offsets, backend="cuda")
+        assert y0.shape == y1.shape and y0.dtype == y1.dtype
+        _impl(monkeypatch, "kslab-grouped")
+        assert torch.equal(O.fp4_grouped_linear(a, wp, offsets, backend="cuda"), y1), f"{what}: call after {other}"
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_decode_kslab_grouped_qwen3_token_batches(monkeypatch, mode):
+    """Protects the grouped K-slab kernel at Qwen3-30B-A3B (E=128, top-8) decode batches T = 1 .. 256 (units of 8 / 16
+    / 32 rows; empty experts at T < 16; gate_up at T = 256 runs two K slabs with tickets), W4A16 and W4A4 (A
+    dequantized once per job), within the f64 contract, with repeatable bits when default / stream calls come in
+    between on the same stream (self-resetting tickets, slab-order and warp-order sums)."""
+    gen = torch.Generator().manual_seed(11)
+    E, k = 128, 8
+    w_gu = _quant_w(1536, 2048, E)
+    w_dn = _quant_w(2048, 768, E)
+    for T in (1, 3, 16, 64, 256):
+        counts = _routed_counts(T, E, k, gen)
+        for name, (N, K), w in (("gate_up", (1536, 2048), w_gu), ("down", (2048, 768), w_dn)):
+            _kslab_grouped_case(monkeypatch, E, N, K, counts, mode, w, f"kslab-grouped qwen3 {name} {mode} T={T}")
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_decode_kslab_grouped_other_models_and_edges(monkeypatch, mode):
+    """Protects the grouped K-slab kernel at OLMoE (E=64 down), DeepSeek-V3 (E=256, N=7168 down), a K of 33 super-tiles
+    (several slabs with a partial last one), and the edge distributions: every row on one expert (1, 9, 33, 40, 200
+    rows: experts of several units, the first / middle / last expert), all experts empty (M = 0)."""
+    gen = torch.Generator().manual_seed(12)
+    _kslab_grouped_case(monkeypatch, 64, 2048, 1024, _routed_counts(40, 64, 8, gen), mode, _quant_w(2048, 1024, 64),
+                        f"kslab-grouped olmoe down {mode}")
+    _kslab_grouped_case(monkeypatch, 256, 7168, 2048, _routed_counts(4, 256, 8, gen), mode, _quant_w(7168, 2048, 256),
+                        f"kslab-grouped dsv3 down {mode}")
+    _kslab_grouped_case(monkeypatch, 8, 512, 8448, _routed_counts(3, 8, 2, gen), mode, _quant_w(512, 8448, 8),
+                        f"kslab-grouped K=8448 {mode}")
+    E, N, K = 16, 1536, 2048
+    w = _quant_w(N, K, E)
+    for M, e in ((1, 7), (9, 3), (33, 0), (40, 7), (200, 15)):
+        counts = [0] * E
+        counts[e] = M
+        _kslab_grouped_case(monkeypatch, E, N, K, counts, mode, w, f"kslab-grouped one-expert {mode} M={M} e={e}")
+    _impl(monkeypatch, "kslab-grouped")
+    offsets = torch.zeros(E + 1, dtype=torch.int32, device=DEV)
+    a0 = torch.empty(0, K, device=DEV, dtype=torch.bfloat16)
+    y = O.fp4_grouped_linear(a0, O.prepare_fp4_weight(w), offsets, backend="cuda")
+    assert y.shape == (0, N)
+
+
+def test_decode_kslab_grouped_nan_scale_and_dense_default(monkeypatch):
+    """Protects NaN propagation through the grouped K-slab kernel (an E4M3 NaN scale byte of one expert: its output
+    column NaN for that expert's rows only, SPEC 2; at K = 8448 the NaN travels through the slab partials), and that
+    dense calls under TRACE_EXT_DECODE_IMPL=kslab-grouped run the dense default bit for bit."""
+    E, N = 4, 256
+    gen = torch.Generator().manual_seed(13)
+    for K in (2048, 8448):
+        w = _quant_w(N, K, E)
+        w.scales[2, 37, 5] = 0x7F
+        w.scales[2, 200, K // 16 - 1] = 0x7F
+        wp = O.prepare_fp4_weight(w)
+        counts = torch.tensor([3, 0, 5, 2])
+        offsets = torch.zeros(E + 1, dtype=torch.int32)
+        offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+        a = torch.randn(10, K, generator=gen).bfloat16().to(DEV)
+        _impl(monkeypatch, "kslab-grouped")
+        y = O.fp4_grouped_linear(a, wp, offsets.to(DEV), backend="cuda")
+        nan = torch.isnan(y)
+        assert nan[3:8, 37].all() and nan[3:8, 200].all() and int(nan.sum()) == 10, f"NaN cells K={K}"
+    wd = _quant_w(1536, 2048)
+    wdp = O.prepare_fp4_weight(wd)
+    ad = torch.randn(5, 2048, device=DEV).bfloat16()
+    _impl(monkeypatch, None)
+    y0 = O.fp4_linear(ad, wdp, backend="cuda")
+    _impl(monkeypatch, "kslab-grouped")
+    assert torch.equal(O.fp4_linear(ad, wdp, backend="cuda"), y0)

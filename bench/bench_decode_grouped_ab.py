@@ -1,0 +1,119 @@
+"""A/B of the grouped (MoE) decode GEMM kernels (W4A16, prepared weights): the default (the flat-stream kernel of
+gemm_w4_decode_sm90.cu with units = (expert with rows, chunk of 8 / 16 / 32 rows)), kslab-grouped
+(TRACE_EXT_DECODE_IMPL=kslab-grouped, read by the extension at every call: the K-slab kernel of
+gemm_w4_decode_kslab_sm90.cu generalized to units, the unit's A rows staged once per job in shared memory) and
+torch._grouped_mm on the dequantized bf16 weights. Qwen3-30B-A3B experts (E=128, top-8; gate_up N=1536 K=2048, down
+N=2048 K=768) at T = 1, 16, 64, 256 tokens (M = 8 T rows, router-like random top-8 routing).
+Interleaved in one process: per row, ROUNDS rounds of (default, kslab-grouped, grouped_mm), each a do_bench_cold
+median over N_SETS rotated weight sets (cold L2); the row reports the median over the rounds. Before timing, both FP4
+kernels are checked against the float64 reference bound of the GPU tests (1 bf16 ulp + the fp32 accumulation bound)
+on every active expert, so a broken variant never reports a time. %copyBW is on the active experts' bytes (codes +
+scales) + A + Y; speedups are kslab-grouped against the default and both against grouped_mm.
+Run: python bench/bench_decode_grouped_ab.py (~30-45 s on an H200; results in decode_grouped_ab_h200.{json,md} under
+$BENCH_OUT or bench/results/).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_gemm import _rot, routed_offsets  # noqa: E402
+from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, env_switch, print_table, write_results  # noqa: E402
+
+import trace_ext.ops as O  # noqa: E402
+from trace_ext import reference as ref  # noqa: E402
+from trace_ext import reference_gemm as R  # noqa: E402
+
+DEV = "cuda"
+N_SETS = 4
+ROUNDS = 2
+REP_MS = 100
+E, TOPK = 128, 8
+PROJ = (("gate_up", 1536, 2048), ("down", 2048, 768))
+TS = (1, 16, 64, 256)
+ENV = "TRACE_EXT_DECODE_IMPL"
+IMPLS = ("default", "kslab-grouped")
+
+
+def _run(impl, a, wp, offsets):
+    with env_switch(ENV, None if impl == "default" else impl):
+        return O.fp4_grouped_linear(a, wp, offsets, backend="cuda")
+
+
+def _check(a, q, wp, offsets, N):
+    """Both FP4 kernels within the f64 reference bound on every active expert; returns the fraction of outputs where
+    kslab-grouped equals the default bit for bit (their K splits differ, so a few fp32 sums round differently)."""
+    ys = {impl: _run(impl, a, wp, offsets) for impl in IMPLS}
+    for impl, y in ys.items():
+        assert y.shape == (a.shape[0], N) and y.dtype == torch.bfloat16, impl
+    off = offsets.tolist()
+    a64 = a.double()
+    g = q.g.double().reshape(-1)
+    for e in range(E):
+        lo, hi = off[e], off[e + 1]
+        if hi <= lo:
+            continue
+        w64 = R.dequantize_f64(q.codes[e], q.scales[e]) * g[e]
+        ref_bf16 = R.round_to_bf16(a64[lo:hi] @ w64.T)
+        tol = R.gemm_tolerance(a64[lo:hi], w64, ref_bf16)
+        for impl, y in ys.items():
+            bad = int((~((y[lo:hi].double() - ref_bf16.double()).abs() <= tol)).sum())
+            if bad:
+                raise AssertionError(f"{impl}: {bad} outputs of expert {e} outside the reference bound")
+    return float((ys["default"] == ys["kslab-grouped"]).double().mean())
+
+
+def main():
+    torch.manual_seed(0)
+    copy_bw = copy_bandwidth_gbs()
+    print(f"copy bandwidth: {copy_bw:.0f} GB/s")
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    rows = []
+    for name, N, K in PROJ:
+        sets = []
+        for _ in range(N_SETS):
+            x = torch.randn(E, N, K, device=DEV) * 0.02
+            q = ref.nvfp4_quantize(x, scope="matrix")
+            del x
+            sets.append((q, O.prepare_fp4_weight(q), ref.nvfp4_dequantize(q, torch.bfloat16).transpose(-2, -1)))
+        for T in TS:
+            offsets = routed_offsets(T, E, TOPK, gen)
+            active = int((offsets[1:] > offsets[:-1]).sum())
+            M = T * TOPK
+            a = torch.randn(M, K, device=DEV).bfloat16()
+            same = _check(a, sets[0][0], sets[0][1], offsets, N)
+            nw = _rot([s[1] for s in sets])
+            nb = _rot([s[2] for s in sets])
+            offs_end = offsets[1:].contiguous()
+            t = {k: [] for k in (*IMPLS, "grouped_mm")}
+            for _ in range(ROUNDS):
+                for impl in IMPLS:
+                    with env_switch(ENV, None if impl == "default" else impl):
+                        t[impl].append(do_bench_cold(lambda: O.fp4_grouped_linear(a, nw(), offsets, backend="cuda"),
+                                                     rep_ms=REP_MS))
+                t["grouped_mm"].append(do_bench_cold(lambda: torch._grouped_mm(a, nb(), offs=offs_end), rep_ms=REP_MS))
+            ms = {k: statistics.median(v) for k, v in t.items()}
+            nbytes = active * (N * K // 2 + N * K // 16) + M * K * 2 + M * N * 2
+            bw = lambda m: 100 * nbytes / (m * 1e-3) / 1e9 / copy_bw  # noqa: E731
+            row = {"shape": f"qwen3 {name} T={T} top{TOPK}", "active": active, "M": M}
+            row.update({f"{k}_us": 1e3 * ms[k] for k in (*IMPLS, "grouped_mm")})
+            row.update({f"{k}_%BW": bw(ms[k]) for k in IMPLS})
+            row["kslab-grouped_speedup"] = ms["default"] / ms["kslab-grouped"]
+            row.update({f"{k}_vs_grouped_mm": ms["grouped_mm"] / ms[k] for k in IMPLS})
+            row["bit_equal_to_default"] = same
+            rows.append(row)
+            print_table(rows[-1:])
+        del sets
+        torch.cuda.empty_cache()
+    print_table(rows)
+    path = write_results("decode_grouped_ab_h200", rows, env_stamp("python bench/bench_decode_grouped_ab.py"),
+                         notes=f"copy BW {copy_bw:.0f} GB/s; medians of {ROUNDS} interleaved rounds")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
