@@ -52,12 +52,11 @@ def _check(a, q, wp, offsets, N):
         assert y.shape == (a.shape[0], N) and y.dtype == torch.bfloat16, impl
     off = offsets.tolist()
     a64 = a.double()
-    g = q.g.double().reshape(-1)
     for e in range(E):
         lo, hi = off[e], off[e + 1]
         if hi <= lo:
             continue
-        w64 = R.dequantize_f64(q.codes[e], q.scales[e]) * g[e]
+        w64 = R.dequantize_f64(q.codes[e], q.scales[e]) * q.g[e].double().reshape(-1, 1)  # g per expert or per row
         ref_bf16 = R.round_to_bf16(a64[lo:hi] @ w64.T)
         tol = R.gemm_tolerance(a64[lo:hi], w64, ref_bf16)
         for impl, y in ys.items():

@@ -80,7 +80,8 @@ def main():
             nbytes = N * K // 2 + N * K // 16 + M * K * 2 + M * N * 2
             row = {"shape": f"M={M} N={N} K={K}", "model_ms": ms["model"],
                    "model_%BW": 100 * nbytes / (ms["model"] * 1e-3) / 1e9 / copy_bw}
-            row.update({f"S{v}_vs_model": ms["model"] / ms[v] for v in variants if v != "model"})
+            # every candidate gets a column (NaN where the count is not valid for the shape)
+            row.update({f"S{c}_vs_model": ms["model"] / ms[str(c)] if str(c) in ms else float("nan") for c in CANDIDATES})
             best = min(variants, key=lambda v: ms[v])
             row["best"] = best
             row["best_vs_model"] = ms["model"] / ms[best]

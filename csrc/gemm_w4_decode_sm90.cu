@@ -1017,17 +1017,6 @@ int* ticket_buffer(const at::Tensor& like, cudaStream_t stream, int n) {
 
 // Flat-stream launch: one resident wave (kMinBlocks CTAs per SM); the kernel uses at most one warp per 2 tiles
 // (grouped: the tile count is only known on the device, from offsets).
-// Fewest tiles per warp of the stream kernel's grid (host side only; the kernel also keeps W <= T / 2):
-// TRACE_EXT_DECODE_TPW (read per call, 2..64; default 2). Below a full resident wave of warps (small dense shapes,
-// grouped decode of few tokens) each warp streams only 2-3 tiles, so its one-time work (prologue, partial sums,
-// arrival, reduction: ~375 instructions, as much as a tile) and its ring ramp are paid per 2 tiles; fewer, longer
-// streams trade them against memory parallelism. An A/B knob (bench/bench_decode_tpw.py).
-int decode_tiles_per_warp() {
-  const char* v = std::getenv("TRACE_EXT_DECODE_TPW");
-  const int t = v != nullptr ? std::atoi(v) : 2;
-  return t < 2 ? 2 : t > 64 ? 64 : t;
-}
-
 template <int MT8, bool kAFp4, int kStages, int kMinBlocks, bool kGrouped, bool kForm2 = false>
 void launch_decode_stream(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
   auto kernel = gemm_w4_decode_stream_kernel<MT8, kAFp4, kStages, kMinBlocks, kGrouped, kForm2>;
@@ -1053,8 +1042,8 @@ void launch_decode_stream(const GemmParams& p, const at::Tensor& like, cudaStrea
   // units: dense 1; grouped at most one per expert with rows plus one per further 8 * MT8 rows
   const int64_t max_units = kGrouped ? std::min<int64_t>(p.E, p.M) + p.M / (8 * MT8) + 1 : 1;
   TORCH_CHECK(max_units * Tu < (int64_t{1} << 31), "trace_ext: weight too large for the decode GEMM (2^31 tiles)");
-  const int64_t warps = std::max<int64_t>(1, std::min<int64_t>((int64_t)kMinBlocks * sm_count(dev) * kDecWarps,
-                                                                std::max<int64_t>(1, max_units * Tu / decode_tiles_per_warp())));
+  const int64_t warps = std::max<int64_t>(
+      1, std::min<int64_t>((int64_t)kMinBlocks * sm_count(dev) * kDecWarps, std::max<int64_t>(1, max_units * Tu / 2)));
   const int ctas = (int)((warps + kDecWarps - 1) / kDecWarps);
   at::Tensor ws = at::empty({warps * 2 * MT8 * 4 * 32}, like.options().dtype(at::kFloat));  // 2 partials / warp
   int* tickets = ticket_buffer(like, stream, (int)(max_units * n_blocks));

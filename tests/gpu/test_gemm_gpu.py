@@ -406,37 +406,6 @@ def test_gpu_errors():
         O.fp4_grouped_linear(a, wg, torch.tensor([0, 5, 4], dtype=torch.int32, device=DEV), validate=True)
 
 
-# ---- decode stream kernel: fewest tiles per warp (TRACE_EXT_DECODE_TPW, read per call; default 2) ----------------
-
-
-@pytest.mark.parametrize("tpw", ["3", "6", "64"])
-def test_decode_stream_tiles_per_warp(monkeypatch, tpw):
-    """Protects the stream kernel's grid-size knob: with fewer, longer warp streams (tiles split differently between
-    warps, other shared blocks and partial sums) the dense stream kernel (7168 x 4096, 2048 x 768: K splits with a
-    partial first / last block per warp) and the grouped decode (Qwen3 experts, T = 1 / 16 / 64) stay within the f64
-    contract and give the same bits on a second call with default-grid calls in between."""
-    monkeypatch.setenv("TRACE_EXT_DECODE_IMPL", "stream")
-    for N, K in ((7168, 4096), (2048, 768)):
-        w = _quant_w(N, K)
-        wp = O.prepare_fp4_weight(w)
-        w64 = _w64(w)
-        for M in (1, 9, 32):
-            a = torch.randn(M, K, device=DEV).bfloat16()
-            monkeypatch.setenv("TRACE_EXT_DECODE_TPW", tpw)
-            y = O.fp4_linear(a, wp, backend="cuda")
-            _check(y, _a64(a), w64, f"tpw {tpw} N={N} K={K} M={M}")
-            monkeypatch.delenv("TRACE_EXT_DECODE_TPW")
-            O.fp4_linear(a, wp, backend="cuda")
-            monkeypatch.setenv("TRACE_EXT_DECODE_TPW", tpw)
-            assert torch.equal(O.fp4_linear(a, wp, backend="cuda"), y), f"second call differs M={M}"
-    gen = torch.Generator().manual_seed(5)
-    E, k = 128, 8
-    w = _quant_w(1536, 2048, E)
-    for T in (1, 16, 64):
-        _grouped_case(E, 1536, 2048, _routed_counts(T, E, k, gen), "w4a16", w=w, prepared=True,
-                      what=f"tpw {tpw} qwen3 gate_up T={T}")
-
-
 # ---- dense decode: opt-in pair-stream kernel (TRACE_EXT_DECODE_IMPL=pair, read at every call) ------------------
 
 # (N, K): the three dense decode shapes of the benchmark, the real projections above that the decode layout takes,
