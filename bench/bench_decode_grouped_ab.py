@@ -1,14 +1,15 @@
-"""A/B of the grouped (MoE) decode GEMM kernels (W4A16, prepared weights): the default (the flat-stream kernel of
-gemm_w4_decode_sm90.cu with units = (expert with rows, chunk of 8 / 16 / 32 rows)), kslab-grouped
-(TRACE_EXT_DECODE_IMPL=kslab-grouped, read by the extension at every call: the K-slab kernel of
+"""A/B of the grouped (MoE) decode GEMM kernels (W4A16, prepared weights): the flat-stream kernel of
+gemm_w4_decode_sm90.cu with units = (expert with rows, chunk of 8 / 16 / 32 rows) (TRACE_EXT_DECODE_IMPL=stream, the
+default before f062b32), kslab-grouped (the default on sm_90 since; named by TRACE_EXT_DECODE_IMPL=kslab-grouped,
+read by the extension at every call: the K-slab kernel of
 gemm_w4_decode_kslab_sm90.cu generalized to units, the unit's A rows staged once per job in shared memory) and
 torch._grouped_mm on the dequantized bf16 weights. Qwen3-30B-A3B experts (E=128, top-8; gate_up N=1536 K=2048, down
 N=2048 K=768) at T = 1, 16, 64, 256 tokens (M = 8 T rows, router-like random top-8 routing).
-Interleaved in one process: per row, ROUNDS rounds of (default, kslab-grouped, grouped_mm), each a do_bench_cold
+Interleaved in one process: per row, ROUNDS rounds of (stream, kslab-grouped, grouped_mm), each a do_bench_cold
 median over N_SETS rotated weight sets (cold L2); the row reports the median over the rounds. Before timing, both FP4
 kernels are checked against the float64 reference bound of the GPU tests (1 bf16 ulp + the fp32 accumulation bound)
 on every active expert, so a broken variant never reports a time. %copyBW is on the active experts' bytes (codes +
-scales) + A + Y; speedups are kslab-grouped against the default and both against grouped_mm.
+scales) + A + Y; speedups are kslab-grouped against stream and both against grouped_mm.
 Run: python bench/bench_decode_grouped_ab.py (~30-45 s on an H200; results in decode_grouped_ab_h200.{json,md} under
 $BENCH_OUT or bench/results/).
 """
@@ -36,17 +37,17 @@ E, TOPK = 128, 8
 PROJ = (("gate_up", 1536, 2048), ("down", 2048, 768))
 TS = (1, 16, 64, 256)
 ENV = "TRACE_EXT_DECODE_IMPL"
-IMPLS = ("default", "kslab-grouped")
+IMPLS = ("stream", "kslab-grouped")  # the grouped stream kernel (the default before f062b32) and the default on sm_90
 
 
 def _run(impl, a, wp, offsets):
-    with env_switch(ENV, None if impl == "default" else impl):
+    with env_switch(ENV, impl):
         return O.fp4_grouped_linear(a, wp, offsets, backend="cuda")
 
 
 def _check(a, q, wp, offsets, N):
     """Both FP4 kernels within the f64 reference bound on every active expert; returns the fraction of outputs where
-    kslab-grouped equals the default bit for bit (their K splits differ, so a few fp32 sums round differently)."""
+    kslab-grouped equals the stream kernel bit for bit (their K splits differ, so a few fp32 sums round differently)."""
     ys = {impl: _run(impl, a, wp, offsets) for impl in IMPLS}
     for impl, y in ys.items():
         assert y.shape == (a.shape[0], N) and y.dtype == torch.bfloat16, impl
@@ -63,7 +64,7 @@ def _check(a, q, wp, offsets, N):
             bad = int((~((y[lo:hi].double() - ref_bf16.double()).abs() <= tol)).sum())
             if bad:
                 raise AssertionError(f"{impl}: {bad} outputs of expert {e} outside the reference bound")
-    return float((ys["default"] == ys["kslab-grouped"]).double().mean())
+    return float((ys["stream"] == ys["kslab-grouped"]).double().mean())
 
 
 def main():
@@ -91,7 +92,7 @@ def main():
             t = {k: [] for k in (*IMPLS, "grouped_mm")}
             for _ in range(ROUNDS):
                 for impl in IMPLS:
-                    with env_switch(ENV, None if impl == "default" else impl):
+                    with env_switch(ENV, impl):
                         t[impl].append(do_bench_cold(lambda: O.fp4_grouped_linear(a, nw(), offsets, backend="cuda"),
                                                      rep_ms=REP_MS))
                 t["grouped_mm"].append(do_bench_cold(lambda: torch._grouped_mm(a, nb(), offs=offs_end), rep_ms=REP_MS))
@@ -101,9 +102,9 @@ def main():
             row = {"shape": f"qwen3 {name} T={T} top{TOPK}", "active": active, "M": M}
             row.update({f"{k}_us": 1e3 * ms[k] for k in (*IMPLS, "grouped_mm")})
             row.update({f"{k}_%BW": bw(ms[k]) for k in IMPLS})
-            row["kslab-grouped_speedup"] = ms["default"] / ms["kslab-grouped"]
+            row["kslab-grouped_speedup"] = ms["stream"] / ms["kslab-grouped"]
             row.update({f"{k}_vs_grouped_mm": ms["grouped_mm"] / ms[k] for k in IMPLS})
-            row["bit_equal_to_default"] = same
+            row["bit_equal_to_stream"] = same
             rows.append(row)
             print_table(rows[-1:])
         del sets

@@ -56,8 +56,10 @@
 //    per SM of up to 224 / 220 / 220 KB (rings 144 / 108 / 108 KB + A); M = 1 still runs 8-wide MMAs (7/8 of the B
 //    operand unused).
 //
-// Grouped (MoE) decode, opt-in TRACE_EXT_DECODE_IMPL=kslab-grouped (read at every call; hooked into run_decode_new's
-// grouped branch; dense calls under that value keep the dense default; other archs: RuntimeError):
+// Grouped (MoE) decode: the default on sm_90 since the H200 A/B at f062b32 (bench/results/decode_grouped_ab_h200.md:
+// 1.0-1.65x the grouped stream kernel on the Qwen3 rows, T = 64 gate_up 64.5 % of copy, 3.3x grouped_mm), also named
+// by TRACE_EXT_DECODE_IMPL=kslab-grouped (read at every call; hooked into run_decode_new's grouped branch; dense calls
+// under that value keep the dense default; named on other archs: RuntimeError; =stream / =auto: the stream kernel):
 //  - Why: the grouped stream kernel re-reads every tile's activation fragments from L2 (Qwen3 T = 256, ~16 rows per
 //    expert: ~3.5x the weight bytes); it reached 10-49 % of copy on the Qwen3 expert shapes.
 //  - Work order: units = (expert with rows, chunk of R = 8 / 16 / 32 rows; R by rows_hint as the stream kernel),
@@ -713,9 +715,13 @@ int decode_kslab_selected() {
   return sel == "kslab" ? 1 : sel == "kslab2" ? 2 : sel == "kslab-grouped" ? 0 : -1;
 }
 
-bool decode_kslab_grouped_selected() {
+int decode_kslab_grouped_selected() {
   const char* v = std::getenv("TRACE_EXT_DECODE_IMPL");
-  return v != nullptr && std::string(v) == "kslab-grouped";
+  if (v == nullptr || *v == '\0') return 0;
+  const std::string sel = v;
+  if (sel == "kslab-grouped") return 1;
+  if (sel == "stream" || sel == "auto") return -1;  // the grouped stream kernel (the default before f062b32)
+  return 0;  // values that name a dense kernel keep the grouped default
 }
 
 // Slab count S (slab length L = ceil(KT / S) <= max_l) and N chunks C for one CTA per SM: one resident wave
@@ -884,10 +890,12 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   return true;
 }
 
-bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream) {
+bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream,
+                              bool named) {
   int dev = 0, major = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  if (!named && major != 9) return false;  // the default elsewhere: the grouped stream kernel
   TORCH_CHECK(major == 9, "trace_ext: TRACE_EXT_DECODE_IMPL=kslab-grouped is an sm_90a kernel; unset it on this ",
               "device (compute capability ", major, ".x)");
   if (p.offsets == nullptr || p.M <= 0 || p.w_packed == nullptr || p.N % 16 != 0 || p.K % kKsSuperK != 0 ||

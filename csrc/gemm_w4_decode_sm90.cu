@@ -14,8 +14,9 @@
 //  - Default (dense, sm_90): the K-slab kernel of gemm_w4_decode_kslab_sm90.cu (A staged once per CTA in shared
 //    memory; H200 A/B at 7b3e763: 1.08-1.88x the stream kernel on every bench row, W4A16 and W4A4). Shapes it does
 //    not take, other archs and TRACE_EXT_DECODE_IMPL=auto: the pair2 kernel below where every resident warp gets
-//    >= 2.5 items (decode_prefers_pair, W4A16), else the flat-stream kernel, which also runs every grouped call
-//    (TRACE_EXT_DECODE_IMPL=stream: the stream kernel for dense calls too).
+//    >= 2.5 items (decode_prefers_pair, W4A16), else the flat-stream kernel (TRACE_EXT_DECODE_IMPL=stream: the stream
+//    kernel for dense calls too). Grouped calls: on sm_90 the grouped K-slab kernel (same file as the dense one),
+//    with TRACE_EXT_DECODE_IMPL=stream / auto, on other archs and for shapes it does not take the stream kernel.
 //  - Flat per-warp streams. One resident wave (3 CTAs of 8 warps per SM up to 16 rows per unit, 2 for
 //    32); the work is units x 16-row blocks x 256-K tiles (dense: one unit; grouped: one unit per (expert with
 //    rows, chunk of 8 / 16 / 32 rows), numbered by one block-wide scan of offsets, so empty experts cost nothing);
@@ -1237,8 +1238,11 @@ void run_decode_new(const GemmParams& p, int64_t rows_hint, const at::Tensor& li
   }
   if (p.M <= 0) return;
   if (p.offsets != nullptr) {
-    // opt-in TRACE_EXT_DECODE_IMPL=kslab-grouped (gemm_w4_decode_kslab_sm90.cu); shapes it does not take run below
-    if (decode_kslab_grouped_selected() && run_decode_kslab_grouped(p, rows_hint, like, stream)) return;
+    // the grouped K-slab kernel (gemm_w4_decode_kslab_sm90.cu): the default on sm_90, or named (kslab-grouped);
+    // TRACE_EXT_DECODE_IMPL=stream / auto, other archs and shapes it does not take run the stream kernel below
+    if (const int kg = decode_kslab_grouped_selected();
+        kg >= 0 && run_decode_kslab_grouped(p, rows_hint, like, stream, kg > 0))
+      return;
     // grouped: rows per unit a little above the average rows per expert (rows_hint), as on the ring path
     if (rows_hint <= 2) {
       launch_decode_stream<1, kAFp4, 4, 3, true>(p, like, stream);

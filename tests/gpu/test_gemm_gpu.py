@@ -837,7 +837,7 @@ def test_kslab_forced_slab_counts(monkeypatch):
                 assert torch.equal(O.fp4_linear(a, wp, backend="cuda"), y_model), f"invalid S M={M} {mode}"
 
 
-# ---- grouped decode: K-slab work order (TRACE_EXT_DECODE_IMPL=kslab-grouped, read at every call) ------------------
+# ---- grouped decode: K-slab work order (the default on sm_90; TRACE_EXT_DECODE_IMPL=kslab-grouped, read per call) ---
 # gemm_w4_decode_kslab_grouped_kernel: jobs (unit = expert chunk of 8 / 16 / 32 rows, K slab, N chunk), the unit's A
 # rows staged once per job in shared memory. Only the K split into partial sums differs from the stream kernel, so it
 # is held to the f64 contract (not to the default's bits), and to its own bits on every call.
@@ -866,6 +866,8 @@ def _kslab_grouped_case(monkeypatch, E, N, K, counts, mode, w, what):
         _impl(monkeypatch, other)
         y0 = O.fp4_grouped_linear(a, wp, offsets, backend="cuda")
         assert y0.shape == y1.shape and y0.dtype == y1.dtype
+        if other is None:  # the default on sm_90 is this kernel
+            assert torch.equal(y0, y1), f"{what}: the default grouped call is not kslab-grouped"
         _impl(monkeypatch, "kslab-grouped")
         assert torch.equal(O.fp4_grouped_linear(a, wp, offsets, backend="cuda"), y1), f"{what}: call after {other}"
 

@@ -21,14 +21,16 @@ int decode_kslab_selected();
 // other than sm_90 returns false when not named (named: raises RuntimeError).
 bool run_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream_t stream, bool form2, bool named);
 
-// TRACE_EXT_DECODE_IMPL=kslab-grouped (read at every call): grouped decode through the K-slab kernel generalized to
-// units (expert, chunk of rows). Dense calls under that value keep the default.
-bool decode_kslab_grouped_selected();
+// Grouped decode through the K-slab kernel generalized to units (expert, chunk of rows): the default on sm_90.
+// TRACE_EXT_DECODE_IMPL (read at every call): 0 unset or naming a dense kernel (the grouped default), 1 for
+// "kslab-grouped" (dense calls under it keep the dense default), -1 for "stream" / "auto" (the grouped stream kernel).
+int decode_kslab_grouped_selected();
 
 // Grouped decode (p.offsets != nullptr, prepared weight) through the grouped K-slab kernel. Returns false (nothing
-// launched) for shapes it does not take (the caller runs the stream kernel); raises RuntimeError on a device other
-// than sm_90.
-bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream);
+// launched) for shapes it does not take (the caller runs the stream kernel); on a device other than sm_90 returns
+// false when not named (named: raises RuntimeError).
+bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream,
+                              bool named);
 
 // Self-resetting split tickets, one buffer per (device, stream) (defined in gemm_w4_decode_sm90.cu).
 int* ticket_buffer(const at::Tensor& like, cudaStream_t stream, int n);
