@@ -63,13 +63,15 @@
 //  - Why: the grouped stream kernel re-reads every tile's activation fragments from L2 (Qwen3 T = 256, ~16 rows per
 //    expert: ~3.5x the weight bytes); it reached 10-49 % of copy on the Qwen3 expert shapes.
 //  - Work order: units = (expert with rows, chunk of R = 8 / 16 / 32 rows; R by rows_hint as the stream kernel),
-//    numbered on the device by the stream kernel's block-wide scan of offsets (s_pref in shared memory, unit ->
-//    expert by binary search; empty experts cost nothing). Jobs (unit u, slab s, N chunk c), job = (u S + s) C + c;
-//    one resident CTA of 16 warps per SM loops over jobs blockIdx-strided. Per job: a CTA barrier (the previous job's
-//    A / segment reads are done), the unit's rows r_lo .. r_hi - 1 of A[:, slab] staged in shared memory, then the
-//    dense kernel's job body verbatim on the expert's weights (w_packed + e * N/16 * K/256 * 2304): per-warp
-//    cp.async rings, warp segments + warp-order sums, slab partials per (unit, block) + self-resetting tickets
-//    [max_units][N / 16] (last slab sums in slab order: deterministic). Y rows r_lo .. r_hi - 1, g_w of expert e.
+//    numbered on the device by the stream kernel's block-wide scan of offsets (decode_number_units /
+//    decode_unit_expert / decode_unit_rows of gemm_w4_decode_units.cuh: s_pref in shared memory, unit -> expert by
+//    binary search; empty experts cost nothing). Jobs (unit u, slab s, N chunk c), job = (u S + s) C + c; one
+//    resident CTA of 16 warps per SM loops over jobs blockIdx-strided. Per job: a CTA barrier (the previous job's A /
+//    segment reads are done), the unit's rows r_lo .. r_hi - 1 of A[:, slab] staged in shared memory, then the dense
+//    kernel's job body (the same functions, kslab_job_start / kslab_job_stream) on the expert's weights (w_packed +
+//    e * N/16 * K/256 * 2304): per-warp cp.async rings, warp segments + warp-order sums, slab partials per (unit,
+//    block) + self-resetting tickets [max_units][N / 16] (last slab sums in slab order: deterministic). Y rows
+//    r_lo .. r_hi - 1, g_w of expert e.
 //  - Plan (host, kslab_grouped_plan): S and C minimizing max(all job bytes / SMs, busiest CTA's job bytes / 1.5),
 //    a job = its weight tiles + half its A bytes + 32 KB of ramp + its slab partials, from an estimate of the unit
 //    count (E (1 - (1 - 1/E)^M) experts with rows + rows beyond R); buffers sized by the bound min(E, M) + M / R + 1.
@@ -93,6 +95,7 @@
 
 #include "trace_ext/fp4_numerics.cuh"
 #include "trace_ext/gemm_w4_common.cuh"
+#include "trace_ext/gemm_w4_decode_units.cuh"
 #include "trace_ext/gemm_w4_decode_kslab.h"
 #include "trace_ext/host_checks.h"
 
@@ -148,58 +151,39 @@ __device__ __forceinline__ uint2 ks_lds64(uint32_t a) {
   return v;
 }
 
+// One slab's arrival at a block's ticket: returns the ticket before the add (S - 1: the last of the S slabs, which
+// then resets it for the next launch on this stream). The caller is lane 0 after a __syncwarp, so the release covers
+// the warp's partial stores; the acquire (with the warp barrier after it) makes every slab's partial visible.
+__device__ __forceinline__ int ks_ticket_add(int* tk) {
+  int ticket;
+  asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;\n" : "=r"(ticket) : "l"(tk) : "memory");
+  return ticket;
+}
+
 __device__ __forceinline__ int kslab_first(int w, int I) { return (int)((int64_t)I * w / kKsWarps); }
 __device__ __forceinline__ int kslab_warp_of(int j, int I) {  // the warp whose item range holds item j
   return (int)(((int64_t)(j + 1) * kKsWarps - 1) / I);
 }
 
-// ws_slab: [S][N / 16][kFrag][32] fp32 slab partials (S > 1); ws_seg: [C * S][kKsWarps][2][kFrag][32] fp32 partials
-// of the blocks split between warps of a CTA. Grid (C, S).
-template <int MT8, bool kAFp4, int kStages, bool kForm2>
-__global__ void __launch_bounds__(kKsThreads, 1)
-    gemm_w4_decode_kslab_kernel(const GemmParams p, float* __restrict__ ws_slab, float* __restrict__ ws_seg,
-                                int* __restrict__ tickets, int L) {
-  static_assert(kStages >= 2, "a cp.async ring needs at least 2 slots");
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
-  constexpr int kFrag = MT8 * 4;  // fp32 accumulators per lane
-  extern __shared__ __align__(16) uint8_t ks_smem[];  // [warp][kStages][kKsTileBytes] rings, then A [8 MT8][a_stride]
-  const int warp_id = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const int K = p.K, N = p.N, M = p.M;
-  const int KT = K / kKsSuperK, n_blocks = N / 16;
-  const int C = gridDim.x, c = blockIdx.x, s = blockIdx.y, S = gridDim.y;
-  const int kt0 = s * L, Ls = min(L, KT - kt0);
-  const int nb0 = (int)((int64_t)n_blocks * c / C), nb1 = (int)((int64_t)n_blocks * (c + 1) / C);
-  const int I = (nb1 - nb0) * Ls;  // items (block, k tile) of this CTA, block-major
-  const int a_stride = Ls * kKsRowBytes + kKsRowPad;
-  uint8_t* const ring = ks_smem + warp_id * kStages * kKsTileBytes;
-  uint8_t* const a_s = ks_smem + kKsWarps * kStages * kKsTileBytes;
-  const int i0 = kslab_first(warp_id, I), i1 = kslab_first(warp_id + 1, I);
-  const float fold = kAFp4 ? kUnfoldW4A4 : kUnfoldW4A16;
+// One job of a K-slab kernel as the CTA sees it: K slab s of S (super-tiles kt0 .. kt0 + Ls - 1) of the 16-row
+// blocks nb0 .. nb0 + I / Ls - 1, warp items [i0, i1) of the I items (block, k tile), block-major.
+struct KsJob {
+  int s, S, kt0, Ls, nb0, I, a_stride, i0, i1;
+};
 
-  // ---- A slab -> shared memory (bf16: cp.async, one group issued before the weight ring's first groups). Rows
-  // M .. 8 MT8 - 1 are not written: MMA columns are independent, so they only feed accumulator columns m >= M, which
-  // are never stored (nor combined with stored ones).
-  if constexpr (!kAFp4) {
-    const int chunks = Ls * (kKsRowBytes / 16);  // 16-byte chunks per row
-    const uint8_t* a_g = reinterpret_cast<const uint8_t*>(p.a) + (int64_t)kt0 * kKsRowBytes;
-    for (int r = 0; r < M; ++r)
-      for (int cc = threadIdx.x; cc < chunks; cc += kKsThreads)
-        cp_async16(a_s + r * a_stride + cc * 16, a_g + (int64_t)r * K * 2 + cc * 16, true);
-    cp_async_commit();
-  }
+// A warp's weight ring for one job: item j -> slot (j - i0) % kStages; each lane copies and reads back only its own
+// 72 bytes (cp.async.wait_group orders copy before read, no barrier).
+template <int kStages>
+struct KsRing {
+  const uint8_t* src_issue;         // the lane's code chunk of item j_issue
+  int j_issue, k_issue;             // next item to issue, its k tile in the slab
+  int scale_src;                    // the lane's 8 scale bytes, from its code chunk
+  uint32_t ring_lane, ring_lane_sc; // the lane's code chunk / scale bytes in slot 0
+  uint32_t slot_issue;              // byte offset of the slot being filled
+  uint64_t pol;                     // L2 evict_first policy of the weight copies (read once)
+  int i1, Ls, KT;                   // end of the warp's items, slab length, super-tiles of K
 
-  // ---- weight ring: item j -> slot (j - i0) % kStages; each lane copies and reads back only its own 72 bytes
-  int j_issue = i0;
-  int k_issue = i0 < i1 ? i0 % Ls : 0;
-  const uint8_t* src_issue = p.w_packed + lane * 16 +  // the lane's first code chunk of item i0
-                             ((int64_t)(nb0 + (i0 < i1 ? i0 / Ls : 0)) * KT + kt0 + k_issue) * kKsTileBytes;
-  const int scale_src = kKsCodeBytes + 8 * lane - 16 * lane;  // the lane's 8 scale bytes, from its code chunk
-  const uint32_t ring_lane = smem_u32(ring) + lane * 16;  // the lane's code chunk in slot 0
-  const uint32_t ring_lane_sc = smem_u32(ring) + kKsCodeBytes + lane * 8;
-  uint32_t slot_issue = 0;  // byte offset of the slot being filled
-  const uint64_t pol = ks_evict_first_policy();
-  auto issue_next = [&]() {
+  __device__ __forceinline__ void issue_next() {
     if (j_issue < i1) {
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) ks_cp_async16(ring_lane + slot_issue + kk * 512, src_issue + kk * 512, pol);
@@ -213,57 +197,98 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     cp_async_commit();  // possibly empty: one group per item for wait_group
     ++j_issue;
     slot_issue = slot_issue + kKsTileBytes == kStages * kKsTileBytes ? 0 : slot_issue + kKsTileBytes;
-  };
-#pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) issue_next();
-
-  if constexpr (kAFp4) {
-    // W4A4: dequantize the slab once (exactly load_act_frags' values), while the weight groups are in flight
-    const int blocks = Ls * (kKsSuperK / 16);  // NVFP4 blocks of 16 per row
-    for (int r = 0; r < M; ++r)
-      for (int b = threadIdx.x; b < blocks; b += kKsThreads) {
-        const int kb = kt0 * (kKsSuperK / 16) + b;
-        const uint2 cw2 = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const uint8_t*>(p.a) +
-                                                               (int64_t)r * (K / 2) + kb * 8));
-        const uint32_t sc = scale_bf16x2_folded(__ldg(p.a_scales + (int64_t)r * (K / 16) + kb));
-        const uint32_t cw[2] = {cw2.x, cw2.y};
-        uint32_t v[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = bf16x2_mul(fp4x2_to_bf16x2_biased((cw[j >> 2] >> (8 * (j & 3))) & 0xFFu), sc);
-        uint4* dst = reinterpret_cast<uint4*>(a_s + r * a_stride + b * 32);
-        dst[0] = make_uint4(v[0], v[1], v[2], v[3]);
-        dst[1] = make_uint4(v[4], v[5], v[6], v[7]);
-      }
   }
-  if constexpr (!kAFp4) cp_async_wait<kStages - 1>();  // this thread's A group (the oldest) is complete
-  __syncthreads();                                     // and every thread's A chunks are visible
+};
 
-  // y = bf16(sum * fold * g_a[m] * g_w[n]) for the lane's fragment of block nb (store_y of the stream kernel)
-  auto store_y = [&](int nb, const float (&v)[MT8][4]) {
+// bf16 A: rows 0 .. rows - 1 of the slab from a_g = a_src() (row stride K) -> a_s (row stride a_stride), one
+// cp.async group issued before the weight ring's first groups. Rows rows .. 8 MT8 - 1 are not written: MMA columns are
+// independent, so they only feed accumulator columns m >= rows, which are never stored (nor combined with stored
+// ones).
+template <class ASrc>
+__device__ __forceinline__ void kslab_stage_a_bf16(uint8_t* a_s, ASrc&& a_src, int rows, int K, int a_stride, int Ls) {
+  const int chunks = Ls * (kKsRowBytes / 16);  // 16-byte chunks per row
+  const uint8_t* a_g = a_src();
+  for (int r = 0; r < rows; ++r)
+    for (int cc = threadIdx.x; cc < chunks; cc += kKsThreads)
+      cp_async16(a_s + r * a_stride + cc * 16, a_g + (int64_t)r * K * 2 + cc * 16, true);
+  cp_async_commit();
+}
+
+// W4A4 A: rows a_row0 .. a_row0 + rows - 1 of the slab dequantized once into a_s (exactly load_act_frags' values:
+// bf16 q * s * 2^-7), while the weight groups are in flight
+__device__ __forceinline__ void kslab_stage_a_fp4(const GemmParams& p, uint8_t* a_s, int a_row0, int rows, int kt0,
+                                                  int Ls, int a_stride) {
+  const int K = p.K;
+  const int blocks = Ls * (kKsSuperK / 16);  // NVFP4 blocks of 16 per row
+  for (int rr = 0; rr < rows; ++rr)
+    for (int b = threadIdx.x; b < blocks; b += kKsThreads) {
+      const int kb = kt0 * (kKsSuperK / 16) + b;
+      const int64_t row = a_row0 + rr;
+      const uint2 cw2 = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const uint8_t*>(p.a) +
+                                                             row * (K / 2) + kb * 8));
+      const uint32_t sc = scale_bf16x2_folded(__ldg(p.a_scales + row * (K / 16) + kb));
+      const uint32_t cw[2] = {cw2.x, cw2.y};
+      uint32_t v[8];
 #pragma unroll
-    for (int i = 0; i < MT8; ++i)
+      for (int j = 0; j < 8; ++j) v[j] = bf16x2_mul(fp4x2_to_bf16x2_biased((cw[j >> 2] >> (8 * (j & 3))) & 0xFFu), sc);
+      uint4* dst = reinterpret_cast<uint4*>(a_s + rr * a_stride + b * 32);
+      dst[0] = make_uint4(v[0], v[1], v[2], v[3]);
+      dst[1] = make_uint4(v[4], v[5], v[6], v[7]);
+    }
+}
+
+// The job body shared by the dense and the grouped K-slab kernel, in two parts.
+// kslab_job_start: the warp's weight ring (its first kStages - 1 items issued; A bf16 already issued by
+// kslab_stage_a_bf16; W4A4 A rows a_row0 .. a_row0 + rows - 1 dequantized here while the weights stream in), then the
+// CTA barrier after which A is visible. w: the weights of the job's matrix (the expert's, grouped); pol(): the L2
+// policy of the weight copies (dense: created here, grouped: once per CTA).
+template <bool kAFp4, int kStages, class PolFn>
+__device__ __forceinline__ void kslab_job_start(KsRing<kStages>& r, const GemmParams& p, const KsJob& jb, const uint8_t* w,
+                                                           int a_row0, int rows, uint8_t* ring, uint8_t* a_s,
+                                                           int lane, PolFn&& pol) {
+  const int K = p.K, KT = K / kKsSuperK;
+  const int kt0 = jb.kt0, Ls = jb.Ls, nb0 = jb.nb0, a_stride = jb.a_stride, i0 = jb.i0, i1 = jb.i1;
+  r.j_issue = i0;
+  r.k_issue = i0 < i1 ? i0 % Ls : 0;
+  r.src_issue = w + lane * 16 +  // the lane's first code chunk of item i0
+                ((int64_t)(nb0 + (i0 < i1 ? i0 / Ls : 0)) * KT + kt0 + r.k_issue) * kKsTileBytes;
+  r.scale_src = kKsCodeBytes + 8 * lane - 16 * lane;
+  r.ring_lane = smem_u32(ring) + lane * 16;
+  r.ring_lane_sc = smem_u32(ring) + kKsCodeBytes + lane * 8;
+  r.slot_issue = 0;
+  r.pol = pol();
+  r.i1 = i1;
+  r.Ls = Ls;
+  r.KT = KT;
 #pragma unroll
-      for (int cc = 0; cc < 4; ++cc) {
-        const int n = nb * 16 + g + (cc >> 1) * 8, m = 8 * i + 2 * t + (cc & 1);
-        if (m >= M) continue;
-        const float ga = p.g_a != nullptr ? p.g_a[m] : 1.0f;
-        const float y = __fmul_rn(__fmul_rn(v[i][cc], fold), __fmul_rn(ga, p.g_w[(int64_t)n * p.gw_stride_n]));
-        p.y[(int64_t)m * N + n] = __float2bfloat16_rn(y);
-      }
-  };
+  for (int i = 0; i < kStages - 1; ++i) r.issue_next();
+}
+
+// kslab_job_stream: the per-item MMA loop over the warp's items, segment ends, the cross-warp finisher and the
+// slab-partial arrival / reduction. seg_base: the CTA's segment slots (+ lane). The kernel-specific parts:
+// store_y(nb, v) (Y of block nb from its fp32 sums), slab_partial(ss, nb) (the lane's slab ss partial of block nb),
+// arrive(nb) (lane 0: adds 1 to block nb's self-resetting ticket, ks_ticket_add; 1 for the last of the S slabs).
+template <int MT8, int kStages, bool kForm2, class StoreY, class SlabPartial, class Arrive>
+__device__ __forceinline__ void kslab_job_stream(const KsJob& jb, KsRing<kStages>& r, uint8_t* a_s, float* seg_base,
+                                                 int warp_id, int lane, StoreY&& store_y, SlabPartial&& slab_partial,
+                                                 Arrive&& arrive) {
+  constexpr int kFrag = MT8 * 4;  // fp32 accumulators per lane
+  const int g = lane >> 2, t = lane & 3;
+  const int s = jb.s, S = jb.S, Ls = jb.Ls, nb0 = jb.nb0, I = jb.I, a_stride = jb.a_stride, i0 = jb.i0, i1 = jb.i1;
+  const uint32_t ring_lane = r.ring_lane, ring_lane_sc = r.ring_lane_sc;
+
   // a block's sums over this slab: Y (one slab) or its slab partial (arrival after the stream)
   auto finish_block = [&](int nb, const float (&v)[MT8][4]) {
     if (S == 1) {
       store_y(nb, v);
     } else {
-      float* dst = ws_slab + ((int64_t)s * n_blocks + nb) * (kFrag * 32) + lane;
+      float* dst = slab_partial(s, nb);
 #pragma unroll
       for (int i = 0; i < MT8; ++i)
 #pragma unroll
         for (int cc = 0; cc < 4; ++cc) __stcg(dst + (i * 4 + cc) * 32, v[i][cc]);
     }
   };
-  float* const seg_base = ws_seg + ((int64_t)(s * C + c) * kKsWarps) * 2 * (kFrag * 32) + lane;
 
   float acc[MT8][4];
 #pragma unroll
@@ -271,13 +296,13 @@ __global__ void __launch_bounds__(kKsThreads, 1)
 #pragma unroll
     for (int cc = 0; cc < 4; ++cc) acc[i][cc] = 0.f;
 
-  // compute cursor: block x (of the CTA), k tile kl (of the slab)
+  // compute cursor: block x (of the job), k tile kl (of the slab)
   int x = i0 < i1 ? i0 / Ls : 0, kl = i0 < i1 ? i0 - x * Ls : 0;
   uint32_t slot_rd = 0;  // byte offset of the slot being read
   const uint32_t a_lane = smem_u32(a_s) + g * a_stride + 32 * t;  // row g, elements 16t .. 16t + 15 of a 64-K step
   for (int j = i0; j < i1; ++j) {
     asm volatile("" ::: "memory");  // the reads of the slot refilled here (previous item) stay before it
-    issue_next();
+    r.issue_next();
     cp_async_wait<kStages - 1>();   // the group of item j is complete
     asm volatile("" ::: "memory");  // and the reads below stay after the wait
     const uint32_t srd = ring_lane + slot_rd;
@@ -342,7 +367,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       ++kl;
     }
   }
-  cp_async_wait<0>();  // no copy outlives the kernel's shared memory
+  cp_async_wait<0>();  // no copy into the job's slots or A outlives the job (nor the kernel's shared memory)
   __syncthreads();     // the segment partials of every warp are visible to the CTA
 
   // ---- blocks split between warps: the warp holding a block's first tile adds the segments in warp order
@@ -374,14 +399,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   const int x_end = finisher ? xw1 + 1 : xw1;
   for (int xb = xw0; xb < x_end; ++xb) {
     const int nb = nb0 + xb;
-    int last = 0;
-    if (lane == 0) {
-      int ticket;
-      // release: this warp's partial stores (ordered before lane 0 by the warp barrier) before the ticket
-      asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;\n" : "=r"(ticket) : "l"(tickets + nb) : "memory");
-      last = ticket == S - 1;
-      if (last) tickets[nb] = 0;  // self-reset for the next launch on this stream
-    }
+    int last = arrive(nb);
     last = __shfl_sync(0xffffffffu, last, 0);
     if (!last) continue;
     __syncwarp();  // acquire (lane 0's acq_rel atomic, then the warp barrier): every slab's partial is visible
@@ -391,7 +409,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
 #pragma unroll
       for (int cc = 0; cc < 4; ++cc) v[i][cc] = 0.f;
     for (int ss = 0; ss < S; ++ss) {
-      const float* src = ws_slab + ((int64_t)ss * n_blocks + nb) * (kFrag * 32) + lane;
+      const float* src = slab_partial(ss, nb);
 #pragma unroll
       for (int i = 0; i < MT8; ++i)
 #pragma unroll
@@ -399,15 +417,79 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     }
     store_y(nb, v);
   }
+}
+
+// ws_slab: [S][N / 16][kFrag][32] fp32 slab partials (S > 1); ws_seg: [C * S][kKsWarps][2][kFrag][32] fp32 partials
+// of the blocks split between warps of a CTA. Grid (C, S).
+template <int MT8, bool kAFp4, int kStages, bool kForm2>
+__global__ void __launch_bounds__(kKsThreads, 1)
+    gemm_w4_decode_kslab_kernel(const GemmParams p, float* __restrict__ ws_slab, float* __restrict__ ws_seg,
+                                int* __restrict__ tickets, int L) {
+  static_assert(kStages >= 2, "a cp.async ring needs at least 2 slots");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+  constexpr int kFrag = MT8 * 4;  // fp32 accumulators per lane
+  extern __shared__ __align__(16) uint8_t ks_smem[];  // [warp][kStages][kKsTileBytes] rings, then A [8 MT8][a_stride]
+  const int warp_id = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int K = p.K, N = p.N, M = p.M;
+  const int KT = K / kKsSuperK, n_blocks = N / 16;
+  const int C = gridDim.x, c = blockIdx.x, s = blockIdx.y, S = gridDim.y;
+  const int kt0 = s * L, Ls = min(L, KT - kt0);
+  const int nb0 = (int)((int64_t)n_blocks * c / C), nb1 = (int)((int64_t)n_blocks * (c + 1) / C);
+  const int I = (nb1 - nb0) * Ls;  // items (block, k tile) of this CTA, block-major
+  const int a_stride = Ls * kKsRowBytes + kKsRowPad;
+  uint8_t* const ring = ks_smem + warp_id * kStages * kKsTileBytes;
+  uint8_t* const a_s = ks_smem + kKsWarps * kStages * kKsTileBytes;
+  const int i0 = kslab_first(warp_id, I), i1 = kslab_first(warp_id + 1, I);
+  const float fold = kAFp4 ? kUnfoldW4A4 : kUnfoldW4A16;
+
+  // ---- A slab -> shared memory (bf16: cp.async; W4A4: dequantized in the job body while the weights stream in)
+  if constexpr (!kAFp4)
+    kslab_stage_a_bf16(a_s, [&] { return reinterpret_cast<const uint8_t*>(p.a) + (int64_t)kt0 * kKsRowBytes; }, M, K,
+                       a_stride, Ls);
+
+  const KsJob jb{s, S, kt0, Ls, nb0, I, a_stride, i0, i1};
+  KsRing<kStages> wr;
+  kslab_job_start<kAFp4, kStages>(wr, p, jb, p.w_packed, 0, M, ring, a_s, lane,
+                                                       [] { return ks_evict_first_policy(); });
+  if constexpr (kAFp4) kslab_stage_a_fp4(p, a_s, 0, M, kt0, Ls, a_stride);
+  if constexpr (!kAFp4) cp_async_wait<kStages - 1>();  // this thread's A group (the oldest) is complete
+  __syncthreads();                                     // and every thread's A chunks are visible
+
+  // y = bf16(sum * fold * g_a[m] * g_w[n]) for the lane's fragment of block nb (store_y of the stream kernel)
+  auto store_y = [&](int nb, const float (&v)[MT8][4]) {
+#pragma unroll
+    for (int i = 0; i < MT8; ++i)
+#pragma unroll
+      for (int cc = 0; cc < 4; ++cc) {
+        const int n = nb * 16 + g + (cc >> 1) * 8, m = 8 * i + 2 * t + (cc & 1);
+        if (m >= M) continue;
+        const float ga = p.g_a != nullptr ? p.g_a[m] : 1.0f;
+        const float y = __fmul_rn(__fmul_rn(v[i][cc], fold), __fmul_rn(ga, p.g_w[(int64_t)n * p.gw_stride_n]));
+        p.y[(int64_t)m * N + n] = __float2bfloat16_rn(y);
+      }
+  };
+  auto slab_partial = [&](int ss, int nb) { return ws_slab + ((int64_t)ss * n_blocks + nb) * (kFrag * 32) + lane; };
+  auto arrive = [&](int nb) {  // lane 0's arrival at block nb's ticket
+    int last = 0;
+    if (lane == 0) {
+      last = ks_ticket_add(tickets + nb) == S - 1;
+      if (last) tickets[nb] = 0;  // self-reset for the next launch on this stream
+    }
+    return last;
+  };
+  float* const seg_base = ws_seg + ((int64_t)(s * C + c) * kKsWarps) * 2 * (kFrag * 32) + lane;
+  kslab_job_stream<MT8, kStages, kForm2>(jb, wr, a_s, seg_base, warp_id, lane, store_y, slab_partial, arrive);
 #endif
 }
 
 // ---- grouped (MoE) decode, opt-in TRACE_EXT_DECODE_IMPL=kslab-grouped (read per call) -----------------------------
 // Units = (expert with rows, chunk of R = 8 MT8 rows), numbered on the device exactly as the grouped stream kernel
-// (one block-wide scan of offsets -> s_pref, unit -> expert by binary search). Jobs = (unit u, slab s, N chunk c),
-// job = (u S + s) C + c; one resident CTA per SM loops over jobs (blockIdx-strided). Per job the CTA stages the unit's
-// rows r_lo .. r_hi - 1 of A[:, slab] in shared memory (behind a barrier: the previous job's reads are done), then runs
-// exactly the dense kernel's job body on the expert's weights (w_packed + e * exp_bytes). Workspace: ws_slab
+// (decode_number_units of gemm_w4_decode_units.cuh: one block-wide scan of offsets -> s_pref, unit -> expert by binary
+// search). Jobs = (unit u, slab s, N chunk c), job = (u S + s) C + c; one resident CTA per SM loops over jobs
+// (blockIdx-strided). Per job the CTA stages the unit's rows r_lo .. r_hi - 1 of A[:, slab] in shared memory (behind a
+// barrier: the previous job's reads are done), then runs the dense kernel's job body (kslab_job_start /
+// kslab_job_stream) on the expert's weights (w_packed + e * exp_bytes). Workspace: ws_slab
 // [max_units][S][N / 16][kFrag][32], ws_seg [gridDim.x][kKsWarps][2][kFrag][32] (reused job after job: the barrier
 // opening the next job orders the finisher's reads before the next writes), tickets [max_units][N / 16].
 constexpr int kKsGrpPrefBytes = ((kMaxExperts + 1) * 4 + kKsWarps * 4 + 15) / 16 * 16;  // s_pref + scan sums
@@ -439,52 +521,18 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   const float fold = kAFp4 ? kUnfoldW4A4 : kUnfoldW4A16;
 
   // ---- units, numbered expert by expert (the grouped stream kernel's scan)
-  int base = 0;
-  for (int c0 = 0; c0 < p.E; c0 += kKsThreads) {
-    const int e = c0 + threadIdx.x;
-    int cnt = 0;
-    if (e < p.E) {
-      const int lo = min(max(p.offsets[e], 0), p.M);
-      cnt = (min(max(p.offsets[e + 1], lo), p.M) - lo + R - 1) / R;
-    }
-    int inc = cnt;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, inc, d);
-      if (lane >= d) inc += v;
-    }
-    if (lane == 31) s_wsum[warp_id] = inc;
-    __syncthreads();
-    int before = base, total = base;
-#pragma unroll
-    for (int q = 0; q < kKsWarps; ++q) {
-      before += q < warp_id ? s_wsum[q] : 0;
-      total += s_wsum[q];
-    }
-    if (e < p.E) s_pref[e] = before + inc - cnt;
-    __syncthreads();
-    base = total;
-  }
+  const int base = decode_number_units<kKsWarps, R>(p, s_pref, s_wsum);
   const int n_units = min(base, max_units);  // (the host bound holds for offsets within [0, M])
   const int n_jobs = n_units * S * C;
   float* const seg_base = ws_seg + (int64_t)blockIdx.x * kKsWarps * 2 * (kFrag * 32) + lane;
   const uint64_t pol = ks_evict_first_policy();
-  const int scale_src = kKsCodeBytes + 8 * lane - 16 * lane;  // the lane's 8 scale bytes, from its code chunk
-  const uint32_t ring_lane = smem_u32(ring) + lane * 16;      // the lane's code chunk in slot 0
-  const uint32_t ring_lane_sc = smem_u32(ring) + kKsCodeBytes + lane * 8;
 
   for (int job = blockIdx.x; job < n_jobs; job += gridDim.x) {
     const int c = job % C, s = (job / C) % S, u = job / (C * S);
-    int e = 0;  // the last expert with s_pref[e] <= u (it has rows)
-    {
-      int hi = p.E - 1;
-      while (e < hi) {
-        const int mid = (e + hi + 1) >> 1;
-        if (s_pref[mid] <= u) e = mid; else hi = mid - 1;
-      }
-    }
-    const int m0 = min(max(p.offsets[e], 0), p.M), m1 = min(max(p.offsets[e + 1], m0), p.M);
-    const int r_lo = m0 + (u - s_pref[e]) * R, r_hi = min(m1, r_lo + R), rows = r_hi - r_lo;
+    const int e = decode_unit_expert(p, s_pref, u);  // the last expert with s_pref[e] <= u (it has rows)
+    int r_lo, r_hi;
+    decode_unit_rows<R>(p, s_pref, u, e, r_lo, r_hi);
+    const int rows = r_hi - r_lo;
     const int kt0 = s * L, Ls = min(L, KT - kt0);
     const int nb0 = (int)((int64_t)n_blocks * c / C), nb1 = (int)((int64_t)n_blocks * (c + 1) / C);
     const int I = (nb1 - nb0) * Ls;  // items (block, k tile) of this job, block-major
@@ -494,39 +542,15 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     const float* const gw = p.g_w + (int64_t)e * p.gw_stride_e;
     __syncthreads();  // the previous job's A reads and segment reads are done
 
-    // ---- the unit's A rows of the slab -> shared memory (rows >= rows: never stored, see the dense kernel)
-    if constexpr (!kAFp4) {
-      const int chunks = Ls * (kKsRowBytes / 16);
-      const uint8_t* a_g = reinterpret_cast<const uint8_t*>(p.a) + ((int64_t)r_lo * K + (int64_t)kt0 * kKsSuperK) * 2;
-      for (int r = 0; r < rows; ++r)
-        for (int cc = threadIdx.x; cc < chunks; cc += kKsThreads)
-          cp_async16(a_s + r * a_stride + cc * 16, a_g + (int64_t)r * K * 2 + cc * 16, true);
-      cp_async_commit();
-    }
+    // ---- the unit's A rows of the slab -> shared memory (rows >= rows: never stored, see kslab_stage_a_bf16)
+    if constexpr (!kAFp4)
+      kslab_stage_a_bf16(
+          a_s, [&] { return reinterpret_cast<const uint8_t*>(p.a) + ((int64_t)r_lo * K + (int64_t)kt0 * kKsSuperK) * 2; },
+          rows, K, a_stride, Ls);
 
-    int j_issue = i0;
-    int k_issue = i0 < i1 ? i0 % Ls : 0;
-    const uint8_t* src_issue =
-        w_e + lane * 16 + ((int64_t)(nb0 + (i0 < i1 ? i0 / Ls : 0)) * KT + kt0 + k_issue) * kKsTileBytes;
-    uint32_t slot_issue = 0;
-    auto issue_next = [&]() {
-      if (j_issue < i1) {
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) ks_cp_async16(ring_lane + slot_issue + kk * 512, src_issue + kk * 512, pol);
-        ks_cp_async8(ring_lane_sc + slot_issue, src_issue + scale_src, pol);
-        src_issue += kKsTileBytes;
-        if (++k_issue == Ls) {
-          k_issue = 0;
-          src_issue += (int64_t)(KT - Ls) * kKsTileBytes;
-        }
-      }
-      cp_async_commit();
-      ++j_issue;
-      slot_issue = slot_issue + kKsTileBytes == kStages * kKsTileBytes ? 0 : slot_issue + kKsTileBytes;
-    };
-#pragma unroll
-    for (int i = 0; i < kStages - 1; ++i) issue_next();
-
+    const KsJob jb{s, S, kt0, Ls, nb0, I, a_stride, i0, i1};
+    KsRing<kStages> wr;
+    kslab_job_start<kAFp4, kStages>(wr, p, jb, w_e, r_lo, rows, ring, a_s, lane, [&] { return pol; });
     if constexpr (kAFp4) {
       const int blocks = Ls * (kKsSuperK / 16);
       for (int r = 0; r < rows; ++r)
@@ -545,8 +569,8 @@ __global__ void __launch_bounds__(kKsThreads, 1)
           dst[1] = make_uint4(v[4], v[5], v[6], v[7]);
         }
     }
-    if constexpr (!kAFp4) cp_async_wait<kStages - 1>();  // this thread's A group (the oldest) is complete
-    __syncthreads();                                     // and every thread's A chunks are visible
+    if constexpr (!kAFp4) cp_async_wait<kStages - 1>();
+    __syncthreads();
 
     // y rows r_lo .. r_hi - 1 of the unit (store_y of the grouped stream kernel)
     auto store_y = [&](int nb, const float (&v)[MT8][4]) {
@@ -562,147 +586,17 @@ __global__ void __launch_bounds__(kKsThreads, 1)
         }
     };
     float* const slab_u = ws_slab + (int64_t)u * S * n_blocks * (kFrag * 32) + lane;  // this unit's slab partials
-    auto finish_block = [&](int nb, const float (&v)[MT8][4]) {
-      if (S == 1) {
-        store_y(nb, v);
-      } else {
-        float* dst = slab_u + ((int64_t)s * n_blocks + nb) * (kFrag * 32);
-#pragma unroll
-        for (int i = 0; i < MT8; ++i)
-#pragma unroll
-          for (int cc = 0; cc < 4; ++cc) __stcg(dst + (i * 4 + cc) * 32, v[i][cc]);
-      }
-    };
-
-    float acc[MT8][4];
-#pragma unroll
-    for (int i = 0; i < MT8; ++i)
-#pragma unroll
-      for (int cc = 0; cc < 4; ++cc) acc[i][cc] = 0.f;
-
-    int x = i0 < i1 ? i0 / Ls : 0, kl = i0 < i1 ? i0 - x * Ls : 0;
-    uint32_t slot_rd = 0;
-    const uint32_t a_lane = smem_u32(a_s) + g * a_stride + 32 * t;
-    for (int j = i0; j < i1; ++j) {
-      asm volatile("" ::: "memory");
-      issue_next();
-      cp_async_wait<kStages - 1>();
-      asm volatile("" ::: "memory");
-      const uint32_t srd = ring_lane + slot_rd;
-      const uint2 sv = ks_lds64(ring_lane_sc + slot_rd);
-      slot_rd = slot_rd + kKsTileBytes == kStages * kKsTileBytes ? 0 : slot_rd + kKsTileBytes;
-      const uint32_t a_t = a_lane + kl * kKsRowBytes;
-#pragma unroll 4
-      for (int kk = 0; kk < 4; ++kk) {
-        uint32_t bq[MT8][8];
-#pragma unroll
-        for (int i = 0; i < MT8; ++i) {
-          const uint32_t src = a_t + 8 * i * a_stride + kk * 128;
-          const uint4 x0 = ks_lds128(src), x1 = ks_lds128(src + 16);
-          bq[i][0] = x0.x; bq[i][1] = x0.y; bq[i][2] = x0.z; bq[i][3] = x0.w;
-          bq[i][4] = x1.x; bq[i][5] = x1.y; bq[i][6] = x1.z; bq[i][7] = x1.w;
-        }
-        const uint32_t sw = kk < 2 ? sv.x : sv.y;
-        const uint32_t s_lo = scale_bf16x2_folded((uint8_t)((sw >> (16 * (kk & 1))) & 0xFF));
-        const uint32_t s_hi = scale_bf16x2_folded((uint8_t)((sw >> (16 * (kk & 1) + 8)) & 0xFF));
-        const uint4 wq = ks_lds128(srd + kk * 512);
-        uint32_t rg[8], rh[8];
-        decode_word_form<false>(wq.x, rg);
-        decode_word_form<false>(wq.y, rg + 4);
-        decode_word_form<false>(wq.z, rh);
-        decode_word_form<false>(wq.w, rh + 4);
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {
-          rg[jj] = bf16x2_mul(rg[jj], s_lo);
-          rh[jj] = bf16x2_mul(rh[jj], s_hi);
-        }
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks) {
-          const uint32_t af[4] = {rg[2 * ks], rh[2 * ks], rg[2 * ks + 1], rh[2 * ks + 1]};
-#pragma unroll
-          for (int i = 0; i < MT8; ++i) {
-            const uint32_t bf[2] = {bq[i][2 * ks], bq[i][2 * ks + 1]};
-            mma_bf16_16816(acc[i], af, bf);
-          }
-        }
-      }
-      if (kl == Ls - 1 || j == i1 - 1) {
-        if (kl == Ls - 1 && x * Ls >= i0) {
-          finish_block(nb0 + x, acc);
-        } else {
-          float* dst = seg_base + ((int64_t)warp_id * 2 + (i0 < x * Ls ? 1 : 0)) * (kFrag * 32);
-#pragma unroll
-          for (int i = 0; i < MT8; ++i)
-#pragma unroll
-            for (int cc = 0; cc < 4; ++cc) __stcg(dst + (i * 4 + cc) * 32, acc[i][cc]);
-        }
-#pragma unroll
-        for (int i = 0; i < MT8; ++i)
-#pragma unroll
-          for (int cc = 0; cc < 4; ++cc) acc[i][cc] = 0.f;
-        ++x;
-        kl = 0;
-      } else {
-        ++kl;
-      }
-    }
-    cp_async_wait<0>();  // no copy into this job's slots or A outlives the job
-    __syncthreads();     // the segment partials of every warp are visible to the CTA
-
-    // ---- blocks split between warps: the warp holding a block's first tile adds the segments in warp order
-    const int xw0 = (i0 + Ls - 1) / Ls, xw1 = i1 / Ls;
-    const int xl = i1 > i0 ? (i1 - 1) / Ls : -1;
-    const bool finisher = i1 > i0 && xl * Ls >= i0 && (xl + 1) * Ls > i1;
-    if (finisher) {
-      float v[MT8][4];
-#pragma unroll
-      for (int i = 0; i < MT8; ++i)
-#pragma unroll
-        for (int cc = 0; cc < 4; ++cc) v[i][cc] = 0.f;
-      const int wl = kslab_warp_of((xl + 1) * Ls - 1, I);
-      for (int ww = warp_id; ww <= wl; ++ww) {
-        const int f = kslab_first(ww, I);
-        if (f == kslab_first(ww + 1, I)) continue;
-        const float* src = seg_base + ((int64_t)ww * 2 + (f < xl * Ls ? 1 : 0)) * (kFrag * 32);
-#pragma unroll
-        for (int i = 0; i < MT8; ++i)
-#pragma unroll
-          for (int cc = 0; cc < 4; ++cc) v[i][cc] = __fadd_rn(v[i][cc], __ldcg(src + (i * 4 + cc) * 32));
-      }
-      finish_block(nb0 + xl, v);
-    }
-    if (S == 1) continue;
-
-    // ---- slab partials: one arrival per finished block; the last slab adds the S partials in slab order
-    __syncwarp();
-    const int x_end = finisher ? xw1 + 1 : xw1;
-    for (int xb = xw0; xb < x_end; ++xb) {
-      const int nb = nb0 + xb;
+    auto slab_partial = [&](int ss, int nb) { return slab_u + ((int64_t)ss * n_blocks + nb) * (kFrag * 32); };
+    auto arrive = [&](int nb) {
       int* const tk = tickets + (int64_t)u * n_blocks + nb;
       int last = 0;
       if (lane == 0) {
-        int ticket;
-        asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;\n" : "=r"(ticket) : "l"(tk) : "memory");
-        last = ticket == S - 1;
+        last = ks_ticket_add(tk) == S - 1;
         if (last) *tk = 0;  // self-reset for the next launch on this stream
       }
-      last = __shfl_sync(0xffffffffu, last, 0);
-      if (!last) continue;
-      __syncwarp();
-      float v[MT8][4];
-#pragma unroll
-      for (int i = 0; i < MT8; ++i)
-#pragma unroll
-        for (int cc = 0; cc < 4; ++cc) v[i][cc] = 0.f;
-      for (int ss = 0; ss < S; ++ss) {
-        const float* src = slab_u + ((int64_t)ss * n_blocks + nb) * (kFrag * 32);
-#pragma unroll
-        for (int i = 0; i < MT8; ++i)
-#pragma unroll
-          for (int cc = 0; cc < 4; ++cc) v[i][cc] = __fadd_rn(v[i][cc], __ldcg(src + (i * 4 + cc) * 32));
-      }
-      store_y(nb, v);
-    }
+      return last;
+    };
+    kslab_job_stream<MT8, kStages, false>(jb, wr, a_s, seg_base, warp_id, lane, store_y, slab_partial, arrive);
   }
 #endif
 }
