@@ -26,11 +26,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gemm import _rot  # noqa: E402
-from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, env_switch, print_table, write_results  # noqa: E402
+from common import (  # noqa: E402
+    check_gemm_bound, copy_bandwidth_gbs, do_bench_cold, env_stamp, env_switch, nvfp4_f64, print_table, write_results)
 
 import trace_ext.ops as O  # noqa: E402
 from trace_ext import reference as ref  # noqa: E402
-from trace_ext import reference_gemm as R  # noqa: E402
 
 DEV = "cuda"
 N_SETS = 4
@@ -67,18 +67,8 @@ def _check_pair(a, q, wp):
     for impl, twin in TWINS:  # same products and sums: the same bits (NaN included)
         if impl in ys and twin in ys and not torch.equal(ys[impl].view(torch.int16), ys[twin].view(torch.int16)):
             raise AssertionError(f"{impl} differs from {twin}")
-    y0, y2 = ys["stream"], ys.get("pair2", ys["default"])
-    a64 = a.double()
-    g = q.g.double().reshape(-1)  # one value per tensor, or one per row
-    w64 = R.dequantize_f64(q.codes, q.scales) * (g[:, None] if g.numel() > 1 else g)
-    exact = a64 @ w64.T
-    ref_bf16 = R.round_to_bf16(exact)
-    tol = R.gemm_tolerance(a64, w64, ref_bf16)
-    for tag, y in ys.items():
-        bad = int((~((y.double() - ref_bf16.double()).abs() <= tol)).sum())
-        if bad:
-            raise AssertionError(f"{tag}: {bad} outputs outside the reference bound")
-    return float((y0 == y2).double().mean())
+    check_gemm_bound(ys, a.double(), nvfp4_f64(q))
+    return float((ys["stream"] == ys.get("pair2", ys["default"])).double().mean())
 
 
 def main():

@@ -119,3 +119,27 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 100 else f"{v:.1f}"
     return str(v)
+
+
+def nvfp4_f64(q, e: int | None = None) -> torch.Tensor:
+    """float64 dequantization of an NVFP4 tensor from trace_ext.reference.nvfp4_quantize (codes, scales, g), the
+    oracle the decode A/B benches check against; e: that expert of a grouped [E, N, K] weight. g comes one value per
+    row from the reference ([N], [E, N] or [M] for activations, expanded from the tensor's / matrix's / row's value),
+    so it scales rows."""
+    from trace_ext import reference_gemm as R  # noqa: PLC0415
+
+    codes, scales, g = (q.codes, q.scales, q.g) if e is None else (q.codes[e], q.scales[e], q.g[e])
+    return R.dequantize_f64(codes, scales) * g.double().reshape(-1, 1)
+
+
+def check_gemm_bound(ys: dict, a64: torch.Tensor, w64: torch.Tensor, where: str = "") -> None:
+    """Raises unless every output in ys (name -> Y [M, N]) is within the float64 reference bound of the GPU tests
+    (reference_gemm.gemm_tolerance: 1 bf16 ulp + the fp32 accumulation bound) of a64 @ w64^T; NaN counts as out."""
+    from trace_ext import reference_gemm as R  # noqa: PLC0415
+
+    ref_bf16 = R.round_to_bf16(a64 @ w64.T)
+    tol = R.gemm_tolerance(a64, w64, ref_bf16)
+    for tag, y in ys.items():
+        bad = int((~((y.double() - ref_bf16.double()).abs() <= tol)).sum())
+        if bad:
+            raise AssertionError(f"{tag}{where}: {bad} outputs outside the reference bound")
