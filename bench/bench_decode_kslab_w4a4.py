@@ -1,7 +1,8 @@
-"""A/B of the dense W4A4 decode GEMM (NVFP4 activations): the default (the flat-stream kernel, which converts the
-activation fragments FP4 -> bf16 in every 256-K tile) against the K-slab kernel (TRACE_EXT_DECODE_IMPL=kslab,
-gemm_w4_decode_kslab_sm90.cu: A dequantized once per CTA into shared memory; kslab2: the same on the second packed
-form), interleaved in one process: per shape, ROUNDS rounds of (default, kslab, kslab2), each a do_bench_cold median over >= 4 rotated weight sets (cold L2); the row
+"""A/B of the dense W4A4 decode GEMM (NVFP4 activations): the flat-stream kernel (TRACE_EXT_DECODE_IMPL=stream, the
+default before 18ad6e6, which converts the activation fragments FP4 -> bf16 in every 256-K tile) against the K-slab
+kernel (the default on sm_90 since; gemm_w4_decode_kslab_sm90.cu: A dequantized once per CTA into shared memory;
+kslab2: the same on the second packed form), interleaved in one process: per shape, ROUNDS rounds of (stream, kslab,
+kslab2), each a do_bench_cold median over >= 4 rotated weight sets (cold L2); the row
 reports the median over the rounds. Shapes and M: those of bench_decode_ab.py. Before timing, each shape checks both
 kernels against the float64 reference bound of the GPU tests (1 bf16 ulp + the fp32 accumulation bound); bit_equal is
 the fraction of outputs equal between the two (their K splits differ). %copyBW is on the bytes moved (weight codes +
@@ -25,20 +26,19 @@ import trace_ext.ops as O  # noqa: E402
 from trace_ext import reference as ref  # noqa: E402
 
 DEV = "cuda"
-IMPLS = ("default", "kslab", "kslab2")
+IMPLS = ("stream", "kslab", "kslab2")  # stream: the W4A4 default before 18ad6e6; kslab is the default since
 
 
 def _check(aq, q, wp):
     """All kernels within the reference bound, same shape / dtype, kslab2 bit-equal to kslab; returns the fraction
-    of outputs where kslab equals the default bit for bit."""
-    ys = {impl: _with_impl(None if impl == "default" else impl, lambda: O.fp4_linear(aq, wp, backend="cuda"))
-          for impl in IMPLS}
+    of outputs where kslab equals the stream kernel bit for bit."""
+    ys = {impl: _with_impl(impl, lambda: O.fp4_linear(aq, wp, backend="cuda")) for impl in IMPLS}
     for tag, y in ys.items():
         assert y.shape == (aq.shape[0], q.shape[0]) and y.dtype == torch.bfloat16, tag
     check_gemm_bound(ys, nvfp4_f64(aq), nvfp4_f64(q))
     if not torch.equal(ys["kslab2"], ys["kslab"]):
         raise AssertionError("the second packed form changed the results of kslab")
-    return float((ys["default"] == ys["kslab"]).double().mean())
+    return float((ys["stream"] == ys["kslab"]).double().mean())
 
 
 def main():
@@ -59,14 +59,13 @@ def main():
             t = {k: [] for k in IMPLS}
             for _ in range(ROUNDS):
                 for impl in IMPLS:
-                    env = None if impl == "default" else impl
-                    t[impl].append(_with_impl(env, lambda: do_bench_cold(lambda: O.fp4_linear(aq, nw(), backend="cuda"))))
+                    t[impl].append(_with_impl(impl, lambda: do_bench_cold(lambda: O.fp4_linear(aq, nw(), backend="cuda"))))
             ms = {k: statistics.median(v) for k, v in t.items()}
             nbytes = N * K // 2 + N * K // 16 + M * K // 2 + M * K // 16 + M * N * 2
             row = {"shape": f"W4A4 M={M} N={N} K={K}"}
             row.update({f"{k}_ms": ms[k] for k in IMPLS})
             row.update({f"{k}_%BW": 100 * nbytes / (ms[k] * 1e-3) / 1e9 / copy_bw for k in IMPLS})
-            row.update({f"{k}_speedup": ms["default"] / ms[k] for k in IMPLS if k != "default"})
+            row.update({f"{k}_speedup": ms["stream"] / ms[k] for k in IMPLS if k != "stream"})
             row["bit_equal"] = same
             rows.append(row)
             print_table(rows[-1:])
