@@ -703,9 +703,9 @@ bool run_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream_t 
   if (p.offsets != nullptr || p.M <= 0 || p.M > 32 || p.w_packed == nullptr || p.N % 16 != 0 || p.K % kKsSuperK != 0)
     return false;  // grouped or outside the decode layout: the default runs
   if ((int64_t)(p.N / 16) * (p.K / kKsSuperK) >= (int64_t{1} << 31)) return false;
-  int dev = 0, major = 0;
+  int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  const int major = cc_major(dev);
   if (!named && major != 9) return false;  // the default elsewhere: the stream / pair kernels
   TORCH_CHECK(major == 9, "trace_ext: TRACE_EXT_DECODE_IMPL=kslab / kslab2 is an sm_90a kernel; unset it on this ",
               "device (compute capability ", major, ".x)");
@@ -786,9 +786,9 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
 
 bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream,
                               bool named) {
-  int dev = 0, major = 0;
+  int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  const int major = cc_major(dev);
   if (!named && major != 9) return false;  // the default elsewhere: the grouped stream kernel
   TORCH_CHECK(major == 9, "trace_ext: TRACE_EXT_DECODE_IMPL=kslab-grouped is an sm_90a kernel; unset it on this ",
               "device (compute capability ", major, ".x)");

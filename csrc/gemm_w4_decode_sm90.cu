@@ -1263,9 +1263,9 @@ void run_decode_new(const GemmParams& p, int64_t rows_hint, const at::Tensor& li
   int pair = decode_pair_selected();
   if (pair == 0 && !kAFp4 && decode_prefers_pair(p)) pair = 2;  // the rule of auto (the default where kslab did not run)
   if (pair >= 3) {
-    int dev = 0, major = 0;
+    int dev = 0;
     C10_CUDA_CHECK(cudaGetDevice(&dev));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    const int major = cc_major(dev);
     TORCH_CHECK(major == 9, "trace_ext: TRACE_EXT_DECODE_IMPL=pair3 / stream2 / auto2 / quad3 (second packed form) ",
                 "are sm_90a experiments; unset it on this device (compute capability ", major, ".x)");
   }

@@ -29,6 +29,17 @@ inline int sm_count(int dev) {
   return n;
 }
 
+// Compute-capability major of device `dev`, cached per device like sm_count (dispatch asks it on every call).
+inline int cc_major(int dev) {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices] = {};
+  if (dev >= 0 && dev < kMaxDevices && cached[dev] > 0) return cached[dev];
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  if (dev >= 0 && dev < kMaxDevices) cached[dev] = major;
+  return major;
+}
+
 // Multiprocessors of the current device.
 inline int current_sm_count() { return sm_count(c10::cuda::current_device()); }
 
