@@ -247,6 +247,16 @@ __device__ __forceinline__ SignBytes8 sign_bytes8(const uint32_t (&s)[8]) {
                     prmt_b32(prmt_b32(s[1], s[3], 0xFBu), prmt_b32(s[5], s[7], 0xFBu), 0x5410u)};
 }
 
+// Four fp16x2 words of non-negative 2^-14-scaled magnitudes saturated at 6 * 2^-14 (one min.u16x2 per word: for
+// non-negative fp16 the bit order is the value order).
+__device__ __forceinline__ void saturate_x2m14_halves(uint32_t& a, uint32_t& b, uint32_t& c, uint32_t& d) {
+  constexpr uint32_t kSat = 0x0E000E00u;  // fp16 bits of 6 * 2^-14, twice
+  a = min_u16x2(a, kSat);
+  b = min_u16x2(b, kSat);
+  c = min_u16x2(c, kSat);
+  d = min_u16x2(d, kSat);
+}
+
 // Eight non-negative grid values g_i * 2^-14 and their signs (sign_bytes8) -> one word of eight 4-bit codes, nibble
 // i = element i. kSaturate: the g_i may be unsaturated (any value >= 6 * 2^-14, +inf included, means code 7); the
 // fp16 pairs are then saturated by one unsigned 16-bit min per pair (fp16 bits of non-negative values order like the
@@ -259,13 +269,7 @@ __device__ __forceinline__ uint32_t e2m1_pack8_abs_x2m14(const float (&g)[8], Si
   const __half2 f13 = __floats2half2_rn(g[1], g[3]), f57 = __floats2half2_rn(g[5], g[7]);
   uint32_t h02 = *reinterpret_cast<const uint32_t*>(&f02), h46 = *reinterpret_cast<const uint32_t*>(&f46);
   uint32_t h13 = *reinterpret_cast<const uint32_t*>(&f13), h57 = *reinterpret_cast<const uint32_t*>(&f57);
-  if constexpr (kSaturate) {
-    constexpr uint32_t kSat = 0x0E000E00u;  // fp16 bits of 6 * 2^-14, twice
-    h02 = min_u16x2(h02, kSat);
-    h46 = min_u16x2(h46, kSat);
-    h13 = min_u16x2(h13, kSat);
-    h57 = min_u16x2(h57, kSat);
-  }
+  if constexpr (kSaturate) saturate_x2m14_halves(h02, h46, h13, h57);
   const uint32_t even = __byte_perm(h02, h46, 0x7531);  // bytes: q0 q2 q4 q6, code at bits 1..3, nothing else
   const uint32_t odd = __byte_perm(h13, h57, 0x7531);   // bytes: q1 q3 q5 q7
   return (even >> 1) | (odd << 3) | (sb.even & 0x08080808u) | (sb.odd & 0x80808080u);
@@ -362,13 +366,7 @@ template <bool kSaturate = false>
 __device__ __forceinline__ GuidedLo8 e2m1_guided_lo8_rz_x2m14(const float (&a)[8], SignBytes8 sb) {
   uint32_t h02 = e2m1_floor_pair_rz_x2m14(a[0], a[2]), h46 = e2m1_floor_pair_rz_x2m14(a[4], a[6]);
   uint32_t h13 = e2m1_floor_pair_rz_x2m14(a[1], a[3]), h57 = e2m1_floor_pair_rz_x2m14(a[5], a[7]);
-  if constexpr (kSaturate) {
-    constexpr uint32_t kSat = 0x0E000E00u;  // fp16 bits of 6 * 2^-14, twice
-    h02 = min_u16x2(h02, kSat);
-    h46 = min_u16x2(h46, kSat);
-    h13 = min_u16x2(h13, kSat);
-    h57 = min_u16x2(h57, kSat);
-  }
+  if constexpr (kSaturate) saturate_x2m14_halves(h02, h46, h13, h57);
   const uint32_t h[4] = {h02, h13, h46, h57};  // element i: half (i / 2) % 2 of h[(i % 2) + 2 * (i / 4)]
   uint32_t d[8];
 #pragma unroll
