@@ -71,12 +71,27 @@ def _check_pair(a, q, wp):
     return float((ys["stream"] == ys.get("pair2", ys["default"])).double().mean())
 
 
+def picked_shapes() -> list[int]:
+    """Shape indices from the command line (all shapes when none)."""
+    return [int(x) for x in sys.argv[1:]] or list(range(len(SHAPES)))
+
+
+def write_decode_results(base: str, rows: list[dict], pick: list[int], copy_bw: float, env: str = "") -> None:
+    """Prints the table and writes <base>_h200[_s<indices>].{json,md}, stamped with the script's command line."""
+    print_table(rows)
+    name = base + "_h200" + ("" if len(pick) == len(SHAPES) else "_s" + "".join(map(str, pick)))
+    command = " ".join([*([env] if env else []), "python bench/" + os.path.basename(sys.argv[0]), *sys.argv[1:]])
+    path = write_results(name, rows, env_stamp(command),
+                         notes=f"copy BW {copy_bw:.0f} GB/s; medians of {ROUNDS} interleaved rounds")
+    print(f"wrote {path}")
+
+
 def main():
     torch.manual_seed(0)
     copy_bw = copy_bandwidth_gbs()
     print(f"copy bandwidth: {copy_bw:.0f} GB/s")
     rows = []
-    pick = [int(x) for x in sys.argv[1:]] or list(range(len(SHAPES)))
+    pick = picked_shapes()
     for N, K in [SHAPES[i] for i in pick]:
         sets = []
         for _ in range(N_SETS):
@@ -114,12 +129,8 @@ def main():
             print_table(rows[-1:])
         del sets
         torch.cuda.empty_cache()
-    print_table(rows)
-    name = "decode_ab_h200" if len(pick) == len(SHAPES) else "decode_ab_h200_s" + "".join(map(str, pick))
-    env = [f"DECODE_AB_IMPLS={os.environ['DECODE_AB_IMPLS']}"] if os.environ.get("DECODE_AB_IMPLS") else []
-    path = write_results(name, rows, env_stamp(" ".join([*env, "python bench/bench_decode_ab.py", *sys.argv[1:]])),
-                         notes=f"copy BW {copy_bw:.0f} GB/s; medians of {ROUNDS} interleaved rounds")
-    print(f"wrote {path}")
+    impls = os.environ.get("DECODE_AB_IMPLS")
+    write_decode_results("decode_ab", rows, pick, copy_bw, f"DECODE_AB_IMPLS={impls}" if impls else "")
 
 
 if __name__ == "__main__":

@@ -19,18 +19,14 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode_ab import MS, N_SETS, ROUNDS, SHAPES, picked_shapes, write_decode_results  # noqa: E402
 from bench_gemm import _rot  # noqa: E402
-from common import (  # noqa: E402
-    check_gemm_bound, copy_bandwidth_gbs, do_bench_cold, env_stamp, env_switch, nvfp4_f64, print_table, write_results)
+from common import check_gemm_bound, copy_bandwidth_gbs, do_bench_cold, env_switch, nvfp4_f64, print_table  # noqa: E402
 
 import trace_ext.ops as O  # noqa: E402
 from trace_ext import reference as ref  # noqa: E402
 
 DEV = "cuda"
-N_SETS = 4
-ROUNDS = 2
-SHAPES = ((14336, 4096), (4096, 14336), (7168, 4096))
-MS = (1, 8, 16, 32)
 MAX_L = {8: 20, 16: 14, 32: 7}  # kslab_max_l of the kernel file, by rows of the MMA width
 CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16)
 
@@ -52,7 +48,7 @@ def main():
     copy_bw = copy_bandwidth_gbs()
     print(f"copy bandwidth: {copy_bw:.0f} GB/s")
     rows = []
-    pick = [int(x) for x in sys.argv[1:]] or list(range(len(SHAPES)))
+    pick = picked_shapes()
     for N, K in [SHAPES[i] for i in pick]:
         qs = [ref.nvfp4_quantize(torch.randn(N, K, device=DEV) * 0.02, scope="tensor") for _ in range(N_SETS)]
         ws = [O.prepare_fp4_weight(q) for q in qs]
@@ -84,11 +80,7 @@ def main():
             print_table(rows[-1:])
         del qs, ws, w64
         torch.cuda.empty_cache()
-    print_table(rows)
-    name = "decode_kslab_plan_h200" + ("" if len(pick) == len(SHAPES) else "_s" + "".join(map(str, pick)))
-    path = write_results(name, rows, env_stamp(" ".join(["python bench/bench_decode_kslab_plan.py", *sys.argv[1:]])),
-                         notes=f"copy BW {copy_bw:.0f} GB/s; medians of {ROUNDS} interleaved rounds")
-    print(f"wrote {path}")
+    write_decode_results("decode_kslab_plan", rows, pick, copy_bw)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode_ab import MS, N_SETS, ROUNDS, SHAPES, _with_impl  # noqa: E402
+from bench_decode_ab import MS, N_SETS, ROUNDS, SHAPES, _with_impl, picked_shapes, write_decode_results  # noqa: E402
 from bench_gemm import _rot  # noqa: E402
-from common import check_gemm_bound, copy_bandwidth_gbs, do_bench_cold, env_stamp, nvfp4_f64, print_table, write_results  # noqa: E402
+from common import check_gemm_bound, copy_bandwidth_gbs, do_bench_cold, nvfp4_f64, print_table  # noqa: E402
 
 import trace_ext.ops as O  # noqa: E402
 from trace_ext import reference as ref  # noqa: E402
@@ -46,7 +46,7 @@ def main():
     copy_bw = copy_bandwidth_gbs()
     print(f"copy bandwidth: {copy_bw:.0f} GB/s")
     rows = []
-    pick = [int(x) for x in sys.argv[1:]] or list(range(len(SHAPES)))
+    pick = picked_shapes()
     for N, K in [SHAPES[i] for i in pick]:
         sets = []
         for _ in range(N_SETS):
@@ -71,11 +71,7 @@ def main():
             print_table(rows[-1:])
         del sets
         torch.cuda.empty_cache()
-    print_table(rows)
-    name = "decode_kslab_w4a4_h200" + ("" if len(pick) == len(SHAPES) else "_s" + "".join(map(str, pick)))
-    path = write_results(name, rows, env_stamp(" ".join(["python bench/bench_decode_kslab_w4a4.py", *sys.argv[1:]])),
-                         notes=f"copy BW {copy_bw:.0f} GB/s; medians of {ROUNDS} interleaved rounds")
-    print(f"wrote {path}")
+    write_decode_results("decode_kslab_w4a4", rows, pick, copy_bw)
 
 
 if __name__ == "__main__":
