@@ -5,7 +5,7 @@ Not a benchmark (no timing here): `make gpu-profile` runs this file under
 DRAM throughput, occupancy and warp stall reasons of the kernels the benchmarks time. Each case runs twice; the
 first call warms up caches of the host dispatch, ncu's --launch-skip is not needed.
 
-Run: python bench/profile_kernels.py [case ...]   (cases: quant gemm kv decode; default all)
+Run: python bench/profile_kernels.py [case ...]   (cases: quant gemm kv decode grouped; default all)
 """
 from __future__ import annotations
 
@@ -102,7 +102,24 @@ def decode_cases():
     yield "decode default M=1 4096x14336", lambda: O.fp4_linear(a2, w2, backend="cuda")
 
 
-CASES = {"quant": quant_cases, "gemm": gemm_cases, "kv": kv_cases, "decode": decode_cases}
+def grouped_cases():
+    """The grouped (MoE) decode GEMM, default kernel, Qwen3-30B-A3B experts (E = 128, top-8) at the bench_gemm token
+    counts, both projections."""
+    sys.path.insert(0, "bench")
+    from bench_gemm import routed_offsets  # noqa: PLC0415
+
+    E, k = 128, 8
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    for proj, N, K in (("gate_up", 1536, 2048), ("down", 2048, 768)):
+        w = O.prepare_fp4_weight(ref.nvfp4_quantize(torch.randn(E, N, K, device=DEV) * 0.02, scope="matrix"))
+        for T in (1, 16, 64, 256):
+            offsets = routed_offsets(T, E, k, gen)
+            a = torch.randn(T * k, K, device=DEV).bfloat16()
+            yield f"grouped {proj} T={T}", lambda a=a, w=w, offsets=offsets: O.fp4_grouped_linear(
+                a, w, offsets, backend="cuda")
+
+
+CASES = {"quant": quant_cases, "gemm": gemm_cases, "kv": kv_cases, "decode": decode_cases, "grouped": grouped_cases}
 
 
 def main() -> None:
