@@ -1,16 +1,18 @@
-"""A/B of the grouped (MoE) decode GEMM kernels (W4A16, prepared weights): the flat-stream kernel of
-gemm_w4_decode_sm90.cu with units = (expert with rows, chunk of 8 / 16 / 32 rows) (TRACE_EXT_DECODE_IMPL=stream, the
-default before f062b32), kslab-grouped (the default on sm_90 since; named by TRACE_EXT_DECODE_IMPL=kslab-grouped,
-read by the extension at every call: the K-slab kernel of
-gemm_w4_decode_kslab_sm90.cu generalized to units, the unit's A rows staged once per job in shared memory) and
-torch._grouped_mm on the dequantized bf16 weights. Qwen3-30B-A3B experts (E=128, top-8; gate_up N=1536 K=2048, down
-N=2048 K=768) at T = 1, 16, 64, 256 tokens (M = 8 T rows, router-like random top-8 routing).
-Interleaved in one process: per row, ROUNDS rounds of (stream, kslab-grouped, grouped_mm), each a do_bench_cold
-median over N_SETS rotated weight sets (cold L2); the row reports the median over the rounds. Before timing, both FP4
-kernels are checked against the float64 reference bound of the GPU tests (1 bf16 ulp + the fp32 accumulation bound)
-on every active expert, so a broken variant never reports a time. %copyBW is on the active experts' bytes (codes +
-scales) + A + Y; speedups are kslab-grouped against stream and both against grouped_mm.
-Run: python bench/bench_decode_grouped_ab.py (~30-45 s on an H200; results in decode_grouped_ab_h200.{json,md} under
+"""A/B of the grouped (MoE) decode GEMM kernels (W4A16, prepared weights), each named by TRACE_EXT_DECODE_IMPL (read
+by the extension at every call): the flat-stream kernel of gemm_w4_decode_sm90.cu with units = (expert with rows, chunk
+of 8 / 16 / 32 rows) (stream, the default before f062b32), kslab-grouped (the default on sm_90 since: the K-slab kernel
+of gemm_w4_decode_kslab_sm90.cu generalized to units, the unit's A rows staged once per job in shared memory; jobs of
+(unit, K slab, N chunk)), kslab-flat (opt-in: the same kernel with each CTA on one contiguous range of (unit, slab,
+16-row block), so every SM gets the same number of blocks whatever the unit count) and torch._grouped_mm on the
+dequantized bf16 weights. GROUPED_AB_IMPLS=a,b,... picks the FP4 kernels (the first is the speedup baseline).
+Qwen3-30B-A3B experts (E=128, top-8; gate_up N=1536 K=2048, down N=2048 K=768) at T = 1, 16, 64, 256 tokens (M = 8 T
+rows, router-like random top-8 routing).
+Interleaved in one process: per row, ROUNDS rounds of (each FP4 kernel, grouped_mm), each a do_bench_cold median over
+N_SETS rotated weight sets (cold L2); the row reports the median over the rounds. Before timing, every FP4 kernel is
+checked against the float64 reference bound of the GPU tests (1 bf16 ulp + the fp32 accumulation bound) on every
+active expert, so a broken variant never reports a time. %copyBW is on the active experts' bytes (codes + scales) + A +
+Y; speedups are against the first kernel and against grouped_mm.
+Run: python bench/bench_decode_grouped_ab.py (~45-60 s on an H200; results in decode_grouped_ab_h200.{json,md} under
 $BENCH_OUT or bench/results/).
 """
 from __future__ import annotations
@@ -37,7 +39,9 @@ E, TOPK = 128, 8
 PROJ = (("gate_up", 1536, 2048), ("down", 2048, 768))
 TS = (1, 16, 64, 256)
 ENV = "TRACE_EXT_DECODE_IMPL"
-IMPLS = ("stream", "kslab-grouped")  # the grouped stream kernel (the default before f062b32) and the default on sm_90
+# the grouped stream kernel (the default before f062b32), the default on sm_90 and the opt-in flat-range K-slab kernel;
+# GROUPED_AB_IMPLS=a,b,... overrides (the first is the speedup baseline, each is checked against the f64 bound)
+IMPLS = tuple(os.environ.get("GROUPED_AB_IMPLS", "stream,kslab-grouped,kslab-flat").split(","))
 
 
 def _run(impl, a, wp, offsets):
@@ -46,8 +50,9 @@ def _run(impl, a, wp, offsets):
 
 
 def _check(a, q, wp, offsets, N):
-    """Both FP4 kernels within the f64 reference bound on every active expert; returns the fraction of outputs where
-    kslab-grouped equals the stream kernel bit for bit (their K splits differ, so a few fp32 sums round differently)."""
+    """Every FP4 kernel within the f64 reference bound on every active expert; returns, per kernel after the first, the
+    fraction of outputs equal to the first kernel's bit for bit (their K splits differ, so a few fp32 sums round
+    differently)."""
     ys = {impl: _run(impl, a, wp, offsets) for impl in IMPLS}
     for impl, y in ys.items():
         assert y.shape == (a.shape[0], N) and y.dtype == torch.bfloat16, impl
@@ -57,7 +62,7 @@ def _check(a, q, wp, offsets, N):
         lo, hi = off[e], off[e + 1]
         if hi > lo:
             check_gemm_bound({impl: y[lo:hi] for impl, y in ys.items()}, a64[lo:hi], nvfp4_f64(q, e), f" expert {e}")
-    return float((ys["stream"] == ys["kslab-grouped"]).double().mean())
+    return {impl: float((ys[IMPLS[0]] == ys[impl]).double().mean()) for impl in IMPLS[1:]}
 
 
 def main():
@@ -95,9 +100,9 @@ def main():
             row = {"shape": f"qwen3 {name} T={T} top{TOPK}", "active": active, "M": M}
             row.update({f"{k}_us": 1e3 * ms[k] for k in (*IMPLS, "grouped_mm")})
             row.update({f"{k}_%BW": bw(ms[k]) for k in IMPLS})
-            row["kslab-grouped_speedup"] = ms["stream"] / ms["kslab-grouped"]
+            row.update({f"{k}_speedup": ms[IMPLS[0]] / ms[k] for k in IMPLS[1:]})
             row.update({f"{k}_vs_grouped_mm": ms["grouped_mm"] / ms[k] for k in IMPLS})
-            row["bit_equal_to_stream"] = same
+            row.update({f"{k}_bit_equal_to_{IMPLS[0]}": v for k, v in same.items()})
             rows.append(row)
             print_table(rows[-1:])
         del sets

@@ -499,7 +499,7 @@ constexpr int kslab_grp_max_l(int mt8) {
 static_assert(kslab_grp_max_l(1) >= 16 && kslab_grp_max_l(2) >= 8 && kslab_grp_max_l(4) >= 4,
               "grouped: the A slab must hold at least 4 super-tiles beside the rings and the unit prefix");
 
-template <int MT8, bool kAFp4, int kStages>
+template <int MT8, bool kAFp4, int kStages, bool kFlat>
 __global__ void __launch_bounds__(kKsThreads, 1)
     gemm_w4_decode_kslab_grouped_kernel(const GemmParams p, float* __restrict__ ws_slab, float* __restrict__ ws_seg,
                                         int* __restrict__ tickets, int L, int S, int C, int max_units) {
@@ -523,18 +523,16 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   // ---- units, numbered expert by expert (the grouped stream kernel's scan)
   const int base = decode_number_units<kKsWarps, R>(p, s_pref, s_wsum);
   const int n_units = min(base, max_units);  // (the host bound holds for offsets within [0, M])
-  const int n_jobs = n_units * S * C;
   float* const seg_base = ws_seg + (int64_t)blockIdx.x * kKsWarps * 2 * (kFrag * 32) + lane;
   const uint64_t pol = ks_evict_first_policy();
 
-  for (int job = blockIdx.x; job < n_jobs; job += gridDim.x) {
-    const int c = job % C, s = (job / C) % S, u = job / (C * S);
+  // one job: unit u, slab s, 16-row blocks nb0 .. nb1 - 1
+  auto run_job = [&](int u, int s, int nb0, int nb1) {
     const int e = decode_unit_expert(p, s_pref, u);  // the last expert with s_pref[e] <= u (it has rows)
     int r_lo, r_hi;
     decode_unit_rows<R>(p, s_pref, u, e, r_lo, r_hi);
     const int rows = r_hi - r_lo;
     const int kt0 = s * L, Ls = min(L, KT - kt0);
-    const int nb0 = (int)((int64_t)n_blocks * c / C), nb1 = (int)((int64_t)n_blocks * (c + 1) / C);
     const int I = (nb1 - nb0) * Ls;  // items (block, k tile) of this job, block-major
     const int a_stride = Ls * kKsRowBytes + kKsRowPad;
     const int i0 = kslab_first(warp_id, I), i1 = kslab_first(warp_id + 1, I);
@@ -597,6 +595,27 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       return last;
     };
     kslab_job_stream<MT8, kStages, false>(jb, wr, a_s, seg_base, warp_id, lane, store_y, slab_partial, arrive);
+  };
+
+  if constexpr (kFlat) {
+    // flat: the n_units * S * n_blocks (unit, slab, block) triples, unit-major, cut into gridDim.x equal contiguous
+    // ranges (+-1 block); a range is run as one job per (unit, slab) it touches
+    const int64_t total = (int64_t)n_units * S * n_blocks;
+    int64_t f = total * blockIdx.x / gridDim.x;
+    const int64_t f_end = total * (blockIdx.x + 1) / gridDim.x;
+    while (f < f_end) {
+      const int us = (int)(f / n_blocks);
+      const int nb0 = (int)(f - (int64_t)us * n_blocks);
+      const int nb1 = (int)min((int64_t)n_blocks, nb0 + (f_end - f));
+      run_job(us / S, us % S, nb0, nb1);
+      f += nb1 - nb0;
+    }
+  } else {
+    const int n_jobs = n_units * S * C;
+    for (int job = blockIdx.x; job < n_jobs; job += gridDim.x) {
+      const int c = job % C, s = (job / C) % S, u = job / (C * S);
+      run_job(u, s, (int)((int64_t)n_blocks * c / C), (int)((int64_t)n_blocks * (c + 1) / C));
+    }
   }
 #endif
 }
@@ -605,8 +624,8 @@ int decode_kslab_selected() {
   const char* v = std::getenv("TRACE_EXT_DECODE_IMPL");
   if (v == nullptr || *v == '\0') return 0;
   const std::string sel = v;
-  // kslab-grouped names the grouped K-slab kernel; dense calls keep the default (0)
-  return sel == "kslab" ? 1 : sel == "kslab2" ? 2 : sel == "kslab-grouped" ? 0 : -1;
+  // kslab-grouped / kslab-flat name the grouped K-slab kernel; dense calls keep the default (0)
+  return sel == "kslab" ? 1 : sel == "kslab2" ? 2 : sel == "kslab-grouped" || sel == "kslab-flat" ? 0 : -1;
 }
 
 int decode_kslab_grouped_selected() {
@@ -614,6 +633,7 @@ int decode_kslab_grouped_selected() {
   if (v == nullptr || *v == '\0') return 0;
   const std::string sel = v;
   if (sel == "kslab-grouped") return 1;
+  if (sel == "kslab-flat") return 2;
   if (sel == "stream" || sel == "auto") return -1;  // the grouped stream kernel (the default before f062b32)
   return 0;  // values that name a dense kernel keep the grouped default
 }
@@ -741,14 +761,14 @@ KslabPlan kslab_grouped_plan(int n_blocks, int KT, int rows, int max_l, int sms,
   return best;
 }
 
-template <int MT8, bool kAFp4>
+template <int MT8, bool kAFp4, bool kFlat>
 bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
   constexpr int kStages = kslab_stages(MT8);
   constexpr int kRing = kslab_ring_bytes(MT8);
   constexpr int kMaxL = kslab_grp_max_l(MT8);
   constexpr int kSmemMax = kRing + 8 * MT8 * (kMaxL * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes;
   static_assert(kSmemMax <= kKsSmemMax, "rings + A slab + unit prefix must fit one CTA's shared memory");
-  auto kernel = gemm_w4_decode_kslab_grouped_kernel<MT8, kAFp4, kStages>;
+  auto kernel = gemm_w4_decode_kslab_grouped_kernel<MT8, kAFp4, kStages, kFlat>;
   static bool attr_set[kMaxDevices] = {};
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
@@ -771,7 +791,9 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   const KslabPlan plan = kslab_grouped_plan(n_blocks, KT, R, kMaxL, sms, units_est);
   if (plan.S == 0 || max_units * plan.S * plan.C >= (int64_t{1} << 31)) return false;
   const int smem = kRing + R * (plan.L * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes;
-  const int ctas = (int)std::max<int64_t>(1, std::min<int64_t>(sms, max_units * plan.S * plan.C));
+  // flat: one contiguous range of (unit, slab, block) per CTA, on every SM (the plan's C is not used)
+  const int ctas = (int)std::max<int64_t>(
+      1, std::min<int64_t>(sms, kFlat ? max_units * plan.S * n_blocks : max_units * plan.S * plan.C));
   constexpr int64_t kFragFloats = MT8 * 4 * 32;
   const int64_t slab_floats = plan.S > 1 ? max_units * plan.S * n_blocks * kFragFloats : 0;
   const int64_t seg_floats = (int64_t)ctas * kKsWarps * 2 * kFragFloats;
@@ -784,25 +806,33 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   return true;
 }
 
+template <bool kFlat>
+bool run_decode_kslab_grouped_rows(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream) {
+  const bool a4 = p.a_scales != nullptr;
+  // rows per unit as the grouped stream kernel: a little above the average rows per expert (rows_hint)
+  if (rows_hint <= 2) return a4 ? launch_decode_kslab_grouped<1, true, kFlat>(p, like, stream)
+                                : launch_decode_kslab_grouped<1, false, kFlat>(p, like, stream);
+  if (rows_hint <= 8) return a4 ? launch_decode_kslab_grouped<2, true, kFlat>(p, like, stream)
+                                : launch_decode_kslab_grouped<2, false, kFlat>(p, like, stream);
+  return a4 ? launch_decode_kslab_grouped<4, true, kFlat>(p, like, stream)
+            : launch_decode_kslab_grouped<4, false, kFlat>(p, like, stream);
+}
+
 bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream,
-                              bool named) {
+                              int selected) {
+  const bool named = selected > 0;
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   const int major = cc_major(dev);
   if (!named && major != 9) return false;  // the default elsewhere: the grouped stream kernel
-  TORCH_CHECK(major == 9, "trace_ext: TRACE_EXT_DECODE_IMPL=kslab-grouped is an sm_90a kernel; unset it on this ",
+  TORCH_CHECK(major == 9, "trace_ext: TRACE_EXT_DECODE_IMPL=kslab-grouped / kslab-flat is an sm_90a kernel; unset it on this ",
               "device (compute capability ", major, ".x)");
   if (p.offsets == nullptr || p.M <= 0 || p.w_packed == nullptr || p.N % 16 != 0 || p.K % kKsSuperK != 0 ||
       p.E <= 0 || p.E > kMaxExperts)
     return false;  // the stream kernel runs
   if ((int64_t)(p.N / 16) * (p.K / kKsSuperK) >= (int64_t{1} << 31)) return false;
-  const bool a4 = p.a_scales != nullptr;
-  // rows per unit as the grouped stream kernel: a little above the average rows per expert (rows_hint)
-  if (rows_hint <= 2) return a4 ? launch_decode_kslab_grouped<1, true>(p, like, stream)
-                                : launch_decode_kslab_grouped<1, false>(p, like, stream);
-  if (rows_hint <= 8) return a4 ? launch_decode_kslab_grouped<2, true>(p, like, stream)
-                                : launch_decode_kslab_grouped<2, false>(p, like, stream);
-  return a4 ? launch_decode_kslab_grouped<4, true>(p, like, stream) : launch_decode_kslab_grouped<4, false>(p, like, stream);
+  return selected == 2 ? run_decode_kslab_grouped_rows<true>(p, rows_hint, like, stream)
+                       : run_decode_kslab_grouped_rows<false>(p, rows_hint, like, stream);
 }
 
 }  // namespace gemm_w4

@@ -1241,7 +1241,7 @@ void run_decode_new(const GemmParams& p, int64_t rows_hint, const at::Tensor& li
     // the grouped K-slab kernel (gemm_w4_decode_kslab_sm90.cu): the default on sm_90, or named (kslab-grouped);
     // TRACE_EXT_DECODE_IMPL=stream / auto, other archs and shapes it does not take run the stream kernel below
     if (const int kg = decode_kslab_grouped_selected();
-        kg >= 0 && run_decode_kslab_grouped(p, rows_hint, like, stream, kg > 0))
+        kg >= 0 && run_decode_kslab_grouped(p, rows_hint, like, stream, kg))
       return;
     // grouped: rows per unit a little above the average rows per expert (rows_hint), as on the ring path
     if (rows_hint <= 2) {

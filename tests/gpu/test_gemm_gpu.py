@@ -843,7 +843,13 @@ def test_kslab_forced_slab_counts(monkeypatch):
 # is held to the f64 contract (not to the default's bits), and to its own bits on every call.
 
 
-def _kslab_grouped_case(monkeypatch, E, N, K, counts, mode, w, what):
+GROUPED_DEFAULT = "kslab-grouped"  # the grouped decode kernel an unset TRACE_EXT_DECODE_IMPL runs on sm_90
+# kslab-flat (opt-in): the same kernel with each CTA on one contiguous range of (unit, slab, 16-row block) instead of
+# whole (unit, slab, N chunk) jobs; its K splits over warps differ, so it is held to the f64 contract and its own bits
+GROUPED_KSLAB_IMPLS = ("kslab-grouped", "kslab-flat")
+
+
+def _kslab_grouped_case(monkeypatch, E, N, K, counts, mode, w, what, impl="kslab-grouped"):
     counts = torch.tensor(counts, dtype=torch.int64)
     M = int(counts.sum())
     offsets = torch.zeros(E + 1, dtype=torch.int32)
@@ -853,7 +859,8 @@ def _kslab_grouped_case(monkeypatch, E, N, K, counts, mode, w, what):
     if mode == "w4a4":
         a = ref.nvfp4_quantize(a)
     wp = O.prepare_fp4_weight(w)
-    _impl(monkeypatch, "kslab-grouped")
+    what = f"{what} [{impl}]"
+    _impl(monkeypatch, impl)
     y1 = O.fp4_grouped_linear(a, wp, offsets, backend="cuda")
     assert y1.shape == (M, N) and y1.dtype == torch.bfloat16
     a64 = _a64(a)
@@ -866,14 +873,15 @@ def _kslab_grouped_case(monkeypatch, E, N, K, counts, mode, w, what):
         _impl(monkeypatch, other)
         y0 = O.fp4_grouped_linear(a, wp, offsets, backend="cuda")
         assert y0.shape == y1.shape and y0.dtype == y1.dtype
-        if other is None:  # the default on sm_90 is this kernel
-            assert torch.equal(y0, y1), f"{what}: the default grouped call is not kslab-grouped"
-        _impl(monkeypatch, "kslab-grouped")
+        if other is None and impl == GROUPED_DEFAULT:  # the default on sm_90 is this kernel
+            assert torch.equal(y0, y1), f"{what}: the default grouped call is not {impl}"
+        _impl(monkeypatch, impl)
         assert torch.equal(O.fp4_grouped_linear(a, wp, offsets, backend="cuda"), y1), f"{what}: call after {other}"
 
 
+@pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
-def test_decode_kslab_grouped_qwen3_token_batches(monkeypatch, mode):
+def test_decode_kslab_grouped_qwen3_token_batches(monkeypatch, mode, impl):
     """Protects the grouped K-slab kernel at Qwen3-30B-A3B (E=128, top-8) decode batches T = 1 .. 256 (units of 8 / 16
     / 32 rows; empty experts at T < 16; gate_up at T = 256 runs two K slabs with tickets), W4A16 and W4A4 (A
     dequantized once per job), within the f64 contract, with repeatable bits when default / stream calls come in
@@ -885,38 +893,40 @@ def test_decode_kslab_grouped_qwen3_token_batches(monkeypatch, mode):
     for T in (1, 3, 16, 64, 256):
         counts = _routed_counts(T, E, k, gen)
         for name, (N, K), w in (("gate_up", (1536, 2048), w_gu), ("down", (2048, 768), w_dn)):
-            _kslab_grouped_case(monkeypatch, E, N, K, counts, mode, w, f"kslab-grouped qwen3 {name} {mode} T={T}")
+            _kslab_grouped_case(monkeypatch, E, N, K, counts, mode, w, f"qwen3 {name} {mode} T={T}", impl)
 
 
+@pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
-def test_decode_kslab_grouped_other_models_and_edges(monkeypatch, mode):
+def test_decode_kslab_grouped_other_models_and_edges(monkeypatch, mode, impl):
     """Protects the grouped K-slab kernel at OLMoE (E=64 down), DeepSeek-V3 (E=256, N=7168 down), a K of 33 super-tiles
     (several slabs with a partial last one), and the edge distributions: every row on one expert (1, 9, 33, 40, 200
     rows: experts of several units, the first / middle / last expert), all experts empty (M = 0)."""
     gen = torch.Generator().manual_seed(12)
     _kslab_grouped_case(monkeypatch, 64, 2048, 1024, _routed_counts(40, 64, 8, gen), mode, _quant_w(2048, 1024, 64),
-                        f"kslab-grouped olmoe down {mode}")
+                        f"olmoe down {mode}", impl)
     _kslab_grouped_case(monkeypatch, 256, 7168, 2048, _routed_counts(4, 256, 8, gen), mode, _quant_w(7168, 2048, 256),
-                        f"kslab-grouped dsv3 down {mode}")
+                        f"dsv3 down {mode}", impl)
     _kslab_grouped_case(monkeypatch, 8, 512, 8448, _routed_counts(3, 8, 2, gen), mode, _quant_w(512, 8448, 8),
-                        f"kslab-grouped K=8448 {mode}")
+                        f"K=8448 {mode}", impl)
     E, N, K = 16, 1536, 2048
     w = _quant_w(N, K, E)
     for M, e in ((1, 7), (9, 3), (33, 0), (40, 7), (200, 15)):
         counts = [0] * E
         counts[e] = M
-        _kslab_grouped_case(monkeypatch, E, N, K, counts, mode, w, f"kslab-grouped one-expert {mode} M={M} e={e}")
-    _impl(monkeypatch, "kslab-grouped")
+        _kslab_grouped_case(monkeypatch, E, N, K, counts, mode, w, f"one-expert {mode} M={M} e={e}", impl)
+    _impl(monkeypatch, impl)
     offsets = torch.zeros(E + 1, dtype=torch.int32, device=DEV)
     a0 = torch.empty(0, K, device=DEV, dtype=torch.bfloat16)
     y = O.fp4_grouped_linear(a0, O.prepare_fp4_weight(w), offsets, backend="cuda")
     assert y.shape == (0, N)
 
 
-def test_decode_kslab_grouped_nan_scale_and_dense_default(monkeypatch):
+@pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
+def test_decode_kslab_grouped_nan_scale_and_dense_default(monkeypatch, impl):
     """Protects NaN propagation through the grouped K-slab kernel (an E4M3 NaN scale byte of one expert: its output
     column NaN for that expert's rows only, SPEC 2; at K = 8448 the NaN travels through the slab partials), and that
-    dense calls under TRACE_EXT_DECODE_IMPL=kslab-grouped run the dense default bit for bit."""
+    dense calls under TRACE_EXT_DECODE_IMPL=kslab-grouped / kslab-flat run the dense default bit for bit."""
     E, N = 4, 256
     gen = torch.Generator().manual_seed(13)
     for K in (2048, 8448):
@@ -928,7 +938,7 @@ def test_decode_kslab_grouped_nan_scale_and_dense_default(monkeypatch):
         offsets = torch.zeros(E + 1, dtype=torch.int32)
         offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
         a = torch.randn(10, K, generator=gen).bfloat16().to(DEV)
-        _impl(monkeypatch, "kslab-grouped")
+        _impl(monkeypatch, impl)
         y = O.fp4_grouped_linear(a, wp, offsets.to(DEV), backend="cuda")
         nan = torch.isnan(y)
         assert nan[3:8, 37].all() and nan[3:8, 200].all() and int(nan.sum()) == 10, f"NaN cells K={K}"
@@ -937,5 +947,5 @@ def test_decode_kslab_grouped_nan_scale_and_dense_default(monkeypatch):
     ad = torch.randn(5, 2048, device=DEV).bfloat16()
     _impl(monkeypatch, None)
     y0 = O.fp4_linear(ad, wdp, backend="cuda")
-    _impl(monkeypatch, "kslab-grouped")
+    _impl(monkeypatch, impl)
     assert torch.equal(O.fp4_linear(ad, wdp, backend="cuda"), y0)

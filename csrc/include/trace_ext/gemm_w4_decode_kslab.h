@@ -23,14 +23,16 @@ bool run_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream_t 
 
 // Grouped decode through the K-slab kernel generalized to units (expert, chunk of rows): the default on sm_90.
 // TRACE_EXT_DECODE_IMPL (read at every call): 0 unset or naming a dense kernel (the grouped default), 1 for
-// "kslab-grouped" (dense calls under it keep the dense default), -1 for "stream" / "auto" (the grouped stream kernel).
+// "kslab-grouped" (dense calls under it keep the dense default), 2 for "kslab-flat" (the same kernel with each CTA on
+// one contiguous range of (unit, slab, block): opt-in), -1 for "stream" / "auto" (the grouped stream kernel).
 int decode_kslab_grouped_selected();
 
 // Grouped decode (p.offsets != nullptr, prepared weight) through the grouped K-slab kernel. Returns false (nothing
 // launched) for shapes it does not take (the caller runs the stream kernel); on a device other than sm_90 returns
 // false when not named (named: raises RuntimeError).
+// selected: decode_kslab_grouped_selected() (>= 0; > 0 = named).
 bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream,
-                              bool named);
+                              int selected);
 
 // Self-resetting split tickets, one buffer per (device, stream) (defined in gemm_w4_decode_sm90.cu).
 int* ticket_buffer(const at::Tensor& like, cudaStream_t stream, int n);
