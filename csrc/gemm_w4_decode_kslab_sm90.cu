@@ -58,8 +58,9 @@
 //
 // Grouped (MoE) decode: the default on sm_90 since the H200 A/B at f062b32 (bench/results/decode_grouped_ab_h200.md:
 // 1.0-1.65x the grouped stream kernel on the Qwen3 rows, T = 64 gate_up 64.5 % of copy, 3.3x grouped_mm), also named
-// by TRACE_EXT_DECODE_IMPL=kslab-grouped (read at every call; hooked into run_decode_new's grouped branch; dense calls
-// under that value keep the dense default; named on other archs: RuntimeError; =stream / =auto: the stream kernel):
+// by TRACE_EXT_DECODE_IMPL=kslab-grouped (whole jobs) / kslab-flat (flat ranges; see "Work order" below) (read at every
+// call; hooked into run_decode_new's grouped branch; dense calls under those values keep the dense default; named on
+// other archs: RuntimeError; =stream / =auto: the stream kernel):
 //  - Why: the grouped stream kernel re-reads every tile's activation fragments from L2 (Qwen3 T = 256, ~16 rows per
 //    expert: ~3.5x the weight bytes); it reached 10-49 % of copy on the Qwen3 expert shapes.
 //  - Work order: units = (expert with rows, chunk of R = 8 / 16 / 32 rows; R by rows_hint as the stream kernel),
@@ -80,9 +81,18 @@
 //  - Static SASS (sm_90a, no spills): registers 78 / 95 / 126 at 8 / 16 / 32 rows (W4A4 80 / 96 / 124); the j loop
 //    (tile + block-end code) 608 / 837 / 1294 instructions against 591 / 815 / 1264 for the dense kernel (same
 //    per-tile body; the difference is the per-expert g_w / row bounds of the block-end store).
+//  - Work order (since the H200 A/B at 7b11f15; kGrpJobs / kGrpFlat / kGrpAuto at grouped_flat_pays): Nsight at
+//    b6a5cdb showed the whole-job order leaving SMs idle where the device's unit count quantizes badly against the
+//    CTAs: Qwen3 down T = 16 ran 81 jobs on 132 SMs (SM active 51% of the kernel), gate_up T = 16 89 x 3 jobs (3
+//    rounds on 3 SMs, 2 on the rest; 67%). Flat ranges (each CTA one contiguous range of the (unit, slab, block)
+//    triples, equal to +-1 block) fix that: 1.12x / 1.26x there (61% of copy, 3.3x grouped_mm at gate_up T = 16), but
+//    a range crossing a unit boundary runs two jobs with their own A staging, ramp and drain, so flat lost 0.89-0.98x
+//    where whole jobs filled their rounds (T = 64, 256) or were short (T = 1). The default decides on the device from
+//    the real unit count: flat when the whole jobs fill < 80% of their rounds and the flat range has >= 128 tiles per
+//    CTA. TRACE_EXT_DECODE_IMPL=kslab-grouped / kslab-flat force one order.
 //  - Risks: one barrier-separated job at a time per CTA: the A staging and ring ramp of each job are not overlapped
-//    (jobs are large: >= 64 tiles); equal-size jobs over one wave quantize (e.g. 133 units x 2 slabs on 132 SMs would
-//    run 3 job rounds instead of 2); the plan's unit estimate assumes uniform routing; 126 registers at 32 rows.
+//    (jobs are large: >= 64 tiles; flat ranges run up to 1 + range / unit jobs); the plan's unit estimate (for C)
+//    assumes uniform routing; 126 registers at 32 rows.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -483,11 +493,11 @@ __global__ void __launch_bounds__(kKsThreads, 1)
 #endif
 }
 
-// ---- grouped (MoE) decode, opt-in TRACE_EXT_DECODE_IMPL=kslab-grouped (read per call) -----------------------------
+// ---- grouped (MoE) decode (the default on sm_90; TRACE_EXT_DECODE_IMPL=kslab-grouped / kslab-flat, read per call) --
 // Units = (expert with rows, chunk of R = 8 MT8 rows), numbered on the device exactly as the grouped stream kernel
 // (decode_number_units of gemm_w4_decode_units.cuh: one block-wide scan of offsets -> s_pref, unit -> expert by binary
 // search). Jobs = (unit u, slab s, N chunk c), job = (u S + s) C + c; one resident CTA per SM loops over jobs
-// (blockIdx-strided). Per job the CTA stages the unit's rows r_lo .. r_hi - 1 of A[:, slab] in shared memory (behind a
+// (blockIdx-strided), or over the jobs of its flat range (kGrpFlat / kGrpAuto). Per job the CTA stages the unit's rows r_lo .. r_hi - 1 of A[:, slab] in shared memory (behind a
 // barrier: the previous job's reads are done), then runs the dense kernel's job body (kslab_job_start /
 // kslab_job_stream) on the expert's weights (w_packed + e * exp_bytes). Workspace: ws_slab
 // [max_units][S][N / 16][kFrag][32], ws_seg [gridDim.x][kKsWarps][2][kFrag][32] (reused job after job: the barrier
@@ -499,7 +509,26 @@ constexpr int kslab_grp_max_l(int mt8) {
 static_assert(kslab_grp_max_l(1) >= 16 && kslab_grp_max_l(2) >= 8 && kslab_grp_max_l(4) >= 4,
               "grouped: the A slab must hold at least 4 super-tiles beside the rings and the unit prefix");
 
-template <int MT8, bool kAFp4, int kStages, bool kFlat>
+// Work order of the grouped kernel: whole jobs (unit, slab, N chunk), blockIdx-strided (kGrpJobs, named
+// kslab-grouped); flat ranges (kGrpFlat, named kslab-flat): the n_units * S * n_blocks (unit, slab, 16-row block)
+// triples, unit-major, cut into gridDim.x equal contiguous ranges (+-1 block), a range run as one job per (unit, slab)
+// it touches; kGrpAuto (the default): flat where grouped_flat_pays, else jobs.
+constexpr int kGrpJobs = 0, kGrpFlat = 1, kGrpAuto = 2;
+
+// H200 A/B at 7b11f15 (bench/results/decode_grouped_ab_h200.md): flat ranges put every SM to work (Nsight: with whole
+// jobs, 81 units x 1 chunk left 51 of 132 SMs idle at Qwen3 down T = 16, 89 x 3 jobs ran 3 rounds on 3 SMs and 2 on
+// the rest at gate_up T = 16: 1.12x / 1.26x with flat), but a range that crosses a unit boundary runs two jobs, each
+// with its own A staging, ring ramp and drain (~2-4 us): flat lost 0.89-0.98x where whole jobs already filled the
+// waves (T = 64, 256) or were short (T = 1: ~45 tiles per SM). So: flat when the whole jobs fill less than 80% of
+// their rounds of gridDim.x CTAs and the flat range is >= 128 tiles per CTA.
+__device__ __forceinline__ bool grouped_flat_pays(int64_t n_units, int S, int C, int n_blocks, int L, int ctas) {
+  const int64_t jobs = n_units * S * C;
+  const int64_t rounds = (jobs + ctas - 1) / ctas;
+  const bool waves_short = jobs * 5 < rounds * ctas * 4;
+  return waves_short && n_units * S * n_blocks * L >= (int64_t)128 * ctas;
+}
+
+template <int MT8, bool kAFp4, int kStages, int kOrder>
 __global__ void __launch_bounds__(kKsThreads, 1)
     gemm_w4_decode_kslab_grouped_kernel(const GemmParams p, float* __restrict__ ws_slab, float* __restrict__ ws_seg,
                                         int* __restrict__ tickets, int L, int S, int C, int max_units) {
@@ -597,25 +626,34 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     kslab_job_stream<MT8, kStages, false>(jb, wr, a_s, seg_base, warp_id, lane, store_y, slab_partial, arrive);
   };
 
-  if constexpr (kFlat) {
-    // flat: the n_units * S * n_blocks (unit, slab, block) triples, unit-major, cut into gridDim.x equal contiguous
-    // ranges (+-1 block); a range is run as one job per (unit, slab) it touches
-    const int64_t total = (int64_t)n_units * S * n_blocks;
-    int64_t f = total * blockIdx.x / gridDim.x;
-    const int64_t f_end = total * (blockIdx.x + 1) / gridDim.x;
-    while (f < f_end) {
+  const bool flat = kOrder == kGrpFlat ||
+                    (kOrder == kGrpAuto && grouped_flat_pays(n_units, S, C, n_blocks, L, (int)gridDim.x));
+  // job iterator: flat range [f, f_end) of (unit, slab, block) triples, or whole jobs job, job + gridDim.x, ...
+  const int64_t total = (int64_t)n_units * S * n_blocks;
+  int64_t f = flat ? total * blockIdx.x / gridDim.x : 0;
+  const int64_t f_end = flat ? total * (blockIdx.x + 1) / gridDim.x : 0;
+  const int n_jobs = n_units * S * C;
+  int job = blockIdx.x;
+  while (true) {
+    int u, s, nb0, nb1;
+    if (flat) {
+      if (f >= f_end) break;
       const int us = (int)(f / n_blocks);
-      const int nb0 = (int)(f - (int64_t)us * n_blocks);
-      const int nb1 = (int)min((int64_t)n_blocks, nb0 + (f_end - f));
-      run_job(us / S, us % S, nb0, nb1);
+      u = us / S;
+      s = us % S;
+      nb0 = (int)(f - (int64_t)us * n_blocks);
+      nb1 = (int)min((int64_t)n_blocks, nb0 + (f_end - f));
       f += nb1 - nb0;
+    } else {
+      if (job >= n_jobs) break;
+      const int c = job % C;
+      s = (job / C) % S;
+      u = job / (C * S);
+      nb0 = (int)((int64_t)n_blocks * c / C);
+      nb1 = (int)((int64_t)n_blocks * (c + 1) / C);
+      job += gridDim.x;
     }
-  } else {
-    const int n_jobs = n_units * S * C;
-    for (int job = blockIdx.x; job < n_jobs; job += gridDim.x) {
-      const int c = job % C, s = (job / C) % S, u = job / (C * S);
-      run_job(u, s, (int)((int64_t)n_blocks * c / C), (int)((int64_t)n_blocks * (c + 1) / C));
-    }
+    run_job(u, s, nb0, nb1);
   }
 #endif
 }
@@ -761,14 +799,14 @@ KslabPlan kslab_grouped_plan(int n_blocks, int KT, int rows, int max_l, int sms,
   return best;
 }
 
-template <int MT8, bool kAFp4, bool kFlat>
+template <int MT8, bool kAFp4, int kOrder>
 bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
   constexpr int kStages = kslab_stages(MT8);
   constexpr int kRing = kslab_ring_bytes(MT8);
   constexpr int kMaxL = kslab_grp_max_l(MT8);
   constexpr int kSmemMax = kRing + 8 * MT8 * (kMaxL * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes;
   static_assert(kSmemMax <= kKsSmemMax, "rings + A slab + unit prefix must fit one CTA's shared memory");
-  auto kernel = gemm_w4_decode_kslab_grouped_kernel<MT8, kAFp4, kStages, kFlat>;
+  auto kernel = gemm_w4_decode_kslab_grouped_kernel<MT8, kAFp4, kStages, kOrder>;
   static bool attr_set[kMaxDevices] = {};
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
@@ -791,9 +829,9 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   const KslabPlan plan = kslab_grouped_plan(n_blocks, KT, R, kMaxL, sms, units_est);
   if (plan.S == 0 || max_units * plan.S * plan.C >= (int64_t{1} << 31)) return false;
   const int smem = kRing + R * (plan.L * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes;
-  // flat: one contiguous range of (unit, slab, block) per CTA, on every SM (the plan's C is not used)
+  // flat ranges (kGrpFlat, kGrpAuto): one contiguous range of (unit, slab, block) per CTA, on every SM
   const int ctas = (int)std::max<int64_t>(
-      1, std::min<int64_t>(sms, kFlat ? max_units * plan.S * n_blocks : max_units * plan.S * plan.C));
+      1, std::min<int64_t>(sms, kOrder == kGrpJobs ? max_units * plan.S * plan.C : max_units * plan.S * n_blocks));
   constexpr int64_t kFragFloats = MT8 * 4 * 32;
   const int64_t slab_floats = plan.S > 1 ? max_units * plan.S * n_blocks * kFragFloats : 0;
   const int64_t seg_floats = (int64_t)ctas * kKsWarps * 2 * kFragFloats;
@@ -806,16 +844,16 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   return true;
 }
 
-template <bool kFlat>
+template <int kOrder>
 bool run_decode_kslab_grouped_rows(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream) {
   const bool a4 = p.a_scales != nullptr;
   // rows per unit as the grouped stream kernel: a little above the average rows per expert (rows_hint)
-  if (rows_hint <= 2) return a4 ? launch_decode_kslab_grouped<1, true, kFlat>(p, like, stream)
-                                : launch_decode_kslab_grouped<1, false, kFlat>(p, like, stream);
-  if (rows_hint <= 8) return a4 ? launch_decode_kslab_grouped<2, true, kFlat>(p, like, stream)
-                                : launch_decode_kslab_grouped<2, false, kFlat>(p, like, stream);
-  return a4 ? launch_decode_kslab_grouped<4, true, kFlat>(p, like, stream)
-            : launch_decode_kslab_grouped<4, false, kFlat>(p, like, stream);
+  if (rows_hint <= 2) return a4 ? launch_decode_kslab_grouped<1, true, kOrder>(p, like, stream)
+                                : launch_decode_kslab_grouped<1, false, kOrder>(p, like, stream);
+  if (rows_hint <= 8) return a4 ? launch_decode_kslab_grouped<2, true, kOrder>(p, like, stream)
+                                : launch_decode_kslab_grouped<2, false, kOrder>(p, like, stream);
+  return a4 ? launch_decode_kslab_grouped<4, true, kOrder>(p, like, stream)
+            : launch_decode_kslab_grouped<4, false, kOrder>(p, like, stream);
 }
 
 bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream,
@@ -831,8 +869,9 @@ bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::
       p.E <= 0 || p.E > kMaxExperts)
     return false;  // the stream kernel runs
   if ((int64_t)(p.N / 16) * (p.K / kKsSuperK) >= (int64_t{1} << 31)) return false;
-  return selected == 2 ? run_decode_kslab_grouped_rows<true>(p, rows_hint, like, stream)
-                       : run_decode_kslab_grouped_rows<false>(p, rows_hint, like, stream);
+  if (selected == 1) return run_decode_kslab_grouped_rows<kGrpJobs>(p, rows_hint, like, stream);
+  if (selected == 2) return run_decode_kslab_grouped_rows<kGrpFlat>(p, rows_hint, like, stream);
+  return run_decode_kslab_grouped_rows<kGrpAuto>(p, rows_hint, like, stream);
 }
 
 }  // namespace gemm_w4

@@ -837,15 +837,16 @@ def test_kslab_forced_slab_counts(monkeypatch):
                 assert torch.equal(O.fp4_linear(a, wp, backend="cuda"), y_model), f"invalid S M={M} {mode}"
 
 
-# ---- grouped decode: K-slab work order (the default on sm_90; TRACE_EXT_DECODE_IMPL=kslab-grouped, read per call) ---
-# gemm_w4_decode_kslab_grouped_kernel: jobs (unit = expert chunk of 8 / 16 / 32 rows, K slab, N chunk), the unit's A
-# rows staged once per job in shared memory. Only the K split into partial sums differs from the stream kernel, so it
-# is held to the f64 contract (not to the default's bits), and to its own bits on every call.
+# ---- grouped decode: the K-slab kernel (the default on sm_90; TRACE_EXT_DECODE_IMPL=kslab-grouped / kslab-flat) -----
+# gemm_w4_decode_kslab_grouped_kernel: units = expert chunks of 8 / 16 / 32 rows, the unit's A rows staged once per job
+# in shared memory. Only the K split into partial sums differs from the stream kernel, so it is held to the f64
+# contract (not to the stream kernel's bits), and to its own bits on every call.
 
 
-GROUPED_DEFAULT = "kslab-grouped"  # the grouped decode kernel an unset TRACE_EXT_DECODE_IMPL runs on sm_90
-# kslab-flat (opt-in): the same kernel with each CTA on one contiguous range of (unit, slab, 16-row block) instead of
-# whole (unit, slab, N chunk) jobs; its K splits over warps differ, so it is held to the f64 contract and its own bits
+# Two work orders of the grouped K-slab kernel: whole (unit, slab, N chunk) jobs (kslab-grouped) and one contiguous
+# range of (unit, slab, 16-row block) per CTA (kslab-flat); their K splits over warps differ, so each is held to the
+# f64 contract and to its own bits. An unset TRACE_EXT_DECODE_IMPL picks one of them per call on the device
+# (grouped_flat_pays): its output must equal one of theirs bit for bit.
 GROUPED_KSLAB_IMPLS = ("kslab-grouped", "kslab-flat")
 
 
@@ -873,8 +874,11 @@ def _kslab_grouped_case(monkeypatch, E, N, K, counts, mode, w, what, impl="kslab
         _impl(monkeypatch, other)
         y0 = O.fp4_grouped_linear(a, wp, offsets, backend="cuda")
         assert y0.shape == y1.shape and y0.dtype == y1.dtype
-        if other is None and impl == GROUPED_DEFAULT:  # the default on sm_90 is this kernel
-            assert torch.equal(y0, y1), f"{what}: the default grouped call is not {impl}"
+        if other is None:  # the default on sm_90 runs one of the two work orders
+            twin = [i for i in GROUPED_KSLAB_IMPLS if i != impl][0]
+            _impl(monkeypatch, twin)
+            y_twin = O.fp4_grouped_linear(a, wp, offsets, backend="cuda")
+            assert torch.equal(y0, y1) or torch.equal(y0, y_twin), f"{what}: the default is neither work order"
         _impl(monkeypatch, impl)
         assert torch.equal(O.fp4_grouped_linear(a, wp, offsets, backend="cuda"), y1), f"{what}: call after {other}"
 
