@@ -17,6 +17,7 @@ $BENCH_OUT or bench/results/).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
@@ -39,15 +40,25 @@ E, TOPK = 128, 8
 PROJ = (("gate_up", 1536, 2048), ("down", 2048, 768))
 TS = (1, 16, 64, 256)
 ENV = "TRACE_EXT_DECODE_IMPL"
-# TRACE_EXT_DECODE_IMPL values ("default": unset): the grouped stream kernel (the default before f062b32), the K-slab
-# kernel's two work orders (whole jobs, the default before 2026-11-30 11:30; flat ranges) and the default (per call one
-# of the two); GROUPED_AB_IMPLS=a,b,... overrides (the first is the speedup baseline; each is checked against the f64
-# bound)
-IMPLS = tuple(os.environ.get("GROUPED_AB_IMPLS", "stream,kslab-grouped,kslab-flat,default").split(","))
+# TRACE_EXT_DECODE_IMPL values ("default": unset; "@VAR=VALUE" sets a further switch, see _env): the grouped stream
+# kernel (the default before f062b32), the K-slab kernel's whole jobs under the previous plan (the default before
+# 2026-11-30 11:30) and the current one, its flat ranges, and the default (per call one of the two orders);
+# GROUPED_AB_IMPLS=a,b,... overrides (the first is the speedup baseline; each is checked against the f64 bound)
+IMPLS = tuple(os.environ.get(
+    "GROUPED_AB_IMPLS", "stream,kslab-grouped@TRACE_EXT_KSLAB_GRP_PLAN=v1,kslab-grouped,kslab-flat,default").split(","))
 
 
+@contextlib.contextmanager
 def _env(impl):
-    return env_switch(ENV, None if impl == "default" else impl)
+    """impl = a TRACE_EXT_DECODE_IMPL value ("default": unset), optionally followed by @VAR=VALUE settings of further
+    switches, e.g. kslab-grouped@TRACE_EXT_KSLAB_GRP_PLAN=v1."""
+    name, *extra = impl.split("@")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(env_switch(ENV, None if name == "default" else name))
+        for setting in extra:
+            var, value = setting.split("=", 1)
+            stack.enter_context(env_switch(var, value))
+        yield
 
 
 def _run(impl, a, wp, offsets):

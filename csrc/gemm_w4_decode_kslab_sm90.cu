@@ -73,11 +73,12 @@
 //    e * N/16 * K/256 * 2304): per-warp cp.async rings, warp segments + warp-order sums, slab partials per (unit,
 //    block) + self-resetting tickets [max_units][N / 16] (last slab sums in slab order: deterministic). Y rows
 //    r_lo .. r_hi - 1, g_w of expert e.
-//  - Plan (host, kslab_grouped_plan): S and C minimizing max(all job bytes / SMs, busiest CTA's job bytes / 1.5),
-//    a job = its weight tiles + half its A bytes + 32 KB of ramp + its slab partials, from an estimate of the unit
-//    count (E (1 - (1 - 1/E)^M) experts with rows + rows beyond R); buffers sized by the bound min(E, M) + M / R + 1.
-//    Qwen3 (132 SMs): gate_up T = 1 / 16 / 64 / 256 -> (S, C) = (1, 12) / (1, 3) / (1, 1) / (2, 1); down (1, 11) /
-//    (1, 1) / (1, 1) / (1, 1).
+//  - Plan (host, kslab_grouped_plan): S and C minimizing max(all job bytes without the ramp / SMs, busiest CTA's job
+//    bytes / 1.5), a job = its weight tiles + half its A bytes + 32 KB of ramp + its slab partials, from an estimate
+//    of the unit count (E (1 - (1 - 1/E)^M) experts with rows + rows beyond R); buffers sized by the bound
+//    min(E, M) + M / R + 1. Qwen3 (132 SMs): gate_up T = 1 / 16 / 64 / 256 -> (S, C) = (1, 16) / (1, 3) / (1, 1) /
+//    (2, 1); down (1, 16) / (1, 4) / (1, 1) / (1, 1) (TRACE_EXT_KSLAB_GRP_PLAN=v1, the plan before: T = 1 C = 12 / 11,
+//    down T = 16 C = 1).
 //  - Static SASS (sm_90a, no spills): registers 78 / 95 / 126 at 8 / 16 / 32 rows (W4A4 80 / 96 / 124); the j loop
 //    (tile + block-end code) 608 / 837 / 1294 instructions against 591 / 815 / 1264 for the dense kernel (same
 //    per-tile body; the difference is the per-expert g_w / row bounds of the block-end store).
@@ -101,6 +102,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "trace_ext/fp4_numerics.cuh"
@@ -512,20 +514,26 @@ static_assert(kslab_grp_max_l(1) >= 16 && kslab_grp_max_l(2) >= 8 && kslab_grp_m
 // Work order of the grouped kernel: whole jobs (unit, slab, N chunk), blockIdx-strided (kGrpJobs, named
 // kslab-grouped); flat ranges (kGrpFlat, named kslab-flat): the n_units * S * n_blocks (unit, slab, 16-row block)
 // triples, unit-major, cut into gridDim.x equal contiguous ranges (+-1 block), a range run as one job per (unit, slab)
-// it touches; kGrpAuto (the default): flat where grouped_flat_pays, else jobs.
+// it touches; kGrpAuto (the default): flat where grouped_flat_pays, else whole jobs.
 constexpr int kGrpJobs = 0, kGrpFlat = 1, kGrpAuto = 2;
 
-// H200 A/B at 7b11f15 (bench/results/decode_grouped_ab_h200.md): flat ranges put every SM to work (Nsight: with whole
-// jobs, 81 units x 1 chunk left 51 of 132 SMs idle at Qwen3 down T = 16, 89 x 3 jobs ran 3 rounds on 3 SMs and 2 on
-// the rest at gate_up T = 16: 1.12x / 1.26x with flat), but a range that crosses a unit boundary runs two jobs, each
-// with its own A staging, ring ramp and drain (~2-4 us): flat lost 0.89-0.98x where whole jobs already filled the
-// waves (T = 64, 256) or were short (T = 1: ~45 tiles per SM). So: flat when the whole jobs fill less than 80% of
-// their rounds of gridDim.x CTAs and the flat range is >= 128 tiles per CTA.
+// The default's choice (device, from the real unit count): the order with the smaller estimated makespan in tiles of
+// the busiest CTA, counting kGrpRampTiles per job it runs (A staging, ring ramp and drain, the finisher barrier):
+//   whole jobs: rounds * (blocks per job * L + ramp), rounds = ceil(n_units S C / CTAs);
+//   flat:       ceil(n_units S n_blocks / CTAs) * L + (1 + ceil(range / n_blocks)) * ramp (a range touches that many
+//               (unit, slab) jobs at most).
+// Calibrated on the H200 A/B at 7b11f15 (bench/results/previous/decode_grouped_ab_h200_7b11f15.md, Qwen3 T = 1 .. 256):
+// every row's faster order agrees with any ramp between 52 and 148 tiles. Flat put every SM to work where whole jobs
+// quantized badly against the CTAs (Nsight at b6a5cdb: down T = 16 ran 81 jobs on 132 SMs, SM active 51%; gate_up
+// T = 16 89 x 3 jobs in 3 rounds on 3 SMs, 2 on the rest, 67%): 1.12x / 1.26x; whole jobs won (1.02-1.11x) where
+// they filled their rounds (T = 64, 256) or were short (T = 1), since a range crossing a unit boundary runs two jobs.
+constexpr int kGrpRampTiles = 100;
 __device__ __forceinline__ bool grouped_flat_pays(int64_t n_units, int S, int C, int n_blocks, int L, int ctas) {
-  const int64_t jobs = n_units * S * C;
-  const int64_t rounds = (jobs + ctas - 1) / ctas;
-  const bool waves_short = jobs * 5 < rounds * ctas * 4;
-  return waves_short && n_units * S * n_blocks * L >= (int64_t)128 * ctas;
+  const int64_t rounds = (n_units * S * C + ctas - 1) / ctas;
+  const int64_t job_cost = rounds * ((int64_t)(n_blocks + C - 1) / C * L + kGrpRampTiles);
+  const int64_t range = (n_units * S * n_blocks + ctas - 1) / ctas;  // blocks of the largest flat range
+  const int64_t flat_cost = range * L + (1 + (range + n_blocks - 1) / n_blocks) * kGrpRampTiles;
+  return flat_cost < job_cost;
 }
 
 template <int MT8, bool kAFp4, int kStages, int kOrder>
@@ -773,12 +781,20 @@ bool run_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream_t 
 // Grouped plan: slab count S (L = ceil(KT / S) <= max_l) and N chunks C per unit, for jobs (unit, slab, chunk) over
 // one resident wave of CTAs looping over jobs. A job costs its weight tiles + its A rows (from L2: half weight) +
 // ~32 KB worth of ramp / barriers (one CTA per SM: nothing overlaps them) + its slab partials; the plan minimizes
-// max(all jobs / SMs (DRAM-bound), the busiest CTA's jobs / 1.5 (one SM streams at most ~1.5x its DRAM share)), with
-// units_est units (the unit count is only known on the device).
+// max(all jobs' bytes without the ramp / SMs (DRAM-bound), the busiest CTA's jobs / 1.5 (one SM streams at most ~1.5x
+// its DRAM share)), with units_est units (the unit count is only known on the device). The ramp is latency, not DRAM
+// traffic: counting it in the first term too (the plan before 2026-11-30 11:40, TRACE_EXT_KSLAB_GRP_PLAN=v1, read per
+// call) kept jobs few and long at Qwen3 T = 1 (C = 12 / 11 chunks: 96 / 88 of 132 SMs busy; now 16: 128).
+bool kslab_grouped_plan_v1() {
+  const char* v = std::getenv("TRACE_EXT_KSLAB_GRP_PLAN");
+  return v != nullptr && std::strcmp(v, "v1") == 0;
+}
+
 KslabPlan kslab_grouped_plan(int n_blocks, int KT, int rows, int max_l, int sms, double units_est) {
   KslabPlan best{0, 0, 0};
   double best_cost = -1.0;
   const double U = std::max(1.0, units_est);
+  const bool v1 = kslab_grouped_plan_v1();
   for (int S = 1; S <= KT && S <= 64; ++S) {
     const int L = (KT + S - 1) / S;
     if (L > max_l || (KT + L - 1) / L != S) continue;
@@ -787,9 +803,11 @@ KslabPlan kslab_grouped_plan(int n_blocks, int KT, int rows, int max_l, int sms,
       const double jobs = std::ceil(U) * S * C;
       const double waves = std::ceil(jobs / sms);
       const int64_t bpc = (n_blocks + C - 1) / C;
-      const double job = (double)bpc * L * kKsTileBytes + 0.5 * rows * L * kKsRowBytes + 32768.0 +
+      constexpr double kRampBytes = 32768.0;
+      const double job = (double)bpc * L * kKsTileBytes + 0.5 * rows * L * kKsRowBytes + kRampBytes +
                          (S > 1 ? (double)bpc * (16.0 * rows * 4 + 1024) : 0.0);
-      const double cost = std::max(jobs * job / sms, waves * job / 1.5);
+      const double dram_job = v1 ? job : job - kRampBytes;
+      const double cost = std::max(jobs * dram_job / sms, waves * job / 1.5);
       if (best_cost < 0 || cost < best_cost) {
         best_cost = cost;
         best = {L, S, C};

@@ -901,6 +901,20 @@ def test_decode_kslab_grouped_qwen3_token_batches(monkeypatch, mode, impl):
 
 
 @pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
+def test_decode_kslab_grouped_previous_plan(monkeypatch, impl):
+    """Protects the previous grouped plan kept for A/B timing (TRACE_EXT_KSLAB_GRP_PLAN=v1: fewer, longer jobs at
+    Qwen3 T = 1 and down T = 16) in both work orders: f64 contract, repeatable bits, the default one of the two."""
+    monkeypatch.setenv("TRACE_EXT_KSLAB_GRP_PLAN", "v1")
+    gen = torch.Generator().manual_seed(14)
+    E, k = 128, 8
+    for name, (N, K) in (("gate_up", (1536, 2048)), ("down", (2048, 768))):
+        w = _quant_w(N, K, E)
+        for T in (1, 16):
+            _kslab_grouped_case(monkeypatch, E, N, K, _routed_counts(T, E, k, gen), "w4a16", w,
+                                f"plan v1 qwen3 {name} T={T}", impl)
+
+
+@pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 def test_decode_kslab_grouped_other_models_and_edges(monkeypatch, mode, impl):
     """Protects the grouped K-slab kernel at OLMoE (E=64 down), DeepSeek-V3 (E=256, N=7168 down), a K of 33 super-tiles
