@@ -83,6 +83,29 @@
 //  - Risks: one barrier-separated job at a time per CTA: the A staging and ring ramp of each job are not overlapped
 //    (jobs are large: >= 64 tiles); equal-size jobs over one wave quantize (e.g. 133 units x 2 slabs on 132 SMs would
 //    run 3 job rounds instead of 2); the plan's unit estimate assumes uniform routing; 126 registers at 32 rows.
+//
+// Wide CTAs (opt-in TRACE_EXT_KSLAB_WARPS=24, read per call; dense and grouped, jobs and flat modes, kslab2 too):
+//  - Why: ncu on the H200 shows the K-slab kernels issue-latency bound, not DRAM bound (grouped Qwen3 T = 1: 4.0 warps
+//    per scheduler, 1.02 eligible, 0.53 issued per cycle, DRAM 24 %; dense M = 1 14336 x 4096: 16.7 us against
+//    ~10.5 us for a copy of the bytes, ~2850 cycles per warp per 364-instruction tile). More resident warps per SM
+//    should give the schedulers more eligible warps.
+//  - What: the warp count is a template parameter kWarps of both kernels and of every helper that depends on it
+//    (kslab_first / kslab_warp_of, the A staging loops, the ring / A / unit-prefix layout, ws_seg = CTAs x kWarps x 2
+//    fragments, the plans' max slab length kslab_max_l / kslab_grp_max_l). kslab_wide_warps(MT8): 24 warps (768
+//    threads, <= 80 registers) up to 8 rows, 20 warps (640 threads, <= 96 registers) at 16 rows, 16 at 32 rows.
+//    The 16-warp instantiations compile to the same SASS as before (byte for byte, sm_90a).
+//  - Shared memory: 3 ring slots per warp at 24 / 20 warps (24 x 4 x 2304 B = 216 KB would leave no room for A):
+//    48 / 40 tiles ahead per SM (16 warps: 48 / 32). Rings 162 / 135 KB; A slab of the full 8 MT8
+//    rows, so L <= 16 / 11 (dense), 15 / 10 (grouped; unit prefix 4208 / 4192 B). The 132-SM plans equal the 16-warp
+//    ones on the bench rows except dense 4096 x 14336 at 16 rows: (L, S, C) = (7, 8, 16) instead of (14, 4, 33).
+//  - Registers (sm_90a, no spills): dense 63 / 56 (W4A4) at 8 rows, 72 / 71 at 16 rows; grouped 72 / 70 at 8 rows,
+//    95 / 93 at 16 rows (flat 72 / 72 and 96 / 96). The per-tile loop is the 16-warp one (j loop of the dense kernel
+//    592 / 816 against 591 / 815 instructions; grouped jobs 611 / 839 against 606 / 837); the flat grouped kernel at
+//    24 / 20 warps carries ~15-17 more address instructions per tile (629 / 858 against 609 / 840).
+//  - Numbers: only the split of a CTA's items over warps differs (other warp segments, added in warp order): within
+//    the SPEC 7 bound, deterministic, not bit-equal to the 16-warp kernels.
+//  - Risks: 2 instead of 3 tiles ahead per warp at 8 rows (same 48 per SM); the 16-row dense plan at long K takes
+//    twice the slabs; 96 of 96 registers for the grouped 16-row flat kernels (no spills today, none to spare).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
