@@ -13,7 +13,9 @@ checked against the float64 reference bound of the GPU tests (1 bf16 ulp + the f
 active expert, so a broken variant never reports a time. %copyBW is on the active experts' bytes (codes + scales) + A +
 Y; speedups are against the first kernel and against grouped_mm.
 Run: python bench/bench_decode_grouped_ab.py (~45-60 s on an H200; results in decode_grouped_ab_h200.{json,md} under
-$BENCH_OUT or bench/results/).
+$BENCH_OUT or bench/results/). A "-w24" value (common.impl_switch) also sets TRACE_EXT_KSLAB_WARPS=24 (24 / 20 warps
+per K-slab CTA for units of 8 / 16 rows), e.g. GROUPED_AB_IMPLS=kslab-grouped,kslab-grouped-w24,kslab-flat,kslab-flat-w24
+(~60 s).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gemm import _rot, routed_offsets  # noqa: E402
 from common import (  # noqa: E402
-    check_gemm_bound, copy_bandwidth_gbs, do_bench_cold, env_stamp, env_switch, nvfp4_f64, print_table, write_results)
+    check_gemm_bound, copy_bandwidth_gbs, do_bench_cold, env_stamp, impl_switch, nvfp4_f64, print_table, write_results)
 
 import trace_ext.ops as O  # noqa: E402
 from trace_ext import reference as ref  # noqa: E402
@@ -45,7 +47,7 @@ IMPLS = tuple(os.environ.get("GROUPED_AB_IMPLS", "stream,kslab-grouped,kslab-fla
 
 
 def _run(impl, a, wp, offsets):
-    with env_switch(ENV, impl):
+    with impl_switch(ENV, impl):
         return O.fp4_grouped_linear(a, wp, offsets, backend="cuda")
 
 
@@ -90,7 +92,7 @@ def main():
             t = {k: [] for k in (*IMPLS, "grouped_mm")}
             for _ in range(ROUNDS):
                 for impl in IMPLS:
-                    with env_switch(ENV, impl):
+                    with impl_switch(ENV, impl):
                         t[impl].append(do_bench_cold(lambda: O.fp4_grouped_linear(a, nw(), offsets, backend="cuda"),
                                                      rep_ms=REP_MS))
                 t["grouped_mm"].append(do_bench_cold(lambda: torch._grouped_mm(a, nb(), offs=offs_end), rep_ms=REP_MS))
@@ -108,7 +110,9 @@ def main():
         del sets
         torch.cuda.empty_cache()
     print_table(rows)
-    path = write_results("decode_grouped_ab_h200", rows, env_stamp("python bench/bench_decode_grouped_ab.py"),
+    impls = os.environ.get("GROUPED_AB_IMPLS")
+    command = (f"GROUPED_AB_IMPLS={impls} " if impls else "") + "python bench/bench_decode_grouped_ab.py"
+    path = write_results("decode_grouped_ab_h200", rows, env_stamp(command),
                          notes=f"copy BW {copy_bw:.0f} GB/s; medians of {ROUNDS} interleaved rounds")
     print(f"wrote {path}")
 
