@@ -14,8 +14,8 @@ active expert, so a broken variant never reports a time. %copyBW is on the activ
 Y; speedups are against the first kernel and against grouped_mm.
 Run: python bench/bench_decode_grouped_ab.py (~45-60 s on an H200; results in decode_grouped_ab_h200.{json,md} under
 $BENCH_OUT or bench/results/). A "-w24" value (common.impl_switch) also sets TRACE_EXT_KSLAB_WARPS=24 (24 / 20 warps
-per K-slab CTA for units of 8 / 16 rows), e.g. GROUPED_AB_IMPLS=kslab-grouped,kslab-grouped-w24,kslab-flat,kslab-flat-w24
-(~60 s).
+per K-slab CTA for units of 8 / 16 rows), e.g. GROUPED_AB_IMPLS=kslab-grouped,kslab-grouped-w24 (~40 s) or
+GROUPED_AB_IMPLS=kslab-flat,kslab-flat-w24.
 """
 from __future__ import annotations
 

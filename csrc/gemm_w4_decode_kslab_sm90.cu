@@ -481,8 +481,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 
   // ---- A slab -> shared memory (bf16: cp.async; W4A4: dequantized in the job body while the weights stream in)
   if constexpr (!kAFp4)
-    kslab_stage_a_bf16<kWarps>(a_s, [&] { return reinterpret_cast<const uint8_t*>(p.a) + (int64_t)kt0 * kKsRowBytes; }, M, K,
-                       a_stride, Ls);
+    kslab_stage_a_bf16<kWarps>(
+        a_s, [&] { return reinterpret_cast<const uint8_t*>(p.a) + (int64_t)kt0 * kKsRowBytes; }, M, K, a_stride, Ls);
 
   const KsJob jb{s, S, kt0, Ls, nb0, I, a_stride, i0, i1};
   KsRing<kStages> wr;
@@ -680,9 +680,9 @@ int decode_kslab_grouped_selected() {
   return 0;  // values that name a dense kernel keep the grouped default
 }
 
-// TRACE_EXT_KSLAB_WARPS (read per call; an A/B knob, bench/bench_decode_ab.py / bench_decode_grouped_ab.py "kslab-w24"):
-// "24" runs the dense and grouped K-slab kernels with kslab_wide_warps(MT8) warps per CTA (24 up to 8 rows, 20 at 16
-// rows, 16 at 32 rows); unset, "16" or any other value: the 16-warp kernels.
+// TRACE_EXT_KSLAB_WARPS (read per call; an A/B knob: "-w24" names of bench/bench_decode_ab.py and
+// bench_decode_grouped_ab.py): "24" runs the dense and grouped K-slab kernels with kslab_wide_warps(MT8) warps per CTA
+// (24 up to 8 rows, 20 at 16 rows, 16 at 32 rows); unset, "16" or any other value: the 16-warp kernels.
 bool kslab_wide_selected() {
   const char* v = std::getenv("TRACE_EXT_KSLAB_WARPS");
   return v != nullptr && std::string(v) == "24";
@@ -785,8 +785,10 @@ bool run_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream_t 
   TORCH_CHECK(major == 9, "trace_ext: TRACE_EXT_DECODE_IMPL=kslab / kslab2 is an sm_90a kernel; unset it on this ",
               "device (compute capability ", major, ".x)");
   if (kslab_wide_selected())
-    return form2 ? run_decode_kslab_form<true, true>(p, like, stream) : run_decode_kslab_form<false, true>(p, like, stream);
-  return form2 ? run_decode_kslab_form<true, false>(p, like, stream) : run_decode_kslab_form<false, false>(p, like, stream);
+    return form2 ? run_decode_kslab_form<true, true>(p, like, stream)
+                 : run_decode_kslab_form<false, true>(p, like, stream);
+  return form2 ? run_decode_kslab_form<true, false>(p, like, stream)
+               : run_decode_kslab_form<false, false>(p, like, stream);
 }
 
 // Grouped plan: slab count S (L = ceil(KT / S) <= max_l) and N chunks C per unit, for jobs (unit, slab, chunk) over
