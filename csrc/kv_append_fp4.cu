@@ -62,7 +62,8 @@
 //   byte, table, codes), and the loop without its rare branches (sequence change, general blocks) 952 instructions per
 //   64-element item (14.9 per element) at four blocks per item, 511 per 32 (16.0) at two (default: 22.9 executed).
 //   80 registers at four blocks per item (3 CTAs / SM), 61-62 at two (=warp2, 4 CTAs / SM); no spills. (A variant
-//   keeping the next item's loads in flight during the math needed ~16 more registers and spilled: not kept.)
+//   keeping the next item's loads in flight during the math at four blocks per item needed ~16 more registers and
+//   spilled; the opt-in =warp2-pf / =warp2-cp below do it at two blocks per item without spills.)
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -460,8 +461,13 @@ __global__ void __launch_bounds__(kAppendThreads) fp4kv_append_warp_kernel(const
 // The warp2 kernel above issues a step's four 16-byte loads per lane and then ~500 instructions of math that need
 // them: one step's 2 KB per warp in flight at a time (Nsight at B8 x 4096: 41% of a warp's cycles stalled on the
 // loads, 2.0 eligible warps per scheduler). These variants issue the NEXT step's loads before the current step's
-// math; the numerics (quantize_item2 = the warp2 kernel's per-item body, same functions in the same order) and the
-// walk (token, sequence, page) are the warp2 kernel's, so the bytes written are the same for every input.
+// math. The walk (token, sequence, page) and the numerics are the warp2 kernel's: the same fast-path test, scale byte
+// and fast_codes8 per block; an item with a block outside the fast range takes the general block path
+// (quantize_block) for both blocks, out of line with the item passed by value, so no item data is live across the
+// call and no source pointer is kept (exact on every block, so the bytes are the warp2 kernel's for every input; the
+// GPU tests compare the variants with the default, warp2 and the reference). K or V is chosen per CTA (host: whole
+// CTAs per tensor), so the tensor's bases, g and 1/g sit in uniform registers: that is what keeps =warp2-pf at 80
+// registers without spills (per-warp choice as in warp2: 12-16 bytes spilled).
 // - kStreamRegs (=warp2-pf): the next item's four uint4 in registers (a register double buffer, +16 registers:
 //   __launch_bounds__(256, 3), 3 CTAs / SM instead of 4, grid sized by the occupancy API as for warp2).
 // - kStreamCpAsync (=warp2-cp): the next item's 64 bytes per lane copied global -> shared by four 16-byte
@@ -473,6 +479,10 @@ __global__ void __launch_bounds__(kAppendThreads) fp4kv_append_warp_kernel(const
 //   steps. Registers stay at the warp2 level (4 CTAs / SM, 34 KB of shared memory each).
 // On a lane's last step the "next" load re-reads the current item's address (in bounds, an L1 / L2 hit) instead of
 // branching around the loads.
+// Static SASS (sm_90a, ptxas 13.0), the loop without sequence changes and general items, per 32-element item: warp2
+// 514, =warp2-pf 537 (16 MOVs move the buffer: the loop is not unrolled twice), =warp2-cp 539 (four LDGSTS.128, a
+// DEPBAR, four LDS.128). Registers: warp2 61 (4 CTAs / SM), =warp2-pf 80 (3), =warp2-cp 64 (4, 34 KB shared memory
+// per CTA); no spills, no stack.
 constexpr int kStreamRegs = 1;
 constexpr int kStreamCpAsync = 2;
 
