@@ -477,11 +477,11 @@ __global__ void __launch_bounds__(kAppendThreads) fp4kv_append_warp_kernel(const
 //   16 would be a 4-way conflict). A lane reads back only the bytes its own cp.async wrote (wait_group orders them
 //   for the issuing thread), so no __syncwarp / CTA barrier is needed and lanes may leave the loop at different
 //   steps. Registers stay at the warp2 level (4 CTAs / SM, 34 KB of shared memory each).
-// On a lane's last step the "next" load re-reads the current item's address (in bounds, an L1 / L2 hit) instead of
-// branching around the loads.
+// On a lane's last step =warp2-pf's "next" load re-reads the current item's address (in bounds, an L1 / L2 hit)
+// instead of branching around the loads; =warp2-cp commits an empty group (no copy is pending when a lane exits).
 // Static SASS (sm_90a, ptxas 13.0), the loop without sequence changes and general items, per 32-element item: warp2
-// 514, =warp2-pf 537 (16 MOVs move the buffer: the loop is not unrolled twice), =warp2-cp 539 (four LDGSTS.128, a
-// DEPBAR, four LDS.128). Registers: warp2 61 (4 CTAs / SM), =warp2-pf 80 (3), =warp2-cp 64 (4, 34 KB shared memory
+// 514, =warp2-pf 544 (~16 MOVs move the buffer: the loop is not unrolled twice), =warp2-cp 535 (four LDGSTS.128, a
+// DEPBAR, four LDS.128; the current item's group was committed one step earlier). Registers: warp2 61 (4 CTAs / SM), =warp2-pf 80 (3), =warp2-cp 64 (4, 34 KB shared memory
 // per CTA); no spills, no stack.
 constexpr int kStreamRegs = 1;
 constexpr int kStreamCpAsync = 2;
@@ -634,27 +634,30 @@ __global__ void __launch_bounds__(kAppendThreads, kStream == kStreamRegs ? 3 : 4
     const int64_t cache_row = (prow + pos) * p.heads + head;
     uint8_t* codes = codes_base + cache_row * (p.head_dim / 2) + blk * (kBlockElems / 2);
     uint8_t* scales = scales_base + cache_row * nb + blk;
-    const uint4* src = reinterpret_cast<const uint4*>(src_base + ((int64_t)tok * p.heads + head) * p.head_dim +
-                                                      blk * kBlockElems);
-    // next item of this lane (32 items on); on the last step the current item is read again instead
+    // next item of this lane (32 items on); on the last step =warp2-pf reads the current item again, =warp2-cp issues
+    // no copy
     const bool more = left > 0;
+    const uint4* src = src_of(tok, c);  // the current item (=warp2-pf's last-step re-read; dead in =warp2-cp)
     c += p.step_items;
     tok += p.step_tokens;
     if (c >= p.items_per_token) {
       c -= p.items_per_token;
       ++tok;
     }
-    const uint4* src_next = more ? src_of(tok, c) : src;
     uint4 cur[kVecs];
     if constexpr (kStream == kStreamRegs) {
+      const uint4* src_next = more ? src_of(tok, c) : src;
 #pragma unroll
       for (int j = 0; j < kVecs; ++j) {
         cur[j] = raw[j];
         raw[j] = __ldg(src_next + j);
       }
     } else {
+      if (more) {  // (the last step commits an empty group)
+        const uint4* src_next = src_of(tok, c);
 #pragma unroll
-      for (int j = 0; j < kVecs; ++j) cp_async_cg16(&slots[slot ^ 1][j][lane], src_next + j);
+        for (int j = 0; j < kVecs; ++j) cp_async_cg16(&slots[slot ^ 1][j][lane], src_next + j);
+      }
       cp_async_commit_group();
       cp_async_wait_group1();  // this lane's copies of the current item have landed
 #pragma unroll
@@ -662,9 +665,6 @@ __global__ void __launch_bounds__(kAppendThreads, kStream == kStreamRegs ? 3 : 4
       slot ^= 1;
     }
     quantize_item2(cur, codes, scales, g, rg, tbl);
-  }
-  if constexpr (kStream == kStreamCpAsync) {
-    asm volatile("cp.async.wait_all;\n" ::: "memory");  // the last (re-read) copy lands before the warp exits
   }
 }
 
@@ -790,6 +790,16 @@ void fp4kv_append_cuda(at::Tensor& k_codes, at::Tensor& k_scales, at::Tensor& v_
   const int64_t resident_warps = [&] {
     static const int occupancy[2] = {ctas_of(fp4kv_append_warp_kernel<2>), ctas_of(fp4kv_append_warp_kernel<4>)};
     if (stream) {
+      // =warp2-cp needs 4 x 34 KB of shared memory per SM: ask for the largest carveout (a hint; set before the
+      // occupancy query so that both see the same configuration)
+      static const cudaError_t carveout = [] {
+        const cudaError_t e = cudaFuncSetAttribute(fp4kv_append_warp2_stream_kernel<kStreamCpAsync>,
+                                                   cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                   (int)cudaSharedmemCarveoutMaxShared);
+        if (e != cudaSuccess) (void)cudaGetLastError();  // a hint only: clear it, the occupancy query decides
+        return e;
+      }();
+      (void)carveout;
       static const int occupancy_stream[2] = {ctas_of(fp4kv_append_warp2_stream_kernel<kStreamRegs>),
                                               ctas_of(fp4kv_append_warp2_stream_kernel<kStreamCpAsync>)};
       return (int64_t)sms * std::max(occupancy_stream[warp2_cp ? 1 : 0], 1) * kWarpsPerCta;
