@@ -4,10 +4,7 @@ Impls (TRACE_EXT_KV_APPEND_IMPL, read per call by the extension): "default" (uns
 items per resident warp, else the grid kernel), "grid" (the grid-stride kernel, two blocks per thread,
 reciprocal-quotient element path; the default before), "old" (the same kernel with the previous per-element path),
 "warp" (warp-stream kernel: contiguous warp chunks, incremental token / sequence / page walk, four blocks per item,
-exponent-magic RTN, scale-byte table), "warp2" (the same with two blocks per item: fewer registers), "warp2-pf"
-(warp2 with the next step's four 16-byte loads per lane issued before the current step's math: register double
-buffer, 3 CTAs / SM) and "warp2-cp" (the same through a per-warp shared-memory double buffer filled by cp.async:
-4 CTAs / SM). KV_APPEND_AB_IMPLS="default,warp2,warp2-pf" (comma-separated; "default" is always timed) times a subset.
+exponent-magic RTN, scale-byte table) and "warp2" (the same with two blocks per item: fewer registers).
 
 Timing of record: bench.common.do_bench_cold (median, L2 flushed before every call), the compiled op called
 directly. Each case is timed in ROUNDS rounds, every round timing every impl once in turn; the table reports the
@@ -32,9 +29,7 @@ from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, print_table, re
 import trace_ext  # noqa: E402
 
 ENV = "TRACE_EXT_KV_APPEND_IMPL"
-IMPLS = ("default", "grid", "old", "warp", "warp2", "warp2-pf", "warp2-cp")
-if os.environ.get("KV_APPEND_AB_IMPLS"):
-    IMPLS = ("default",) + tuple(i for i in os.environ["KV_APPEND_AB_IMPLS"].split(",") if i and i != "default")
+IMPLS = ("default", "grid", "old", "warp", "warp2")
 ROUNDS = 3
 TARGET = 70.0
 # (name, B, Hkv, tokens per sequence); the first is bench_kv.py's append row

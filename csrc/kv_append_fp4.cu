@@ -62,8 +62,7 @@
 //   byte, table, codes), and the loop without its rare branches (sequence change, general blocks) 952 instructions per
 //   64-element item (14.9 per element) at four blocks per item, 511 per 32 (16.0) at two (default: 22.9 executed).
 //   80 registers at four blocks per item (3 CTAs / SM), 61-62 at two (=warp2, 4 CTAs / SM); no spills. (A variant
-//   keeping the next item's loads in flight during the math at four blocks per item needed ~16 more registers and
-//   spilled; the opt-in =warp2-pf / =warp2-cp below do it at two blocks per item without spills.)
+//   keeping the next item's loads in flight during the math needed ~16 more registers and spilled: not kept.)
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -457,217 +456,6 @@ __global__ void __launch_bounds__(kAppendThreads) fp4kv_append_warp_kernel(const
   }
 }
 
-// ---- warp2 with the next step's loads in flight (TRACE_EXT_KV_APPEND_IMPL=warp2-pf / warp2-cp, opt-in) ----------
-// The warp2 kernel above issues a step's four 16-byte loads per lane and then ~500 instructions of math that need
-// them: one step's 2 KB per warp in flight at a time (Nsight at B8 x 4096: 41% of a warp's cycles stalled on the
-// loads, 2.0 eligible warps per scheduler). These variants issue the NEXT step's loads before the current step's
-// math. The walk (token, sequence, page) and the numerics are the warp2 kernel's: the same fast-path test, scale byte
-// and fast_codes8 per block; an item with a block outside the fast range takes the general block path
-// (quantize_block) for both blocks, out of line with the item passed by value, so no item data is live across the
-// call and no source pointer is kept (exact on every block, so the bytes are the warp2 kernel's for every input; the
-// GPU tests compare the variants with the default, warp2 and the reference). K or V is chosen per CTA (host: whole
-// CTAs per tensor), so the tensor's bases, g and 1/g sit in uniform registers: that is what keeps =warp2-pf at 80
-// registers without spills (per-warp choice as in warp2: 12-16 bytes spilled).
-// - kStreamRegs (=warp2-pf): the next item's four uint4 in registers (a register double buffer, +16 registers:
-//   __launch_bounds__(256, 3), 3 CTAs / SM instead of 4, grid sized by the occupancy API as for warp2).
-// - kStreamCpAsync (=warp2-cp): the next item's 64 bytes per lane copied global -> shared by four 16-byte
-//   cp.async.cg into the lane's half of a per-warp double buffer (two 2 KB slots per warp, 32 KB per CTA), read back
-//   by four ld.shared.v4 after cp.async.wait_group 1. Layout slot[j][lane] (uint4): the j-th 16 bytes of lane l at
-//   j * 512 + l * 16, so the 8 lanes of each LDS.128 phase read 128 contiguous bytes (no bank conflict; l * 64 + j *
-//   16 would be a 4-way conflict). A lane reads back only the bytes its own cp.async wrote (wait_group orders them
-//   for the issuing thread), so no __syncwarp / CTA barrier is needed and lanes may leave the loop at different
-//   steps. Registers stay at the warp2 level (4 CTAs / SM, 34 KB of shared memory each).
-// On a lane's last step =warp2-pf's "next" load re-reads the current item's address (in bounds, an L1 / L2 hit)
-// instead of branching around the loads; =warp2-cp commits an empty group (no copy is pending when a lane exits).
-// Static SASS (sm_90a, ptxas 13.0), the loop without sequence changes and general items, per 32-element item: warp2
-// 514, =warp2-pf 544 (~16 MOVs move the buffer; unrolling the loop twice to drop them spills 88 bytes at 80
-// registers), =warp2-cp 535 (four LDGSTS.128, a DEPBAR, four LDS.128; the current item's group was committed one step
-// earlier). Registers (sm_90a and sm_100a): warp2 61 (4 CTAs / SM), =warp2-pf 80 (3), =warp2-cp 64 (4, 34 KB shared
-// memory per CTA); no spills, no stack.
-constexpr int kStreamRegs = 1;
-constexpr int kStreamCpAsync = 2;
-
-__device__ __forceinline__ void cp_async_cg16(void* smem_dst, const void* gmem_src) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit_group() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_group1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
-
-// Both blocks of an item through the general block path (quantize_block, as quantize_block_general), out of line.
-__device__ __noinline__ void quantize_item2_general(uint4 r0, uint4 r1, uint4 r2, uint4 r3, uint8_t* codes,
-                                                    uint8_t* scales, float g) {
-  const uint4 src[4] = {r0, r1, r2, r3};
-  uint32_t code[4];
-  uint32_t scale_word = 0u;
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const uint4 lo = src[2 * j], hi = src[2 * j + 1];
-    const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    uint8_t sb;
-    quantize_block(words, g, true, sb, code[2 * j], code[2 * j + 1]);
-    scale_word |= (uint32_t)sb << (8 * j);
-  }
-  *reinterpret_cast<uint4*>(codes) = make_uint4(code[0], code[1], code[2], code[3]);
-  *reinterpret_cast<uint16_t*>(scales) = (uint16_t)scale_word;
-}
-
-// One item (two blocks) as the warp2 kernel computes it: per block the bf16 amax, the scale byte, the table entry and
-// the fast-path test; both blocks fast: fast_codes8, else both blocks by quantize_item2_general (the general block
-// path is exact on every block, so a fast block taking it writes the same bytes). One 16-byte code store and one
-// 2-byte scale store.
-__device__ __forceinline__ void quantize_item2(const uint4 (&raw)[4], uint8_t* codes,
-                                               uint8_t* scales, float g, float rg, const float2* tbl) {
-  uint32_t scale_word = 0u;
-  float2 tr[2];
-  bool fast = true;
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const uint4 lo = raw[2 * j], hi = raw[2 * j + 1];
-    uint32_t amax2 = __vmaxu2(__vmaxu2(lo.x & 0x7FFF7FFFu, lo.y & 0x7FFF7FFFu), lo.z & 0x7FFF7FFFu);
-    amax2 = __vmaxu2(__vmaxu2(amax2, lo.w & 0x7FFF7FFFu), hi.x & 0x7FFF7FFFu);
-    amax2 = __vmaxu2(__vmaxu2(amax2, hi.y & 0x7FFF7FFFu), hi.z & 0x7FFF7FFFu);
-    amax2 = __vmaxu2(amax2, hi.w & 0x7FFF7FFFu);
-    const uint32_t amax16 = max(amax2 & 0xFFFFu, amax2 >> 16);  // bf16 bits of the block's max |x|
-    const float amax = bf16_bits_to_float(amax16);
-    const bool scale_fast = amax16 - 0x2800u <= 0x5880u - 0x2800u;
-    const uint8_t s = e4m3_rn(div_rn_with_rcp(div_rn_with_rcp(amax, kE2M1Max, kRcp6), g, rg));
-    tr[j] = tbl[s & (kScaleTable - 1)];
-    fast = fast && scale_fast && __fmul_rn(amax, tr[j].y) <= 0x1p86f;  // NaN entry: false
-    scale_word |= (uint32_t)s << (8 * j);
-  }
-  if (fast) {
-    *reinterpret_cast<uint4*>(codes) =
-        make_uint4(fast_codes8(raw[0].x, raw[0].y, raw[0].z, raw[0].w, tr[0].x, tr[0].y),
-                   fast_codes8(raw[1].x, raw[1].y, raw[1].z, raw[1].w, tr[0].x, tr[0].y),
-                   fast_codes8(raw[2].x, raw[2].y, raw[2].z, raw[2].w, tr[1].x, tr[1].y),
-                   fast_codes8(raw[3].x, raw[3].y, raw[3].z, raw[3].w, tr[1].x, tr[1].y));
-    *reinterpret_cast<uint16_t*>(scales) = (uint16_t)scale_word;
-  } else {
-    quantize_item2_general(raw[0], raw[1], raw[2], raw[3], codes, scales, g);
-  }
-}
-
-template <int kStream>
-__global__ void __launch_bounds__(kAppendThreads, kStream == kStreamRegs ? 3 : 4)
-    fp4kv_append_warp2_stream_kernel(const AppendParams p) {
-  static_assert(kStream == kStreamRegs || kStream == kStreamCpAsync, "register or cp.async double buffer");
-  constexpr int kPer = 2;
-  constexpr int kVecs = 2 * kPer;  // 16-byte loads per item
-  __shared__ float2 table[2][kScaleTable];  // as in the warp2 kernel
-  // cp.async double buffer: [warp][slot][j][lane], 2 KB per slot (one uint4 slot for the register variant)
-  __shared__ uint4 stage[kStream == kStreamCpAsync ? kWarpsPerCta : 1][2][kVecs][32];
-  {
-    const int i = threadIdx.x;
-    const float g = i < kScaleTable ? p.g_k : p.g_v;
-    const float t = nvfp4_block_divisor((uint8_t)(i % kScaleTable), g);
-    const bool in_range = t >= 0x1p-100f && t <= 0x1p100f;
-    table[i / kScaleTable][i % kScaleTable] =
-        make_float2(__fmul_rn(t, 16384.0f), in_range ? __fmul_rn(__frcp_rn(t), 0x1p-14f) : __int_as_float(0x7FC00000));
-  }
-  __syncthreads();
-  // K or V per CTA (the host rounds warps_per_tensor up to whole CTAs for these kernels; the extra warps find no
-  // items): is_v and everything chosen by it (bases, g, 1/g) are CTA-uniform, held in uniform registers
-  const int warp_in_cta = (int)(threadIdx.x / 32);
-  const int lane = (int)(threadIdx.x % 32);
-  const int ctas_per_tensor = p.warps_per_tensor / kWarpsPerCta;
-  const bool is_v = (int)blockIdx.x >= ctas_per_tensor;
-  const int w = ((int)blockIdx.x - (is_v ? ctas_per_tensor : 0)) * kWarpsPerCta + warp_in_cta;
-  const int per_tensor = p.tokens * p.items_per_token;
-  int f = w * p.chunk + lane;
-  const int end = min(w * p.chunk + p.chunk, per_tensor);
-  if (f >= end) return;
-
-  const uint16_t* __restrict__ src_base = is_v ? p.v_new : p.k_new;
-  uint8_t* __restrict__ codes_base = is_v ? p.v_codes : p.k_codes;
-  uint8_t* __restrict__ scales_base = is_v ? p.v_scales : p.k_scales;
-  const float g = is_v ? p.g_v : p.g_k;
-  const float rg = is_v ? p.rg_v : p.rg_k;
-  const float2* tbl = table[is_v ? 1 : 0];
-  const int ni = p.head_dim / (kBlockElems * kPer);
-  const int nb = p.head_dim / kBlockElems;
-  // first bf16 element of item (tok, c)
-  const auto src_of = [&](int t, int cc) {
-    const int hd = fast_div(cc, p.ni_mul, p.ni_shr);
-    const int bk = (cc - hd * ni) * kPer;
-    return reinterpret_cast<const uint4*>(src_base + ((int64_t)t * p.heads + hd) * p.head_dim + bk * kBlockElems);
-  };
-
-  int tok = fast_div(f, p.it_mul, p.it_shr);
-  int c = f - tok * p.items_per_token;
-  int b = sequence_of_token_from(p.cu_seqlens, 0, p.batch, tok);
-  int cu_next = __ldg(p.cu_seqlens + b + 1);
-  int seq_off = __ldg(p.start_pos + b) - __ldg(p.cu_seqlens + b);
-  int pcol = -1;
-  int64_t prow = 0;
-
-  uint4 raw[kVecs];
-  uint4(*slots)[kVecs][32] = stage[kStream == kStreamCpAsync ? warp_in_cta : 0];
-  int slot = 0;
-  {
-    const uint4* src = src_of(tok, c);
-    if constexpr (kStream == kStreamRegs) {
-#pragma unroll
-      for (int j = 0; j < kVecs; ++j) raw[j] = __ldg(src + j);
-    } else {
-#pragma unroll
-      for (int j = 0; j < kVecs; ++j) cp_async_cg16(&slots[0][j][lane], src + j);
-      cp_async_commit_group();
-    }
-  }
-  for (int left = (end - f - 1) / 32; left >= 0; --left) {  // left: this lane's steps after the current one
-    // destination of the current item (the warp2 kernel's walk)
-    const int head = fast_div(c, p.ni_mul, p.ni_shr);
-    const int blk = (c - head * ni) * kPer;
-    if (tok >= cu_next) {  // this lane entered a later sequence
-      b = sequence_of_token_from(p.cu_seqlens, b + 1, p.batch, tok);
-      cu_next = __ldg(p.cu_seqlens + b + 1);
-      seq_off = __ldg(p.start_pos + b) - __ldg(p.cu_seqlens + b);
-      pcol = -1;
-    }
-    const int pos = tok + seq_off;
-    const int col = fast_div(pos, p.page_mul, p.page_shr);
-    if (col != pcol) {  // a new page: one block-table load
-      pcol = col;
-      prow = ((int64_t)__ldg(p.block_table + (int64_t)b * p.max_pages + col) - col) * p.page_size;
-    }
-    const int64_t cache_row = (prow + pos) * p.heads + head;
-    uint8_t* codes = codes_base + cache_row * (p.head_dim / 2) + blk * (kBlockElems / 2);
-    uint8_t* scales = scales_base + cache_row * nb + blk;
-    // next item of this lane (32 items on); on the last step =warp2-pf reads the current item again, =warp2-cp issues
-    // no copy
-    const bool more = left > 0;
-    const uint4* src = src_of(tok, c);  // the current item (=warp2-pf's last-step re-read; dead in =warp2-cp)
-    c += p.step_items;
-    tok += p.step_tokens;
-    if (c >= p.items_per_token) {
-      c -= p.items_per_token;
-      ++tok;
-    }
-    uint4 cur[kVecs];
-    if constexpr (kStream == kStreamRegs) {
-      const uint4* src_next = more ? src_of(tok, c) : src;
-#pragma unroll
-      for (int j = 0; j < kVecs; ++j) {
-        cur[j] = raw[j];
-        raw[j] = __ldg(src_next + j);
-      }
-    } else {
-      if (more) {  // (the last step commits an empty group)
-        const uint4* src_next = src_of(tok, c);
-#pragma unroll
-        for (int j = 0; j < kVecs; ++j) cp_async_cg16(&slots[slot ^ 1][j][lane], src_next + j);
-      }
-      cp_async_commit_group();
-      cp_async_wait_group1();  // this lane's copies of the current item have landed
-#pragma unroll
-      for (int j = 0; j < kVecs; ++j) cur[j] = slots[slot][j][lane];
-      slot ^= 1;
-    }
-    quantize_item2(cur, codes, scales, g, rg, tbl);
-  }
-}
-
 void check_cache_tensor(const at::Tensor& t, const char* name, int64_t width, const at::Tensor& ref_codes) {
   check_dtype(t, at::kByte, name);
   check_contiguous(t, name);
@@ -766,16 +554,11 @@ void fp4kv_append_cuda(at::Tensor& k_codes, at::Tensor& k_scales, at::Tensor& v_
   // TRACE_EXT_KV_APPEND_IMPL (read per call): unset = auto: the warp kernel with two blocks per item when every
   // resident warp gets at least 32 items (one item per lane: H200 A/B at 2071576, prefill 8 x 4096 1.12x, 32 x 1024
   // 1.10x), the grid kernel for smaller appends (decode steps: 256 sequences x 1 token, warp2 0.98x); =warp2 / =warp
-  // (four blocks per item where rows allow) force the warp kernel, =grid (and =old) the grid kernel; =warp2-pf /
-  // =warp2-cp force the warp2 variants that keep the next step's loads in flight (see their note above).
+  // (four blocks per item where rows allow) force the warp kernel, =grid (and =old) the grid kernel.
   const auto g_rcp_ok = [](float g) { return g >= 0x1p-50f && g <= 0x1p50f; };
   const bool warp4 = impl_env != nullptr && std::strcmp(impl_env, "warp") == 0;
   const bool warp2 = impl_env != nullptr && std::strcmp(impl_env, "warp2") == 0;
-  // =warp2-pf / =warp2-cp: warp2 with the next step's loads in flight (register / cp.async double buffer, opt-in)
-  const bool warp2_pf = impl_env != nullptr && std::strcmp(impl_env, "warp2-pf") == 0;
-  const bool warp2_cp = impl_env != nullptr && std::strcmp(impl_env, "warp2-cp") == 0;
-  const bool stream = warp2_pf || warp2_cp;
-  const bool auto_impl = impl_env == nullptr || (!warp4 && !warp2 && !stream && std::strcmp(impl_env, "grid") != 0 &&
+  const bool auto_impl = impl_env == nullptr || (!warp4 && !warp2 && std::strcmp(impl_env, "grid") != 0 &&
                                                  std::strcmp(impl_env, "old") != 0);
   const auto aligned = [](const at::Tensor& t, uintptr_t a) {
     return reinterpret_cast<uintptr_t>(t.data_ptr()) % a == 0;
@@ -789,30 +572,12 @@ void fp4kv_append_cuda(at::Tensor& k_codes, at::Tensor& k_scales, at::Tensor& v_
   const int wper = (warp4 && nb % 4 == 0 && aligned(k_scales, 4) && aligned(v_scales, 4)) ? 4 : 2;
   const int64_t resident_warps = [&] {
     static const int occupancy[2] = {ctas_of(fp4kv_append_warp_kernel<2>), ctas_of(fp4kv_append_warp_kernel<4>)};
-    if (stream) {
-      // =warp2-cp needs 4 x 34 KB of shared memory per SM: ask for the largest carveout (a hint; set before the
-      // occupancy query so that both see the same configuration)
-      static const cudaError_t carveout = [] {
-        const cudaError_t e = cudaFuncSetAttribute(fp4kv_append_warp2_stream_kernel<kStreamCpAsync>,
-                                                   cudaFuncAttributePreferredSharedMemoryCarveout,
-                                                   (int)cudaSharedmemCarveoutMaxShared);
-        if (e != cudaSuccess) (void)cudaGetLastError();  // a hint only: clear it, the occupancy query decides
-        return e;
-      }();
-      (void)carveout;
-      static const int occupancy_stream[2] = {ctas_of(fp4kv_append_warp2_stream_kernel<kStreamRegs>),
-                                              ctas_of(fp4kv_append_warp2_stream_kernel<kStreamCpAsync>)};
-      return (int64_t)sms * std::max(occupancy_stream[warp2_cp ? 1 : 0], 1) * kWarpsPerCta;
-    }
     return (int64_t)sms * std::max(occupancy[wper == 4 ? 1 : 0], 1) * kWarpsPerCta;
   }();
   const int64_t per_tensor = T * H * (nb / wper);  // items of K (and of V)
   const bool warp_ok = pair && g_rcp_ok(p.g_k) && g_rcp_ok(p.g_v);
-  if (warp_ok && (warp4 || warp2 || stream || (auto_impl && per_tensor >= 32 * resident_warps))) {
-    auto wkernel = warp2_pf   ? fp4kv_append_warp2_stream_kernel<kStreamRegs>
-                   : warp2_cp ? fp4kv_append_warp2_stream_kernel<kStreamCpAsync>
-                   : wper == 4 ? fp4kv_append_warp_kernel<4>
-                               : fp4kv_append_warp_kernel<2>;
+  if (warp_ok && (warp4 || warp2 || (auto_impl && per_tensor >= 32 * resident_warps))) {
+    auto wkernel = wper == 4 ? fp4kv_append_warp_kernel<4> : fp4kv_append_warp_kernel<2>;
     require_kernel_image(wkernel, op);
     const int64_t ni = nb / wper;
     p.items_per_token = (int)(H * ni);
@@ -830,9 +595,6 @@ void fp4kv_append_cuda(at::Tensor& k_codes, at::Tensor& k_scales, at::Tensor& v_
     const int64_t chunk = std::max<int64_t>(32, (per_tensor + want_per_tensor - 1) / want_per_tensor);
     p.chunk = (int)chunk;
     p.warps_per_tensor = (int)((per_tensor + chunk - 1) / chunk);
-    if (stream) {  // whole CTAs per tensor (the stream kernels choose K / V per CTA)
-      p.warps_per_tensor = (p.warps_per_tensor + kWarpsPerCta - 1) / kWarpsPerCta * kWarpsPerCta;
-    }
     const int wgrid = (int)((2 * (int64_t)p.warps_per_tensor + kWarpsPerCta - 1) / kWarpsPerCta);
     wkernel<<<wgrid, kAppendThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);
     check_launch(op);

@@ -50,10 +50,8 @@ def sequence_of_token_from(cu, lo, batch, token):
     return lo
 
 
-def warp_walk(counts, start, table, H, D, P, kper, sms, ctas_per_sm, stream=False):
-    """{(tensor, cache_row, first block): [(token, head, first block), ...]} as the warp kernel writes them.
-    stream=True: fp4kv_append_warp2_stream_kernel (=warp2-pf / =warp2-cp): warps_per_tensor rounded up to whole CTAs,
-    K or V chosen per CTA, the loop counted in steps left."""
+def warp_walk(counts, start, table, H, D, P, kper, sms, ctas_per_sm):
+    """{(tensor, cache_row, first block): [(token, head, first block), ...]} as the warp kernel writes them."""
     B = len(counts)
     cu = [0]
     for c in counts:
@@ -70,22 +68,14 @@ def warp_walk(counts, start, table, H, D, P, kper, sms, ctas_per_sm, stream=Fals
     want_per_tensor = max(1, resident_warps // 2)
     chunk = max(32, (per_tensor + want_per_tensor - 1) // want_per_tensor)
     warps_per_tensor = (per_tensor + chunk - 1) // chunk
-    if stream:
-        warps_per_tensor = (warps_per_tensor + WARPS_PER_CTA - 1) // WARPS_PER_CTA * WARPS_PER_CTA
     grid = (2 * warps_per_tensor + WARPS_PER_CTA - 1) // WARPS_PER_CTA
     flat_table = [x for row in table for x in row]
     written = {}
     for warp in range(grid * WARPS_PER_CTA):
-        if stream:
-            cta, warp_in_cta = divmod(warp, WARPS_PER_CTA)
-            ctas_per_tensor = warps_per_tensor // WARPS_PER_CTA
-            is_v = cta >= ctas_per_tensor
-            w = (cta - (ctas_per_tensor if is_v else 0)) * WARPS_PER_CTA + warp_in_cta
-        else:
-            if warp >= 2 * warps_per_tensor:
-                continue
-            is_v = warp >= warps_per_tensor
-            w = warp - warps_per_tensor if is_v else warp
+        if warp >= 2 * warps_per_tensor:
+            continue
+        is_v = warp >= warps_per_tensor
+        w = warp - warps_per_tensor if is_v else warp
         for lane in range(32):
             f = w * chunk + lane
             end = min(w * chunk + chunk, per_tensor)
@@ -97,8 +87,7 @@ def warp_walk(counts, start, table, H, D, P, kper, sms, ctas_per_sm, stream=Fals
             cu_next = cu[b + 1]
             seq_off = start[b] - cu[b]
             pcol, prow = -1, 0
-            left = (end - f - 1) // 32  # stream kernels: steps after the current one
-            while (left >= 0) if stream else (f < end):
+            while f < end:
                 head = fast_div(c, fd_ni)
                 blk = (c - head * ni) * kper
                 assert 0 <= tok < T and 0 <= head < H and 0 <= blk < nb  # the bf16 loads stay in the input
@@ -121,7 +110,6 @@ def warp_walk(counts, start, table, H, D, P, kper, sms, ctas_per_sm, stream=Fals
                     c -= items_per_token
                     tok += 1
                 f += 32
-                left -= 1
     return written
 
 
@@ -141,12 +129,12 @@ def expected_writes(counts, start, table, H, D, P, kper):
     return out
 
 
-def check(counts, start, H, D, P, kper, sms, ctas, seed, stream=False):
+def check(counts, start, H, D, P, kper, sms, ctas, seed):
     max_pages = math.ceil((max(s + c for s, c in zip(start, counts)) + 1) / P)
     pages = list(range(len(counts) * max_pages))
     random.Random(seed).shuffle(pages)
     table = [pages[i * max_pages : (i + 1) * max_pages] for i in range(len(counts))]
-    got = warp_walk(counts, start, table, H, D, P, kper, sms, ctas, stream)
+    got = warp_walk(counts, start, table, H, D, P, kper, sms, ctas)
     want = expected_writes(counts, start, table, H, D, P, kper)
     twice = [k for k, v in got.items() if len(v) > 1]
     assert not twice, f"items written twice, e.g. {twice[0]}: {got[twice[0]]}"
@@ -199,17 +187,3 @@ def test_walk_long_chunks(H):
     start = [0, 50, 1023, 7, 16]
     for kper in (4, 2):
         check(counts, start, H, 128, 16, kper, 4, 1, seed=kper)
-
-
-@pytest.mark.parametrize("sms,ctas", DEVICES)
-@pytest.mark.parametrize("P,H", [(1, 1), (7, 3), (16, 8)])
-def test_walk_stream_kernels(P, H, sms, ctas):
-    """=warp2-pf / =warp2-cp (fp4kv_append_warp2_stream_kernel): whole CTAs per tensor (the extra warps find no
-    items), K / V per CTA, steps counted down: every item once, at the default kernel's row, on the page-size / head
-    count batch, the adversarial batch and tiny appends."""
-    rng = random.Random(10 * P + H)
-    counts = [97, 33, 0, 250] + [1] * 40
-    start = [3, 0, 11, 6] + [rng.randrange(300) for _ in range(40)]
-    check(counts, start, H, 64, P, 2, sms, ctas, seed=P * 100 + H, stream=True)
-    check([300, 1, 0, 17, 64, 1, 1, 129], [5, 4095, 3, 0, 40, 7, 16, 1], H, 128, P, 2, sms, ctas, seed=H, stream=True)
-    check([0, 1, 0, 0], [0, 3, 0, 9], H, 64, P, 2, sms, ctas, seed=1, stream=True)

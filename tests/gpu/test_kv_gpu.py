@@ -417,11 +417,9 @@ def test_decode_heads8_merges_sets_with_far_apart_maxima(monkeypatch):
 # ---- append: warp-stream kernel (TRACE_EXT_KV_APPEND_IMPL=warp / warp2; the default picks warp2 for appends of at
 # least 32 items per resident warp, the grid kernel below that: =grid forces the grid kernel) -----------------------
 # "warp" takes four blocks per item where D % 64 == 0 (else two, else one), "warp2" at most two; both must write the
-# same bytes as the reference (and so as the default kernel). The switch is read per call. "warp2-pf" / "warp2-cp"
-# (opt-in): warp2 with the next step's loads in flight (register / cp.async shared-memory double buffer); same bytes.
+# same bytes as the reference (and so as the default kernel). The switch is read per call.
 
-APPEND_STREAM_IMPLS = ["warp2-pf", "warp2-cp"]
-APPEND_WARP_IMPLS = ["warp", "warp2"] + APPEND_STREAM_IMPLS
+APPEND_WARP_IMPLS = ["warp", "warp2"]
 
 
 def _append_both(impl, monkeypatch, cache_args, k, v, table, cu, sp):
@@ -563,99 +561,3 @@ def test_append_warp_kernel_rtn_rounding_is_exhaustively_exact():
         bad = ((h >> 9) != ref) | ((h & 0xF1FF) != 0)
         assert not bad.any(), f"first mismatch at u bits {hex(int(b[bad.nonzero()[0]]))}"
         del b, u, m, g, h, a, ref, bad
-
-
-# ---- append: warp2-pf / warp2-cp against the default and warp2 on the same inputs ---------------------------------
-
-
-def _append_impls(impls, cache_args, k, v, table, cu, sp, monkeypatch):
-    """{impl: cache written by the CUDA op under TRACE_EXT_KV_APPEND_IMPL=impl ("default": unset)}."""
-    out = {}
-    for impl in impls:
-        c = PagedFP4KVCache(*cache_args[:4], device=DEV, **cache_args[4])
-        if impl == "default":
-            monkeypatch.delenv("TRACE_EXT_KV_APPEND_IMPL", raising=False)
-        else:
-            monkeypatch.setenv("TRACE_EXT_KV_APPEND_IMPL", impl)
-        ops.fp4kv_append(c, k, v, table, cu, sp, backend="cuda")
-        out[impl] = c
-    monkeypatch.delenv("TRACE_EXT_KV_APPEND_IMPL", raising=False)
-    return out
-
-
-@pytest.mark.parametrize("impl", APPEND_STREAM_IMPLS)
-@pytest.mark.parametrize("case", ["prefill-bench", "decode-256", "mixed-adversarial", "small-H1-P7"])
-def test_append_stream_variants_match_default_and_warp2(impl, case, monkeypatch):
-    """warp2-pf / warp2-cp write exactly the default's and warp2's cache bytes (codes and scales): the bench's prefill
-    chunk (8 x 4096 tokens, H_kv 8, D 128, written at token 1000: partially filled first and last pages; the default
-    is warp2 here), 256 single decode tokens at random positions (the default is the grid kernel; the variants run
-    with a few items per warp and idle lanes), prefill chunks and decode tokens of adversarial rows (zero / NaN / Inf /
-    tiny / huge blocks: the general path) with an empty sequence, and H_kv 1 with page size 7 (a page change every
-    few steps, sequence boundaries inside a warp step). The small cases are also checked against the reference."""
-    seeds = {"prefill-bench": 11, "decode-256": 12, "mixed-adversarial": 13, "small-H1-P7": 14}
-    gen = torch.Generator(device=DEV).manual_seed(seeds[case])
-    if case == "prefill-bench":
-        B, H, D, P, chunk = 8, 8, 128, 16, 4096
-        counts, start = [chunk] * B, [1000] * B
-        max_pages = math.ceil((1000 + chunk) / P)
-        k = torch.randn(B * chunk, H, D, generator=gen, device=DEV)
-        k[..., ::17] *= 30.0
-        k = k.to(torch.bfloat16)
-        v = torch.randn(B * chunk, H, D, generator=gen, device=DEV).to(torch.bfloat16)
-        g = (0.01, 0.02)
-    elif case == "decode-256":
-        B, H, D, P = 256, 8, 128, 16
-        counts = [1] * B
-        start = torch.randint(0, 500, (B,), generator=gen, device=DEV).tolist()
-        max_pages = 512 // P
-        k = adversarial_rows(B, H, D, gen)
-        v = (torch.randn(B, H, D, generator=gen, device=DEV) * 3.0).to(torch.bfloat16)
-        g = (1.0, 0.0123)
-    elif case == "mixed-adversarial":
-        H, D, P = 8, 128, 16
-        counts = [300, 1, 0, 17, 64, 1, 1, 129, 2000]
-        start = [5, 4095, 3, 0, 40, 7, 16, 1, 33]
-        B = len(counts)
-        max_pages = 4096 // P + 1
-        k = adversarial_rows(sum(counts), H, D, gen)
-        v = adversarial_rows(sum(counts), H, D, gen)
-        g = (1.0, 3.0)
-    else:
-        H, D, P = 1, 64, 7
-        counts = [97, 33, 0, 250] + [1] * 40
-        start = [3, 0, 11, 6] + torch.randint(0, 300, (40,), generator=gen, device=DEV).tolist()
-        B = len(counts)
-        max_pages = math.ceil((max(s + c for s, c in zip(start, counts)) + 1) / P)
-        k = adversarial_rows(sum(counts), H, D, gen)
-        v = (torch.randn(sum(counts), H, D, generator=gen, device=DEV) * 7.0).to(torch.bfloat16)
-        g = (0.37, 1.0)
-    pages = B * max_pages
-    table = torch.randperm(pages, generator=gen, device=DEV).reshape(B, max_pages).to(torch.int32)
-    cu = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-    sp = torch.tensor(start, dtype=torch.int32, device=DEV)
-    cache_args = (pages, P, H, D, dict(g_k=g[0], g_v=g[1]))
-    caches = _append_impls(["default", "warp2", impl], cache_args, k, v, table, cu, sp, monkeypatch)
-    _assert_same_cache(caches[impl], caches["default"], f"{case}: {impl} vs default")
-    _assert_same_cache(caches[impl], caches["warp2"], f"{case}: {impl} vs warp2")
-    if case != "prefill-bench":  # the whole bench chunk is slow on the reference backend
-        ref = PagedFP4KVCache(*cache_args[:4], device=DEV, **cache_args[4])
-        ops.fp4kv_append(ref, k, v, table, cu, sp, backend="reference")
-        _assert_same_cache(caches[impl], ref, f"{case}: {impl} vs reference")
-
-
-@pytest.mark.parametrize("impl", APPEND_STREAM_IMPLS)
-def test_append_stream_variants_are_deterministic_over_calls(impl, monkeypatch):
-    """Two appends of the same rows through the same variant write the same bytes (no dependence on which lane or
-    warp finishes first: every item is written once, by one lane)."""
-    gen = torch.Generator(device=DEV).manual_seed(3)
-    B, H, D, P, chunk = 4, 8, 128, 16, 1000
-    table = torch.randperm(B * 64, generator=gen, device=DEV).reshape(B, 64).to(torch.int32)
-    k = adversarial_rows(B * chunk, H, D, gen)
-    v = adversarial_rows(B * chunk, H, D, gen)
-    cu = torch.arange(0, B * chunk + 1, chunk, dtype=torch.int32, device=DEV)
-    sp = torch.tensor([0, 5, 16, 17], dtype=torch.int32, device=DEV)
-    caches = [
-        _append_impls([impl], (B * 64, P, H, D, dict(g_k=0.5, g_v=2.0)), k, v, table, cu, sp, monkeypatch)[impl]
-        for _ in range(2)
-    ]
-    _assert_same_cache(caches[0], caches[1], f"{impl} twice")
