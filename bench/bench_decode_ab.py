@@ -14,9 +14,7 @@ for equal bits, so a broken variant never reports a time; pair2_bit_equal is the
 equals stream (their K splits differ, so a few fp32 sums round differently).
 Run: python bench/bench_decode_ab.py [shape indices 0 1 2]; one shape with all 10 kernels + cuBLAS takes ~40 s on an
 H200 (results in decode_ab_h200[_s<indices>].{json,md} under $BENCH_OUT or bench/results/); DECODE_AB_IMPLS=a,b,...
-times stream, default and a subset. A "-w24" name (common.impl_switch) also sets TRACE_EXT_KSLAB_WARPS=24: kslab-w24 =
-the default with 24 / 20 warps per K-slab CTA at 8 / 16 rows, kslab2-w24 the same on the second packed form (a
-<name>_vs_default column each), e.g. DECODE_AB_IMPLS=kslab-w24 python bench/bench_decode_ab.py (~15 s per shape).
+times stream, default and a subset.
 """
 from __future__ import annotations
 
@@ -29,8 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gemm import _rot  # noqa: E402
 from common import (  # noqa: E402
-    WIDE_SUFFIX, check_gemm_bound, copy_bandwidth_gbs, do_bench_cold, env_stamp, impl_switch, nvfp4_f64, print_table,
-    write_results)
+    check_gemm_bound, copy_bandwidth_gbs, do_bench_cold, env_stamp, env_switch, nvfp4_f64, print_table, write_results)
 
 import trace_ext.ops as O  # noqa: E402
 from trace_ext import reference as ref  # noqa: E402
@@ -49,12 +46,12 @@ if os.environ.get("DECODE_AB_IMPLS"):
     IMPLS = ("stream", "default", *(v for v in os.environ["DECODE_AB_IMPLS"].split(",") if v not in ("", "stream",
                                                                                                        "default")))
 # pairs that must give the same bits (the same kernel on the other packed form)
-TWINS = (("pair3", "pair2"), ("stream2", "stream"), ("kslab2", "kslab"), ("auto2", "auto"), ("kslab2-w24", "kslab-w24"))
+TWINS = (("pair3", "pair2"), ("stream2", "stream"), ("kslab2", "kslab"), ("auto2", "auto"))
 
 
 def _with_impl(impl, fn):
-    """Calls fn with TRACE_EXT_DECODE_IMPL set to impl (None: unset, the default kernel; "-w24": common.impl_switch)."""
-    with impl_switch(ENV, impl):
+    """Calls fn with TRACE_EXT_DECODE_IMPL set to impl (None: unset, the default kernel)."""
+    with env_switch(ENV, impl):
         return fn()
 
 
@@ -119,7 +116,6 @@ def main():
             row.update({f"{k}_ms": ms[k] for k in (*IMPLS, "cublas")})
             row.update({f"{k}_%BW": bw(ms[k]) for k in IMPLS})
             row.update({f"{k}_speedup": ms["stream"] / ms[k] for k in IMPLS if k != "stream"})
-            row.update({f"{k}_vs_default": ms["default"] / ms[k] for k in IMPLS if k.endswith(WIDE_SUFFIX)})
             if "auto2" in ms:
                 row["auto2_vs_best"] = best / ms["auto2"]
             row["best_impl"] = min(IMPLS, key=lambda k: ms[k])

@@ -13,9 +13,7 @@ checked against the float64 reference bound of the GPU tests (1 bf16 ulp + the f
 active expert, so a broken variant never reports a time. %copyBW is on the active experts' bytes (codes + scales) + A +
 Y; speedups are against the first kernel and against grouped_mm.
 Run: python bench/bench_decode_grouped_ab.py (~45-60 s on an H200; results in decode_grouped_ab_h200.{json,md} under
-$BENCH_OUT or bench/results/). A "-w24" value (common.impl_switch) also sets TRACE_EXT_KSLAB_WARPS=24 (24 / 20 warps
-per K-slab CTA for units of 8 / 16 rows), e.g. GROUPED_AB_IMPLS=kslab-grouped,kslab-grouped-w24 (~40 s) or
-GROUPED_AB_IMPLS=kslab-flat,kslab-flat-w24.
+$BENCH_OUT or bench/results/).
 """
 from __future__ import annotations
 
@@ -29,8 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gemm import _rot, routed_offsets  # noqa: E402
 from common import (  # noqa: E402
-    WIDE_SUFFIX, check_gemm_bound, copy_bandwidth_gbs, do_bench_cold, env_stamp, env_switch, impl_switch, nvfp4_f64,
-    print_table, write_results)
+    check_gemm_bound, copy_bandwidth_gbs, do_bench_cold, env_stamp, env_switch, nvfp4_f64, print_table, write_results)
 
 import trace_ext.ops as O  # noqa: E402
 from trace_ext import reference as ref  # noqa: E402
@@ -53,12 +50,11 @@ IMPLS = tuple(os.environ.get(
 
 @contextlib.contextmanager
 def _env(impl):
-    """impl = a TRACE_EXT_DECODE_IMPL value ("default": unset; a "-w24" suffix: wide CTAs, common.impl_switch),
-    optionally followed by @VAR=VALUE settings of further switches, e.g. kslab-grouped@TRACE_EXT_KSLAB_GRP_PLAN=v1."""
+    """impl = a TRACE_EXT_DECODE_IMPL value ("default": unset), optionally followed by @VAR=VALUE settings of further
+    switches, e.g. kslab-grouped@TRACE_EXT_KSLAB_GRP_PLAN=v1."""
     name, *extra = impl.split("@")
-    name = None if name == "default" else "kslab" + WIDE_SUFFIX if name == "default" + WIDE_SUFFIX else name
     with contextlib.ExitStack() as stack:
-        stack.enter_context(impl_switch(ENV, name))
+        stack.enter_context(env_switch(ENV, None if name == "default" else name))
         for setting in extra:
             var, value = setting.split("=", 1)
             stack.enter_context(env_switch(var, value))
@@ -129,9 +125,7 @@ def main():
         del sets
         torch.cuda.empty_cache()
     print_table(rows)
-    impls = os.environ.get("GROUPED_AB_IMPLS")
-    command = (f"GROUPED_AB_IMPLS={impls} " if impls else "") + "python bench/bench_decode_grouped_ab.py"
-    path = write_results("decode_grouped_ab_h200", rows, env_stamp(command),
+    path = write_results("decode_grouped_ab_h200", rows, env_stamp("python bench/bench_decode_grouped_ab.py"),
                          notes=f"copy BW {copy_bw:.0f} GB/s; medians of {ROUNDS} interleaved rounds")
     print(f"wrote {path}")
 

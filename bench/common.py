@@ -45,25 +45,6 @@ def env_switch(name: str, value: str | None):
             os.environ[name] = saved
 
 
-KSLAB_WARPS_ENV = "TRACE_EXT_KSLAB_WARPS"
-WIDE_SUFFIX = "-w24"
-
-
-@contextlib.contextmanager
-def impl_switch(name: str, impl: str | None):
-    """env_switch(name, impl) for a kernel-variant name of the decode A/B benches, where a "-w24" suffix also sets
-    TRACE_EXT_KSLAB_WARPS=24 (the K-slab kernels with 24 / 20 warps per CTA at 8 / 16 rows; read per call):
-    kslab-w24 = the default kernel (name unset) with wide CTAs, kslab2-w24 / kslab-grouped-w24 / kslab-flat-w24 = that
-    value of `name` with wide CTAs. Without the suffix TRACE_EXT_KSLAB_WARPS is unset inside the block (16 warps)."""
-    warps = None
-    if impl is not None and impl.endswith(WIDE_SUFFIX):
-        impl, warps = impl[: -len(WIDE_SUFFIX)], "24"
-        if impl == "kslab":
-            impl = None
-    with env_switch(name, impl), env_switch(KSLAB_WARPS_ENV, warps):
-        yield
-
-
 def do_bench_cold(fn, rep_ms: int = 200, warmup_ms: int = 25) -> float:
     """Median milliseconds with a cold L2 (do_bench clears the cache before every timed call)."""
     import triton.testing

@@ -89,34 +89,11 @@
 //    triples, equal to +-1 block) fix that: 1.12x / 1.26x there (61% of copy, 3.3x grouped_mm at gate_up T = 16), but
 //    a range crossing a unit boundary runs two jobs with their own A staging, ramp and drain, so flat lost 0.89-0.98x
 //    where whole jobs filled their rounds (T = 64, 256) or were short (T = 1). The default decides on the device from
-//    the real unit count, by the smaller estimated makespan (grouped_flat_pays). TRACE_EXT_DECODE_IMPL=kslab-grouped /
-//    kslab-flat force one order.
+//    the real unit count: flat when the whole jobs fill < 80% of their rounds and the flat range has >= 128 tiles per
+//    CTA. TRACE_EXT_DECODE_IMPL=kslab-grouped / kslab-flat force one order.
 //  - Risks: one barrier-separated job at a time per CTA: the A staging and ring ramp of each job are not overlapped
 //    (jobs are large: >= 64 tiles; flat ranges run up to 1 + range / unit jobs); the plan's unit estimate (for C)
 //    assumes uniform routing; 126 registers at 32 rows.
-//
-// Wide CTAs (opt-in TRACE_EXT_KSLAB_WARPS=24, read per call; dense and grouped, jobs and flat modes, kslab2 too):
-//  - Why: ncu on the H200 shows the K-slab kernels issue-latency bound, not DRAM bound (grouped Qwen3 T = 1: 4.0 warps
-//    per scheduler, 1.02 eligible, 0.53 issued per cycle, DRAM 24 %; dense M = 1 14336 x 4096: 16.7 us against
-//    ~10.5 us for a copy of the bytes, ~2850 cycles per warp per 364-instruction tile). More resident warps per SM
-//    should give the schedulers more eligible warps.
-//  - What: the warp count is a template parameter kWarps of both kernels and of every helper that depends on it
-//    (kslab_first / kslab_warp_of, the A staging loops, the ring / A / unit-prefix layout, ws_seg = CTAs x kWarps x 2
-//    fragments, the plans' max slab length kslab_max_l / kslab_grp_max_l). kslab_wide_warps(MT8): 24 warps (768
-//    threads, <= 80 registers) up to 8 rows, 20 warps (640 threads, <= 96 registers) at 16 rows, 16 at 32 rows.
-//    The 16-warp instantiations compile to the same SASS as before (byte for byte, sm_90a).
-//  - Shared memory: 3 ring slots per warp at 24 / 20 warps (24 x 4 x 2304 B = 216 KB would leave no room for A):
-//    48 / 40 tiles ahead per SM (16 warps: 48 / 32). Rings 162 / 135 KB; A slab of the full 8 MT8
-//    rows, so L <= 16 / 11 (dense), 15 / 10 (grouped; unit prefix 4208 / 4192 B). The 132-SM plans equal the 16-warp
-//    ones on the bench rows except dense 4096 x 14336 at 16 rows: (L, S, C) = (7, 8, 16) instead of (14, 4, 33).
-//  - Registers (sm_90a, no spills): dense 63 / 56 (W4A4) at 8 rows, 72 / 71 at 16 rows; grouped 72 / 70 at 8 rows,
-//    95 / 93 at 16 rows (flat 72 / 72 and 96 / 96). The per-tile loop is the 16-warp one (j loop of the dense kernel
-//    592 / 816 against 591 / 815 instructions; grouped jobs 611 / 839 against 606 / 837); the flat grouped kernel at
-//    24 / 20 warps carries ~15-17 more address instructions per tile (629 / 858 against 609 / 840).
-//  - Numbers: only the split of a CTA's items over warps differs (other warp segments, added in warp order): within
-//    the SPEC 7 bound, deterministic, not bit-equal to the 16-warp kernels.
-//  - Risks: 2 instead of 3 tiles ahead per warp at 8 rows (same 48 per SM); the 16-row dense plan at long K takes
-//    twice the slabs; 96 of 96 registers for the grouped 16-row flat kernels (no spills today, none to spare).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -137,11 +114,8 @@
 namespace trace_ext {
 namespace gemm_w4 {
 
-constexpr int kKsWarps = 16;                 // warps of a CTA (one CTA per SM): the default
-// opt-in (TRACE_EXT_KSLAB_WARPS=24, read per call): more warps per CTA where the registers allow them (one CTA per
-// SM of W warps: <= 65536 / (32 W) registers): 24 warps up to 8 rows (<= 80 registers), 20 warps at 16 rows (<= 96);
-// 32 rows keep 16 warps (94-126 registers)
-constexpr int kslab_wide_warps(int mt8) { return mt8 == 1 ? 24 : mt8 == 2 ? 20 : kKsWarps; }
+constexpr int kKsWarps = 16;                 // warps of a CTA (one CTA per SM)
+constexpr int kKsThreads = kKsWarps * 32;
 constexpr int kKsSuperK = 256;               // K per packed super-tile
 constexpr int kKsTileBytes = 2304;           // one (16-row block, super-tile) of the decode layout
 constexpr int kKsCodeBytes = 2048;           // its codes; then 8 scale bytes per lane
@@ -152,21 +126,15 @@ static_assert(kKsTileBytes == 16 * kKsSuperK / 2 + 16 * kKsSuperK / 16 && kKsCod
               "packed super-tile layout (reference_gemm.to_decode_layout)");
 static_assert(kKsRowBytes % 128 == 0 && kKsRowPad % 128 == 16, "A row stride must be 16 mod 128 bytes");
 
-// ring slots per warp for MT8 8-row groups and W warps (see the design note): 4 only at 8 rows and 16 warps (24 warps
-// x 4 slots = 221 KB would leave no room for A; 3 slots of 24 warps keep today's 48 tiles in flight per SM)
-constexpr int kslab_stages(int mt8, int warps = kKsWarps) { return mt8 == 1 && warps == kKsWarps ? 4 : 3; }
-constexpr int kslab_ring_bytes(int mt8, int warps = kKsWarps) {
-  return warps * kslab_stages(mt8, warps) * kKsTileBytes;
-}
+// ring slots per warp for MT8 8-row groups (see the design note)
+constexpr int kslab_stages(int mt8) { return mt8 == 1 ? 4 : 3; }
+constexpr int kslab_ring_bytes(int mt8) { return kKsWarps * kslab_stages(mt8) * kKsTileBytes; }
 // longest slab (super-tiles) whose A rows fit beside the rings
-constexpr int kslab_max_l(int mt8, int warps = kKsWarps) {
-  return ((kKsSmemMax - kslab_ring_bytes(mt8, warps)) / (8 * mt8) - kKsRowPad) / kKsRowBytes;
+constexpr int kslab_max_l(int mt8) {
+  return ((kKsSmemMax - kslab_ring_bytes(mt8)) / (8 * mt8) - kKsRowPad) / kKsRowBytes;
 }
 static_assert(kslab_max_l(1) >= 16 && kslab_max_l(2) >= 8 && kslab_max_l(4) >= 4,
               "the A slab must hold at least 4 super-tiles beside the rings");
-static_assert(kslab_max_l(1, kslab_wide_warps(1)) >= 16 && kslab_max_l(2, kslab_wide_warps(2)) >= 8 &&
-                  kslab_max_l(4, kslab_wide_warps(4)) >= 4,
-              "wide CTAs: the A slab must hold at least 4 super-tiles beside the rings");
 
 // shared-memory accesses by 32-bit shared addresses (computed once per warp; a generic pointer makes the compiler
 // rebuild the shared window base of every cp.async destination per tile)
@@ -204,12 +172,9 @@ __device__ __forceinline__ int ks_ticket_add(int* tk) {
   return ticket;
 }
 
-// the first of the I items of warp w (of kWarps), and the warp whose item range holds item j
-template <int kWarps>
-__device__ __forceinline__ int kslab_first(int w, int I) { return (int)((int64_t)I * w / kWarps); }
-template <int kWarps>
-__device__ __forceinline__ int kslab_warp_of(int j, int I) {
-  return (int)(((int64_t)(j + 1) * kWarps - 1) / I);
+__device__ __forceinline__ int kslab_first(int w, int I) { return (int)((int64_t)I * w / kKsWarps); }
+__device__ __forceinline__ int kslab_warp_of(int j, int I) {  // the warp whose item range holds item j
+  return (int)(((int64_t)(j + 1) * kKsWarps - 1) / I);
 }
 
 // One job of a K-slab kernel as the CTA sees it: K slab s of S (super-tiles kt0 .. kt0 + Ls - 1) of the 16-row
@@ -251,25 +216,24 @@ struct KsRing {
 // cp.async group issued before the weight ring's first groups. Rows rows .. 8 MT8 - 1 are not written: MMA columns are
 // independent, so they only feed accumulator columns m >= rows, which are never stored (nor combined with stored
 // ones).
-template <int kWarps, class ASrc>
+template <class ASrc>
 __device__ __forceinline__ void kslab_stage_a_bf16(uint8_t* a_s, ASrc&& a_src, int rows, int K, int a_stride, int Ls) {
   const int chunks = Ls * (kKsRowBytes / 16);  // 16-byte chunks per row
   const uint8_t* a_g = a_src();
   for (int r = 0; r < rows; ++r)
-    for (int cc = threadIdx.x; cc < chunks; cc += kWarps * 32)
+    for (int cc = threadIdx.x; cc < chunks; cc += kKsThreads)
       cp_async16(a_s + r * a_stride + cc * 16, a_g + (int64_t)r * K * 2 + cc * 16, true);
   cp_async_commit();
 }
 
 // W4A4 A: rows a_row0 .. a_row0 + rows - 1 of the slab dequantized once into a_s (exactly load_act_frags' values:
 // bf16 q * s * 2^-7), while the weight groups are in flight
-template <int kWarps>
 __device__ __forceinline__ void kslab_stage_a_fp4(const GemmParams& p, uint8_t* a_s, int a_row0, int rows, int kt0,
                                                   int Ls, int a_stride) {
   const int K = p.K;
   const int blocks = Ls * (kKsSuperK / 16);  // NVFP4 blocks of 16 per row
   for (int rr = 0; rr < rows; ++rr)
-    for (int b = threadIdx.x; b < blocks; b += kWarps * 32) {
+    for (int b = threadIdx.x; b < blocks; b += kKsThreads) {
       const int kb = kt0 * (kKsSuperK / 16) + b;
       const int64_t row = a_row0 + rr;
       const uint2 cw2 = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const uint8_t*>(p.a) +
@@ -316,7 +280,7 @@ __device__ __forceinline__ void kslab_job_start(KsRing<kStages>& r, const GemmPa
 // slab-partial arrival / reduction. seg_base: the CTA's segment slots (+ lane). The kernel-specific parts:
 // store_y(nb, v) (Y of block nb from its fp32 sums), slab_partial(ss, nb) (the lane's slab ss partial of block nb),
 // arrive(nb) (lane 0: adds 1 to block nb's self-resetting ticket, ks_ticket_add; 1 for the last of the S slabs).
-template <int MT8, int kStages, bool kForm2, int kWarps, class StoreY, class SlabPartial, class Arrive>
+template <int MT8, int kStages, bool kForm2, class StoreY, class SlabPartial, class Arrive>
 __device__ __forceinline__ void kslab_job_stream(const KsJob& jb, KsRing<kStages>& r, uint8_t* a_s, float* seg_base,
                                                  int warp_id, int lane, StoreY&& store_y, SlabPartial&& slab_partial,
                                                  Arrive&& arrive) {
@@ -428,10 +392,10 @@ __device__ __forceinline__ void kslab_job_stream(const KsJob& jb, KsRing<kStages
     for (int i = 0; i < MT8; ++i)
 #pragma unroll
       for (int cc = 0; cc < 4; ++cc) v[i][cc] = 0.f;
-    const int wl = kslab_warp_of<kWarps>((xl + 1) * Ls - 1, I);
+    const int wl = kslab_warp_of((xl + 1) * Ls - 1, I);
     for (int ww = warp_id; ww <= wl; ++ww) {
-      const int f = kslab_first<kWarps>(ww, I);
-      if (f == kslab_first<kWarps>(ww + 1, I)) continue;  // no items
+      const int f = kslab_first(ww, I);
+      if (f == kslab_first(ww + 1, I)) continue;  // no items
       const float* src = seg_base + ((int64_t)ww * 2 + (f < xl * Ls ? 1 : 0)) * (kFrag * 32);
 #pragma unroll
       for (int i = 0; i < MT8; ++i)
@@ -467,10 +431,10 @@ __device__ __forceinline__ void kslab_job_stream(const KsJob& jb, KsRing<kStages
   }
 }
 
-// ws_slab: [S][N / 16][kFrag][32] fp32 slab partials (S > 1); ws_seg: [C * S][kWarps][2][kFrag][32] fp32 partials
-// of the blocks split between warps of a CTA. Grid (C, S), kWarps warps per CTA.
-template <int MT8, bool kAFp4, int kStages, bool kForm2, int kWarps>
-__global__ void __launch_bounds__(kWarps * 32, 1)
+// ws_slab: [S][N / 16][kFrag][32] fp32 slab partials (S > 1); ws_seg: [C * S][kKsWarps][2][kFrag][32] fp32 partials
+// of the blocks split between warps of a CTA. Grid (C, S).
+template <int MT8, bool kAFp4, int kStages, bool kForm2>
+__global__ void __launch_bounds__(kKsThreads, 1)
     gemm_w4_decode_kslab_kernel(const GemmParams p, float* __restrict__ ws_slab, float* __restrict__ ws_seg,
                                 int* __restrict__ tickets, int L) {
   static_assert(kStages >= 2, "a cp.async ring needs at least 2 slots");
@@ -487,20 +451,20 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   const int I = (nb1 - nb0) * Ls;  // items (block, k tile) of this CTA, block-major
   const int a_stride = Ls * kKsRowBytes + kKsRowPad;
   uint8_t* const ring = ks_smem + warp_id * kStages * kKsTileBytes;
-  uint8_t* const a_s = ks_smem + kWarps * kStages * kKsTileBytes;
-  const int i0 = kslab_first<kWarps>(warp_id, I), i1 = kslab_first<kWarps>(warp_id + 1, I);
+  uint8_t* const a_s = ks_smem + kKsWarps * kStages * kKsTileBytes;
+  const int i0 = kslab_first(warp_id, I), i1 = kslab_first(warp_id + 1, I);
   const float fold = kAFp4 ? kUnfoldW4A4 : kUnfoldW4A16;
 
   // ---- A slab -> shared memory (bf16: cp.async; W4A4: dequantized in the job body while the weights stream in)
   if constexpr (!kAFp4)
-    kslab_stage_a_bf16<kWarps>(
-        a_s, [&] { return reinterpret_cast<const uint8_t*>(p.a) + (int64_t)kt0 * kKsRowBytes; }, M, K, a_stride, Ls);
+    kslab_stage_a_bf16(a_s, [&] { return reinterpret_cast<const uint8_t*>(p.a) + (int64_t)kt0 * kKsRowBytes; }, M, K,
+                       a_stride, Ls);
 
   const KsJob jb{s, S, kt0, Ls, nb0, I, a_stride, i0, i1};
   KsRing<kStages> wr;
   kslab_job_start<kAFp4, kStages>(wr, p, jb, p.w_packed, 0, M, ring, a_s, lane,
                                                        [] { return ks_evict_first_policy(); });
-  if constexpr (kAFp4) kslab_stage_a_fp4<kWarps>(p, a_s, 0, M, kt0, Ls, a_stride);
+  if constexpr (kAFp4) kslab_stage_a_fp4(p, a_s, 0, M, kt0, Ls, a_stride);
   if constexpr (!kAFp4) cp_async_wait<kStages - 1>();  // this thread's A group (the oldest) is complete
   __syncthreads();                                     // and every thread's A chunks are visible
 
@@ -526,8 +490,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     }
     return last;
   };
-  float* const seg_base = ws_seg + ((int64_t)(s * C + c) * kWarps) * 2 * (kFrag * 32) + lane;
-  kslab_job_stream<MT8, kStages, kForm2, kWarps>(jb, wr, a_s, seg_base, warp_id, lane, store_y, slab_partial, arrive);
+  float* const seg_base = ws_seg + ((int64_t)(s * C + c) * kKsWarps) * 2 * (kFrag * 32) + lane;
+  kslab_job_stream<MT8, kStages, kForm2>(jb, wr, a_s, seg_base, warp_id, lane, store_y, slab_partial, arrive);
 #endif
 }
 
@@ -538,20 +502,14 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 // (blockIdx-strided), or over the jobs of its flat range (kGrpFlat / kGrpAuto). Per job the CTA stages the unit's rows r_lo .. r_hi - 1 of A[:, slab] in shared memory (behind a
 // barrier: the previous job's reads are done), then runs the dense kernel's job body (kslab_job_start /
 // kslab_job_stream) on the expert's weights (w_packed + e * exp_bytes). Workspace: ws_slab
-// [max_units][S][N / 16][kFrag][32], ws_seg [gridDim.x][kWarps][2][kFrag][32] (reused job after job: the barrier
+// [max_units][S][N / 16][kFrag][32], ws_seg [gridDim.x][kKsWarps][2][kFrag][32] (reused job after job: the barrier
 // opening the next job orders the finisher's reads before the next writes), tickets [max_units][N / 16].
-constexpr int kslab_grp_pref_bytes(int warps = kKsWarps) {  // s_pref + scan sums
-  return ((kMaxExperts + 1) * 4 + warps * 4 + 15) / 16 * 16;
-}
-constexpr int kslab_grp_max_l(int mt8, int warps = kKsWarps) {
-  return ((kKsSmemMax - kslab_ring_bytes(mt8, warps) - kslab_grp_pref_bytes(warps)) / (8 * mt8) - kKsRowPad) /
-         kKsRowBytes;
+constexpr int kKsGrpPrefBytes = ((kMaxExperts + 1) * 4 + kKsWarps * 4 + 15) / 16 * 16;  // s_pref + scan sums
+constexpr int kslab_grp_max_l(int mt8) {
+  return ((kKsSmemMax - kslab_ring_bytes(mt8) - kKsGrpPrefBytes) / (8 * mt8) - kKsRowPad) / kKsRowBytes;
 }
 static_assert(kslab_grp_max_l(1) >= 16 && kslab_grp_max_l(2) >= 8 && kslab_grp_max_l(4) >= 4,
               "grouped: the A slab must hold at least 4 super-tiles beside the rings and the unit prefix");
-static_assert(kslab_grp_max_l(1, kslab_wide_warps(1)) >= 8 && kslab_grp_max_l(2, kslab_wide_warps(2)) >= 8 &&
-                  kslab_grp_max_l(4, kslab_wide_warps(4)) >= 4,
-              "grouped, wide CTAs: the A slab must hold at least 4 super-tiles beside the rings and the unit prefix");
 
 // Work order of the grouped kernel: whole jobs (unit, slab, N chunk), blockIdx-strided (kGrpJobs, named
 // kslab-grouped); flat ranges (kGrpFlat, named kslab-flat): the n_units * S * n_blocks (unit, slab, 16-row block)
@@ -578,15 +536,15 @@ __device__ __forceinline__ bool grouped_flat_pays(int64_t n_units, int S, int C,
   return flat_cost < job_cost;
 }
 
-template <int MT8, bool kAFp4, int kStages, int kOrder, int kWarps>
-__global__ void __launch_bounds__(kWarps * 32, 1)
+template <int MT8, bool kAFp4, int kStages, int kOrder>
+__global__ void __launch_bounds__(kKsThreads, 1)
     gemm_w4_decode_kslab_grouped_kernel(const GemmParams p, float* __restrict__ ws_slab, float* __restrict__ ws_seg,
                                         int* __restrict__ tickets, int L, int S, int C, int max_units) {
   static_assert(kStages >= 2, "a cp.async ring needs at least 2 slots");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
   constexpr int kFrag = MT8 * 4;  // fp32 accumulators per lane
   constexpr int R = 8 * MT8;      // rows of a unit
-  // [warp][kStages][kKsTileBytes] rings, then A [8 MT8][L * 512 + 16], then s_pref[E + 1], s_wsum[kWarps]
+  // [warp][kStages][kKsTileBytes] rings, then A [8 MT8][L * 512 + 16], then s_pref[E + 1], s_wsum[kKsWarps]
   extern __shared__ __align__(16) uint8_t ks_smem[];
   const int warp_id = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -594,15 +552,15 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   const int KT = K / kKsSuperK, n_blocks = N / 16;
   const int64_t exp_bytes = (int64_t)n_blocks * KT * kKsTileBytes;  // one expert's packed weight
   uint8_t* const ring = ks_smem + warp_id * kStages * kKsTileBytes;
-  uint8_t* const a_s = ks_smem + kWarps * kStages * kKsTileBytes;
+  uint8_t* const a_s = ks_smem + kKsWarps * kStages * kKsTileBytes;
   int* const s_pref = reinterpret_cast<int*>(a_s + R * (L * kKsRowBytes + kKsRowPad));
   int* const s_wsum = s_pref + kMaxExperts + 1;
   const float fold = kAFp4 ? kUnfoldW4A4 : kUnfoldW4A16;
 
   // ---- units, numbered expert by expert (the grouped stream kernel's scan)
-  const int base = decode_number_units<kWarps, R>(p, s_pref, s_wsum);
+  const int base = decode_number_units<kKsWarps, R>(p, s_pref, s_wsum);
   const int n_units = min(base, max_units);  // (the host bound holds for offsets within [0, M])
-  float* const seg_base = ws_seg + (int64_t)blockIdx.x * kWarps * 2 * (kFrag * 32) + lane;
+  float* const seg_base = ws_seg + (int64_t)blockIdx.x * kKsWarps * 2 * (kFrag * 32) + lane;
   const uint64_t pol = ks_evict_first_policy();
 
   // one job: unit u, slab s, 16-row blocks nb0 .. nb1 - 1
@@ -614,14 +572,14 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     const int kt0 = s * L, Ls = min(L, KT - kt0);
     const int I = (nb1 - nb0) * Ls;  // items (block, k tile) of this job, block-major
     const int a_stride = Ls * kKsRowBytes + kKsRowPad;
-    const int i0 = kslab_first<kWarps>(warp_id, I), i1 = kslab_first<kWarps>(warp_id + 1, I);
+    const int i0 = kslab_first(warp_id, I), i1 = kslab_first(warp_id + 1, I);
     const uint8_t* const w_e = p.w_packed + e * exp_bytes;
     const float* const gw = p.g_w + (int64_t)e * p.gw_stride_e;
     __syncthreads();  // the previous job's A reads and segment reads are done
 
     // ---- the unit's A rows of the slab -> shared memory (rows >= rows: never stored, see kslab_stage_a_bf16)
     if constexpr (!kAFp4)
-      kslab_stage_a_bf16<kWarps>(
+      kslab_stage_a_bf16(
           a_s, [&] { return reinterpret_cast<const uint8_t*>(p.a) + ((int64_t)r_lo * K + (int64_t)kt0 * kKsSuperK) * 2; },
           rows, K, a_stride, Ls);
 
@@ -631,7 +589,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     if constexpr (kAFp4) {
       const int blocks = Ls * (kKsSuperK / 16);
       for (int r = 0; r < rows; ++r)
-        for (int b = threadIdx.x; b < blocks; b += kWarps * 32) {
+        for (int b = threadIdx.x; b < blocks; b += kKsThreads) {
           const int kb = kt0 * (kKsSuperK / 16) + b;
           const int64_t row = r_lo + r;
           const uint2 cw2 = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const uint8_t*>(p.a) +
@@ -673,7 +631,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       }
       return last;
     };
-    kslab_job_stream<MT8, kStages, false, kWarps>(jb, wr, a_s, seg_base, warp_id, lane, store_y, slab_partial, arrive);
+    kslab_job_stream<MT8, kStages, false>(jb, wr, a_s, seg_base, warp_id, lane, store_y, slab_partial, arrive);
   };
 
   const bool flat = kOrder == kGrpFlat ||
@@ -726,14 +684,6 @@ int decode_kslab_grouped_selected() {
   return 0;  // values that name a dense kernel keep the grouped default
 }
 
-// TRACE_EXT_KSLAB_WARPS (read per call; an A/B knob: "-w24" names of bench/bench_decode_ab.py and
-// bench_decode_grouped_ab.py): "24" runs the dense and grouped K-slab kernels with kslab_wide_warps(MT8) warps per CTA
-// (24 up to 8 rows, 20 at 16 rows, 16 at 32 rows); unset, "16" or any other value: the 16-warp kernels.
-bool kslab_wide_selected() {
-  const char* v = std::getenv("TRACE_EXT_KSLAB_WARPS");
-  return v != nullptr && std::string(v) == "24";
-}
-
 // Slab count S (slab length L = ceil(KT / S) <= max_l) and N chunks C for one CTA per SM: one resident wave
 // (C * S <= SMs; more only where K needs more than SMs slabs), minimizing the largest CTA's weight bytes plus its
 // slab-partial traffic (S > 1).
@@ -770,14 +720,14 @@ KslabPlan kslab_plan(int n_blocks, int KT, int rows, int max_l, int sms) {
   return best;
 }
 
-template <int MT8, bool kAFp4, bool kForm2, int kWarps>
+template <int MT8, bool kAFp4, bool kForm2>
 bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
-  constexpr int kStages = kslab_stages(MT8, kWarps);
-  constexpr int kRing = kslab_ring_bytes(MT8, kWarps);
-  constexpr int kMaxL = kslab_max_l(MT8, kWarps);
+  constexpr int kStages = kslab_stages(MT8);
+  constexpr int kRing = kslab_ring_bytes(MT8);
+  constexpr int kMaxL = kslab_max_l(MT8);
   constexpr int kSmemMax = kRing + 8 * MT8 * (kMaxL * kKsRowBytes + kKsRowPad);
   static_assert(kSmemMax <= kKsSmemMax, "rings + A slab must fit one CTA's shared memory");
-  auto kernel = gemm_w4_decode_kslab_kernel<MT8, kAFp4, kStages, kForm2, kWarps>;
+  auto kernel = gemm_w4_decode_kslab_kernel<MT8, kAFp4, kStages, kForm2>;
   static bool attr_set[kMaxDevices] = {};
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
@@ -794,30 +744,25 @@ bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream
   const int smem = kRing + 8 * MT8 * (plan.L * kKsRowBytes + kKsRowPad);
   constexpr int64_t kFragFloats = MT8 * 4 * 32;
   const int64_t slab_floats = plan.S > 1 ? (int64_t)plan.S * n_blocks * kFragFloats : 0;
-  const int64_t seg_floats = (int64_t)plan.C * plan.S * kWarps * 2 * kFragFloats;
+  const int64_t seg_floats = (int64_t)plan.C * plan.S * kKsWarps * 2 * kFragFloats;
   at::Tensor ws = at::empty({slab_floats + seg_floats}, like.options().dtype(at::kFloat));
   float* const ws_p = ws.data_ptr<float>();
   int* tickets = plan.S > 1 ? ticket_buffer(like, stream, n_blocks) : nullptr;
-  kernel<<<dim3(plan.C, plan.S), kWarps * 32, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L);
+  kernel<<<dim3(plan.C, plan.S), kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L);
   check_launch("fp4_linear (decode kslab)");
   return true;
 }
 
-// kWide: kslab_wide_warps(MT8) warps per CTA (TRACE_EXT_KSLAB_WARPS=24), else 16
-template <bool kForm2, bool kWide>
+template <bool kForm2>
 bool run_decode_kslab_form(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
   const bool a4 = p.a_scales != nullptr;
-  constexpr int kW1 = kWide ? kslab_wide_warps(1) : kKsWarps, kW2 = kWide ? kslab_wide_warps(2) : kKsWarps;
   if (p.M <= 8) {
-    return a4 ? launch_decode_kslab<1, true, kForm2, kW1>(p, like, stream)
-              : launch_decode_kslab<1, false, kForm2, kW1>(p, like, stream);
+    return a4 ? launch_decode_kslab<1, true, kForm2>(p, like, stream) : launch_decode_kslab<1, false, kForm2>(p, like, stream);
   }
   if (p.M <= 16) {
-    return a4 ? launch_decode_kslab<2, true, kForm2, kW2>(p, like, stream)
-              : launch_decode_kslab<2, false, kForm2, kW2>(p, like, stream);
+    return a4 ? launch_decode_kslab<2, true, kForm2>(p, like, stream) : launch_decode_kslab<2, false, kForm2>(p, like, stream);
   }
-  return a4 ? launch_decode_kslab<4, true, kForm2, kKsWarps>(p, like, stream)
-            : launch_decode_kslab<4, false, kForm2, kKsWarps>(p, like, stream);
+  return a4 ? launch_decode_kslab<4, true, kForm2>(p, like, stream) : launch_decode_kslab<4, false, kForm2>(p, like, stream);
 }
 
 bool run_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream_t stream, bool form2, bool named) {
@@ -830,11 +775,7 @@ bool run_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream_t 
   if (!named && major != 9) return false;  // the default elsewhere: the stream / pair kernels
   TORCH_CHECK(major == 9, "trace_ext: TRACE_EXT_DECODE_IMPL=kslab / kslab2 is an sm_90a kernel; unset it on this ",
               "device (compute capability ", major, ".x)");
-  if (kslab_wide_selected())
-    return form2 ? run_decode_kslab_form<true, true>(p, like, stream)
-                 : run_decode_kslab_form<false, true>(p, like, stream);
-  return form2 ? run_decode_kslab_form<true, false>(p, like, stream)
-               : run_decode_kslab_form<false, false>(p, like, stream);
+  return form2 ? run_decode_kslab_form<true>(p, like, stream) : run_decode_kslab_form<false>(p, like, stream);
 }
 
 // Grouped plan: slab count S (L = ceil(KT / S) <= max_l) and N chunks C per unit, for jobs (unit, slab, chunk) over
@@ -876,15 +817,14 @@ KslabPlan kslab_grouped_plan(int n_blocks, int KT, int rows, int max_l, int sms,
   return best;
 }
 
-template <int MT8, bool kAFp4, int kOrder, int kWarps>
+template <int MT8, bool kAFp4, int kOrder>
 bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
-  constexpr int kStages = kslab_stages(MT8, kWarps);
-  constexpr int kRing = kslab_ring_bytes(MT8, kWarps);
-  constexpr int kMaxL = kslab_grp_max_l(MT8, kWarps);
-  constexpr int kPref = kslab_grp_pref_bytes(kWarps);
-  constexpr int kSmemMax = kRing + 8 * MT8 * (kMaxL * kKsRowBytes + kKsRowPad) + kPref;
+  constexpr int kStages = kslab_stages(MT8);
+  constexpr int kRing = kslab_ring_bytes(MT8);
+  constexpr int kMaxL = kslab_grp_max_l(MT8);
+  constexpr int kSmemMax = kRing + 8 * MT8 * (kMaxL * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes;
   static_assert(kSmemMax <= kKsSmemMax, "rings + A slab + unit prefix must fit one CTA's shared memory");
-  auto kernel = gemm_w4_decode_kslab_grouped_kernel<MT8, kAFp4, kStages, kOrder, kWarps>;
+  auto kernel = gemm_w4_decode_kslab_grouped_kernel<MT8, kAFp4, kStages, kOrder>;
   static bool attr_set[kMaxDevices] = {};
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
@@ -906,34 +846,32 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   const int sms = sm_count(dev);
   const KslabPlan plan = kslab_grouped_plan(n_blocks, KT, R, kMaxL, sms, units_est);
   if (plan.S == 0 || max_units * plan.S * plan.C >= (int64_t{1} << 31)) return false;
-  const int smem = kRing + R * (plan.L * kKsRowBytes + kKsRowPad) + kPref;
+  const int smem = kRing + R * (plan.L * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes;
   // flat ranges (kGrpFlat, kGrpAuto): one contiguous range of (unit, slab, block) per CTA, on every SM
   const int ctas = (int)std::max<int64_t>(
       1, std::min<int64_t>(sms, kOrder == kGrpJobs ? max_units * plan.S * plan.C : max_units * plan.S * n_blocks));
   constexpr int64_t kFragFloats = MT8 * 4 * 32;
   const int64_t slab_floats = plan.S > 1 ? max_units * plan.S * n_blocks * kFragFloats : 0;
-  const int64_t seg_floats = (int64_t)ctas * kWarps * 2 * kFragFloats;
+  const int64_t seg_floats = (int64_t)ctas * kKsWarps * 2 * kFragFloats;
   at::Tensor ws = at::empty({slab_floats + seg_floats}, like.options().dtype(at::kFloat));
   float* const ws_p = ws.data_ptr<float>();
   int* tickets = plan.S > 1 ? ticket_buffer(like, stream, (int)(max_units * n_blocks)) : nullptr;
-  kernel<<<ctas, kWarps * 32, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L, plan.S, plan.C,
+  kernel<<<ctas, kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L, plan.S, plan.C,
                                              (int)max_units);
   check_launch("fp4_grouped_linear (decode kslab-grouped)");
   return true;
 }
 
-// kWide: kslab_wide_warps(MT8) warps per CTA (TRACE_EXT_KSLAB_WARPS=24), else 16
-template <int kOrder, bool kWide>
+template <int kOrder>
 bool run_decode_kslab_grouped_rows(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream) {
   const bool a4 = p.a_scales != nullptr;
-  constexpr int kW1 = kWide ? kslab_wide_warps(1) : kKsWarps, kW2 = kWide ? kslab_wide_warps(2) : kKsWarps;
   // rows per unit as the grouped stream kernel: a little above the average rows per expert (rows_hint)
-  if (rows_hint <= 2) return a4 ? launch_decode_kslab_grouped<1, true, kOrder, kW1>(p, like, stream)
-                                : launch_decode_kslab_grouped<1, false, kOrder, kW1>(p, like, stream);
-  if (rows_hint <= 8) return a4 ? launch_decode_kslab_grouped<2, true, kOrder, kW2>(p, like, stream)
-                                : launch_decode_kslab_grouped<2, false, kOrder, kW2>(p, like, stream);
-  return a4 ? launch_decode_kslab_grouped<4, true, kOrder, kKsWarps>(p, like, stream)
-            : launch_decode_kslab_grouped<4, false, kOrder, kKsWarps>(p, like, stream);
+  if (rows_hint <= 2) return a4 ? launch_decode_kslab_grouped<1, true, kOrder>(p, like, stream)
+                                : launch_decode_kslab_grouped<1, false, kOrder>(p, like, stream);
+  if (rows_hint <= 8) return a4 ? launch_decode_kslab_grouped<2, true, kOrder>(p, like, stream)
+                                : launch_decode_kslab_grouped<2, false, kOrder>(p, like, stream);
+  return a4 ? launch_decode_kslab_grouped<4, true, kOrder>(p, like, stream)
+            : launch_decode_kslab_grouped<4, false, kOrder>(p, like, stream);
 }
 
 bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream,
@@ -949,15 +887,9 @@ bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::
       p.E <= 0 || p.E > kMaxExperts)
     return false;  // the stream kernel runs
   if ((int64_t)(p.N / 16) * (p.K / kKsSuperK) >= (int64_t{1} << 31)) return false;
-  const bool wide = kslab_wide_selected();
-  if (selected == 1)
-    return wide ? run_decode_kslab_grouped_rows<kGrpJobs, true>(p, rows_hint, like, stream)
-                : run_decode_kslab_grouped_rows<kGrpJobs, false>(p, rows_hint, like, stream);
-  if (selected == 2)
-    return wide ? run_decode_kslab_grouped_rows<kGrpFlat, true>(p, rows_hint, like, stream)
-                : run_decode_kslab_grouped_rows<kGrpFlat, false>(p, rows_hint, like, stream);
-  return wide ? run_decode_kslab_grouped_rows<kGrpAuto, true>(p, rows_hint, like, stream)
-              : run_decode_kslab_grouped_rows<kGrpAuto, false>(p, rows_hint, like, stream);
+  if (selected == 1) return run_decode_kslab_grouped_rows<kGrpJobs>(p, rows_hint, like, stream);
+  if (selected == 2) return run_decode_kslab_grouped_rows<kGrpFlat>(p, rows_hint, like, stream);
+  return run_decode_kslab_grouped_rows<kGrpAuto>(p, rows_hint, like, stream);
 }
 
 }  // namespace gemm_w4

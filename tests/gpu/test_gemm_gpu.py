@@ -656,17 +656,15 @@ KSLAB_SHAPES = PAIR_SHAPES + [(256, 8448), (64, 5376)]
 KSLAB_MAX_L = {1: 20, 2: 14, 4: 7}  # kslab_max_l(MT8) of the kernel file: A slab beside the rings in 227 KB
 
 
-def _kslab_plan(N, K, M, sms, max_l=None):
+def _kslab_plan(N, K, M, sms):
     """kslab_plan of gemm_w4_decode_kslab_sm90.cu (slab length L, slabs S, N chunks C), to show which reduction
-    paths the shapes of the tests reach (whole K in one slab, several slabs, a partial last slab); max_l: the
-    kernel's longest slab by MT8 (KSLAB_MAX_L, or KSLAB_WIDE_MAX_L for TRACE_EXT_KSLAB_WARPS=24)."""
-    max_l = KSLAB_MAX_L if max_l is None else max_l
+    paths the shapes of the tests reach (whole K in one slab, several slabs, a partial last slab)."""
     mt8 = 1 if M <= 8 else 2 if M <= 16 else 4
     nbk, KT, rows = N // 16, K // 256, 8 * mt8
     best, best_cost = None, None
     for S in range(1, KT + 1):
         L = -(-KT // S)
-        if L > max_l[mt8] or -(-KT // L) != S:
+        if L > KSLAB_MAX_L[mt8] or -(-KT // L) != S:
             continue
         C = max(1, min(nbk, sms // S))
         bpc = -(-nbk // C)
@@ -839,71 +837,6 @@ def test_kslab_forced_slab_counts(monkeypatch):
                 assert torch.equal(O.fp4_linear(a, wp, backend="cuda"), y_model), f"invalid S M={M} {mode}"
 
 
-# ---- K-slab decode: wide CTAs (TRACE_EXT_KSLAB_WARPS=24, read per call; opt-in) ------------------------------------
-# The dense and grouped K-slab kernels with 24 warps per CTA up to 8 rows and 20 warps at 16 rows instead of 16 (3 ring
-# slots per warp, so shorter slabs: L <= 16 / 11 dense, 15 / 10 grouped); 32 rows keep the 16-warp kernel; any value
-# but "24" runs the 16-warp kernels. Only the split of a CTA's items over warps differs, so the variant is held to the
-# f64 contract and to its own bits.
-KSLAB_WARPS_ENV = "TRACE_EXT_KSLAB_WARPS"
-KSLAB_WIDE_MAX_L = {1: 16, 2: 11, 4: 7}  # kslab_max_l(MT8, kslab_wide_warps(MT8)) of the kernel file
-KSLAB_WIDE_SHAPES = [(14336, 4096), (4096, 14336), (7168, 4096), (256, 8448), (64, 5376), (32, 256), (48, 512)]
-KSLAB_WIDE_MS = (1, 5, 8, 9, 13, 16, 32)
-
-
-def _kslab_warps(monkeypatch, value):
-    if value is None:
-        monkeypatch.delenv(KSLAB_WARPS_ENV, raising=False)
-    else:
-        monkeypatch.setenv(KSLAB_WARPS_ENV, value)
-
-
-def test_decode_kslab_wide_shapes_reach_every_reduction_path():
-    """Protects the coverage of the wide-CTA tests: with the wide layout's slab lengths their shapes run with the whole
-    K in one slab, several equal slabs and a partial last slab, at 8 rows (24 warps) and 16 rows (20 warps)."""
-    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    for M in (1, 16):
-        kinds = set()
-        for N, K in KSLAB_WIDE_SHAPES:
-            L, S, C = _kslab_plan(N, K, M, sms, KSLAB_WIDE_MAX_L)
-            kinds.add("one" if S == 1 else "partial" if (K // 256) % L else "equal")
-        assert kinds == {"one", "partial", "equal"}, (M, kinds)
-
-
-@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
-@pytest.mark.parametrize("N,K", KSLAB_WIDE_SHAPES, ids=[f"N{n}_K{k}" for n, k in KSLAB_WIDE_SHAPES])
-def test_decode_kslab_wide_matches_f64_reference(monkeypatch, N, K, mode):
-    """Protects the wide-CTA K-slab kernels (24 warps at <= 8 rows, 20 at 16 rows): the bench shapes and the odd /
-    partial-last-slab shapes of the kslab tests, M = 1, 5, 8, 9, 13, 16 (rows M .. 8 / 16 of the MMA width unwritten),
-    W4A16 and W4A4, within the f64 contract; kslab2 (second packed form) under the switch equal to kslab bit for bit;
-    the same bits on a repeated call after 16-warp calls in between; M = 32 (16 warps whatever the switch) and the
-    values "16" / "7" (ignored) give the 16-warp kernel's bits."""
-    w = _quant_w(N, K)
-    wp = O.prepare_fp4_weight(w, decode_form2=True)
-    w64 = _w64(w)
-    _impl(monkeypatch, None)
-    for M in KSLAB_WIDE_MS:
-        a = torch.randn(M, K, device=DEV).bfloat16()
-        if mode == "w4a4":
-            a = ref.nvfp4_quantize(a)
-        _kslab_warps(monkeypatch, None)
-        y16 = O.fp4_linear(a, wp, backend="cuda")
-        _kslab_warps(monkeypatch, "24")
-        y = O.fp4_linear(a, wp, backend="cuda")
-        assert y.shape == y16.shape == (M, N) and y.dtype == torch.bfloat16
-        if M > 16:
-            assert torch.equal(y, y16), f"32 rows under the switch differ from the 16-warp kernel (N={N} K={K})"
-        else:
-            _check(y, _a64(a), w64, f"kslab-w24 N={N} K={K} M={M} {mode}")
-        _impl(monkeypatch, "kslab2")
-        assert torch.equal(O.fp4_linear(a, wp, backend="cuda"), y), f"kslab2 wide differs from kslab wide (M={M})"
-        _impl(monkeypatch, None)
-        for other in ("16", "7", None):
-            _kslab_warps(monkeypatch, other)
-            assert torch.equal(O.fp4_linear(a, wp, backend="cuda"), y16), f"{KSLAB_WARPS_ENV}={other} (M={M})"
-            _kslab_warps(monkeypatch, "24")
-            assert torch.equal(O.fp4_linear(a, wp, backend="cuda"), y), f"wide call after {other} differs (M={M})"
-
-
 # ---- grouped decode: the K-slab kernel (the default on sm_90; TRACE_EXT_DECODE_IMPL=kslab-grouped / kslab-flat) -----
 # gemm_w4_decode_kslab_grouped_kernel: units = expert chunks of 8 / 16 / 32 rows, the unit's A rows staged once per job
 # in shared memory. Only the K split into partial sums differs from the stream kernel, so it is held to the f64
@@ -1034,42 +967,3 @@ def test_decode_kslab_grouped_nan_scale_and_dense_default(monkeypatch, impl):
     y0 = O.fp4_linear(ad, wdp, backend="cuda")
     _impl(monkeypatch, impl)
     assert torch.equal(O.fp4_linear(ad, wdp, backend="cuda"), y0)
-
-
-@pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
-@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
-def test_decode_kslab_grouped_wide_qwen3_and_edges(monkeypatch, mode, impl):
-    """Protects the grouped K-slab kernel with wide CTAs (TRACE_EXT_KSLAB_WARPS=24: 24 warps for units of 8 rows, 20
-    for 16 rows), jobs and flat modes, W4A16 and W4A4: Qwen3-30B-A3B decode batches T = 1 / 16 (8-row units) and 64
-    (16-row units), both projections, within the f64 contract and repeatable with default / stream calls in between;
-    K = 8448 at 8-row units (5 slabs, partial last one) and 16-row units (11 slabs); experts of several units (one
-    expert with 9 / 40 rows); T = 256 (32-row units: 16 warps whatever the switch) equal to the 16-warp kernel."""
-    _kslab_warps(monkeypatch, "24")
-    gen = torch.Generator().manual_seed(21)
-    E, k = 128, 8
-    w_gu = _quant_w(1536, 2048, E)
-    w_dn = _quant_w(2048, 768, E)
-    for T in (1, 16, 64):
-        counts = _routed_counts(T, E, k, gen)
-        for name, (N, K), w in (("gate_up", (1536, 2048), w_gu), ("down", (2048, 768), w_dn)):
-            _kslab_grouped_case(monkeypatch, E, N, K, counts, mode, w, f"wide qwen3 {name} {mode} T={T}", impl)
-    w8 = _quant_w(512, 8448, 8)
-    for M in (6, 40):
-        _kslab_grouped_case(monkeypatch, 8, 512, 8448, _routed_counts(M // 2, 8, 2, gen), mode, w8,
-                            f"wide K=8448 {mode} M={M}", impl)
-    w16 = _quant_w(1536, 2048, 16)
-    for M, e in ((9, 3), (40, 7)):
-        counts = [0] * 16
-        counts[e] = M
-        _kslab_grouped_case(monkeypatch, 16, 1536, 2048, counts, mode, w16, f"wide one-expert {mode} M={M} e={e}", impl)
-    counts = torch.tensor(_routed_counts(256, E, k, gen))
-    offsets = torch.zeros(E + 1, dtype=torch.int32)
-    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
-    a = torch.randn(int(counts.sum()), 2048, device=DEV).bfloat16()
-    if mode == "w4a4":
-        a = ref.nvfp4_quantize(a)
-    wp = O.prepare_fp4_weight(w_gu)
-    _impl(monkeypatch, impl)
-    y = O.fp4_grouped_linear(a, wp, offsets.to(DEV), backend="cuda")
-    _kslab_warps(monkeypatch, None)
-    assert torch.equal(O.fp4_grouped_linear(a, wp, offsets.to(DEV), backend="cuda"), y), "T=256 wide != 16 warps"

@@ -19,8 +19,6 @@ int decode_kslab_selected();
 // Dense decode Y = A @ W^T through the K-slab kernel (form2: p.w_packed is the second packed form). Returns false
 // (nothing launched) for shapes it does not take, so that the caller runs the stream / pair kernels; on a device
 // other than sm_90 returns false when not named (named: raises RuntimeError).
-// TRACE_EXT_KSLAB_WARPS=24 (read at every call, dense and grouped): the same kernels with 24 warps per CTA up to 8
-// rows and 20 at 16 rows instead of 16 (opt-in; see the design note of gemm_w4_decode_kslab_sm90.cu).
 bool run_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream_t stream, bool form2, bool named);
 
 // Grouped decode through the K-slab kernel generalized to units (expert, chunk of rows): the default on sm_90.
