@@ -82,7 +82,7 @@
 //  - Static SASS (sm_90a, no spills): registers 78 / 95 / 126 at 8 / 16 / 32 rows (W4A4 80 / 96 / 124); the j loop
 //    (tile + block-end code) 608 / 837 / 1294 instructions against 591 / 815 / 1264 for the dense kernel (same
 //    per-tile body; the difference is the per-expert g_w / row bounds of the block-end store).
-//  - Work order (since the H200 A/B at 7b11f15; kGrpJobs / kGrpFlat / kGrpAuto at grouped_flat_pays): Nsight at
+//  - Work order (since the H200 A/B at 7b11f15; kGrpJobs / kGrpFlat at grouped_flat_pays): Nsight at
 //    b6a5cdb showed the whole-job order leaving SMs idle where the device's unit count quantizes badly against the
 //    CTAs: Qwen3 down T = 16 ran 81 jobs on 132 SMs (SM active 51% of the kernel), gate_up T = 16 89 x 3 jobs (3
 //    rounds on 3 SMs, 2 on the rest; 67%). Flat ranges (each CTA one contiguous range of the (unit, slab, block)
@@ -104,7 +104,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
-#include <type_traits>
 
 #include "trace_ext/fp4_numerics.cuh"
 #include "trace_ext/gemm_w4_common.cuh"
@@ -500,7 +499,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
 // Units = (expert with rows, chunk of R = 8 MT8 rows), numbered on the device exactly as the grouped stream kernel
 // (decode_number_units of gemm_w4_decode_units.cuh: one block-wide scan of offsets -> s_pref, unit -> expert by binary
 // search). Jobs = (unit u, slab s, N chunk c), job = (u S + s) C + c; one resident CTA per SM loops over jobs
-// (blockIdx-strided), or over the jobs of its flat range (kGrpFlat / kGrpAuto). Per job the CTA stages the unit's rows r_lo .. r_hi - 1 of A[:, slab] in shared memory (behind a
+// (blockIdx-strided), or over the jobs of its flat range (kGrpFlat). Per job the CTA stages the unit's rows r_lo .. r_hi - 1 of A[:, slab] in shared memory (behind a
 // barrier: the previous job's reads are done), then runs the dense kernel's job body (kslab_job_start /
 // kslab_job_stream) on the expert's weights (w_packed + e * exp_bytes). Workspace: ws_slab
 // [max_units][S][N / 16][kFrag][32], ws_seg [gridDim.x][kKsWarps][2][kFrag][32] (reused job after job: the barrier
@@ -515,11 +514,11 @@ static_assert(kslab_grp_max_l(1) >= 16 && kslab_grp_max_l(2) >= 8 && kslab_grp_m
 // Work order of the grouped kernel: whole jobs (unit, slab, N chunk), blockIdx-strided (kGrpJobs, named
 // kslab-grouped); flat ranges (kGrpFlat, named kslab-flat): the n_units * S * n_blocks (unit, slab, 16-row block)
 // triples, unit-major, cut into gridDim.x equal contiguous ranges (+-1 block), a range run as one job per (unit, slab)
-// it touches; kGrpAuto (the default): flat where grouped_flat_pays, else whole jobs.
-constexpr int kGrpJobs = 0, kGrpFlat = 1, kGrpAuto = 2;
+// it touches. The default picks one per call on the host (grouped_flat_pays at the plan's unit estimate).
+constexpr int kGrpJobs = 0, kGrpFlat = 1;
 
-// The default's choice (device, from the real unit count): the order with the smaller estimated makespan in tiles of
-// the busiest CTA, counting kGrpRampTiles per job it runs (A staging, ring ramp and drain, the finisher barrier):
+// The default's choice: the order with the smaller estimated makespan in tiles of the busiest CTA, counting
+// kGrpRampTiles per job it runs (A staging, ring ramp and drain, the finisher barrier):
 //   whole jobs: rounds * (blocks per job * L + ramp), rounds = ceil(n_units S C / CTAs);
 //   flat:       ceil(n_units S n_blocks / CTAs) * L + (1 + ceil(range / n_blocks)) * ramp (a range touches that many
 //               (unit, slab) jobs at most).
@@ -528,8 +527,12 @@ constexpr int kGrpJobs = 0, kGrpFlat = 1, kGrpAuto = 2;
 // quantized badly against the CTAs (Nsight at b6a5cdb: down T = 16 ran 81 jobs on 132 SMs, SM active 51%; gate_up
 // T = 16 89 x 3 jobs in 3 rounds on 3 SMs, 2 on the rest, 67%): 1.12x / 1.26x; whole jobs won (1.02-1.11x) where
 // they filled their rounds (T = 64, 256) or were short (T = 1), since a range crossing a unit boundary runs two jobs.
+// The unit count is known only on the device; deciding there (one kernel holding both orders, a specialized copy of
+// the job body each) ran 1-6% behind the single-order kernels on every Qwen3 row (H200 rounds 10 / 11 at 336dd39 /
+// 6ed7114), so the host decides from the plan's estimate (units under uniform routing) and launches a single-order
+// kernel. Far from the estimate both orders stay correct; only the speed differs.
 constexpr int kGrpRampTiles = 100;
-__device__ __forceinline__ bool grouped_flat_pays(int64_t n_units, int S, int C, int n_blocks, int L, int ctas) {
+bool grouped_flat_pays(int64_t n_units, int S, int C, int n_blocks, int L, int ctas) {
   const int64_t rounds = (n_units * S * C + ctas - 1) / ctas;
   const int64_t job_cost = rounds * ((int64_t)(n_blocks + C - 1) / C * L + kGrpRampTiles);
   const int64_t range = (n_units * S * n_blocks + ctas - 1) / ctas;  // blocks of the largest flat range
@@ -635,39 +638,25 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     kslab_job_stream<MT8, kStages, false>(jb, wr, a_s, seg_base, warp_id, lane, store_y, slab_partial, arrive);
   };
 
-  // The job loop of one order; each order is its own copy of the job body (run_job inlined per copy), so that the
-  // default's choice at run time (kGrpAuto) costs no codegen: one shared loop with a run-time branch in its job
-  // iterator measured 1-6% slower than the single-order kernels (H200 A/B at 336dd39).
-  auto job_loop = [&](auto flat_order) {
-    if constexpr (decltype(flat_order)::value) {
-      // flat range [f, f_end) of the (unit, slab, block) triples
-      const int64_t total = (int64_t)n_units * S * n_blocks;
-      int64_t f = total * blockIdx.x / gridDim.x;
-      const int64_t f_end = total * (blockIdx.x + 1) / gridDim.x;
-      while (f < f_end) {
-        const int us = (int)(f / n_blocks);
-        const int nb0 = (int)(f - (int64_t)us * n_blocks);
-        const int nb1 = (int)min((int64_t)n_blocks, nb0 + (f_end - f));
-        run_job(us / S, us % S, nb0, nb1);
-        f += nb1 - nb0;
-      }
-    } else {
-      // whole jobs blockIdx.x, blockIdx.x + gridDim.x, ...
-      const int n_jobs = n_units * S * C;
-      for (int job = blockIdx.x; job < n_jobs; job += gridDim.x) {
-        const int c = job % C, s = (job / C) % S, u = job / (C * S);
-        run_job(u, s, (int)((int64_t)n_blocks * c / C), (int)((int64_t)n_blocks * (c + 1) / C));
-      }
-    }
-  };
-  if constexpr (kOrder == kGrpAuto) {
-    if (grouped_flat_pays(n_units, S, C, n_blocks, L, (int)gridDim.x)) {
-      job_loop(std::true_type{});
-    } else {
-      job_loop(std::false_type{});
+  if constexpr (kOrder == kGrpFlat) {
+    // flat range [f, f_end) of the (unit, slab, block) triples
+    const int64_t total = (int64_t)n_units * S * n_blocks;
+    int64_t f = total * blockIdx.x / gridDim.x;
+    const int64_t f_end = total * (blockIdx.x + 1) / gridDim.x;
+    while (f < f_end) {
+      const int us = (int)(f / n_blocks);
+      const int nb0 = (int)(f - (int64_t)us * n_blocks);
+      const int nb1 = (int)min((int64_t)n_blocks, nb0 + (f_end - f));
+      run_job(us / S, us % S, nb0, nb1);
+      f += nb1 - nb0;
     }
   } else {
-    job_loop(std::integral_constant<bool, kOrder == kGrpFlat>{});
+    // whole jobs blockIdx.x, blockIdx.x + gridDim.x, ...
+    const int n_jobs = n_units * S * C;
+    for (int job = blockIdx.x; job < n_jobs; job += gridDim.x) {
+      const int c = job % C, s = (job / C) % S, u = job / (C * S);
+      run_job(u, s, (int)((int64_t)n_blocks * c / C), (int)((int64_t)n_blocks * (c + 1) / C));
+    }
   }
 #endif
 }
@@ -823,24 +812,33 @@ KslabPlan kslab_grouped_plan(int n_blocks, int KT, int rows, int max_l, int sms,
   return best;
 }
 
+constexpr int kKsGrpSmemMax(int mt8) {
+  return kslab_ring_bytes(mt8) + 8 * mt8 * (kslab_grp_max_l(mt8) * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes;
+}
+
+// The grouped kernel of one work order, its shared-memory attributes set once per device.
 template <int MT8, bool kAFp4, int kOrder>
-bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
-  constexpr int kStages = kslab_stages(MT8);
-  constexpr int kRing = kslab_ring_bytes(MT8);
-  constexpr int kMaxL = kslab_grp_max_l(MT8);
-  constexpr int kSmemMax = kRing + 8 * MT8 * (kMaxL * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes;
-  static_assert(kSmemMax <= kKsSmemMax, "rings + A slab + unit prefix must fit one CTA's shared memory");
-  auto kernel = gemm_w4_decode_kslab_grouped_kernel<MT8, kAFp4, kStages, kOrder>;
+auto grouped_kernel_ready(int dev) {
+  static_assert(kKsGrpSmemMax(MT8) <= kKsSmemMax, "rings + A slab + unit prefix must fit one CTA's shared memory");
+  auto kernel = gemm_w4_decode_kslab_grouped_kernel<MT8, kAFp4, kslab_stages(MT8), kOrder>;
   static bool attr_set[kMaxDevices] = {};
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
   if (dev >= kMaxDevices || !attr_set[dev]) {
     require_kernel_image(kernel, "fp4_grouped_linear (decode kslab-grouped)");
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemMax));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kKsGrpSmemMax(MT8)));
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                         (int)cudaSharedmemCarveoutMaxShared));
     if (dev < kMaxDevices) attr_set[dev] = true;
   }
+  return kernel;
+}
+
+// order: kGrpJobs, kGrpFlat, or -1 (the default: grouped_flat_pays at the plan's unit estimate)
+template <int MT8, bool kAFp4>
+bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cudaStream_t stream, int order) {
+  constexpr int kRing = kslab_ring_bytes(MT8);
+  constexpr int kMaxL = kslab_grp_max_l(MT8);
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
   constexpr int R = 8 * MT8;
   const int n_blocks = p.N / 16, KT = p.K / kKsSuperK;
   // units: at most one per expert with rows plus one per further R rows (the stream kernel's bound); estimate for the
@@ -853,31 +851,35 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   const KslabPlan plan = kslab_grouped_plan(n_blocks, KT, R, kMaxL, sms, units_est);
   if (plan.S == 0 || max_units * plan.S * plan.C >= (int64_t{1} << 31)) return false;
   const int smem = kRing + R * (plan.L * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes;
-  // flat ranges (kGrpFlat, kGrpAuto): one contiguous range of (unit, slab, block) per CTA, on every SM
+  if (order < 0)
+    order = grouped_flat_pays((int64_t)std::ceil(units_est), plan.S, plan.C, n_blocks, plan.L, sms) ? kGrpFlat : kGrpJobs;
+  // flat ranges: one contiguous range of (unit, slab, block) per CTA, on every SM
   const int ctas = (int)std::max<int64_t>(
-      1, std::min<int64_t>(sms, kOrder == kGrpJobs ? max_units * plan.S * plan.C : max_units * plan.S * n_blocks));
+      1, std::min<int64_t>(sms, order == kGrpJobs ? max_units * plan.S * plan.C : max_units * plan.S * n_blocks));
   constexpr int64_t kFragFloats = MT8 * 4 * 32;
   const int64_t slab_floats = plan.S > 1 ? max_units * plan.S * n_blocks * kFragFloats : 0;
   const int64_t seg_floats = (int64_t)ctas * kKsWarps * 2 * kFragFloats;
   at::Tensor ws = at::empty({slab_floats + seg_floats}, like.options().dtype(at::kFloat));
   float* const ws_p = ws.data_ptr<float>();
   int* tickets = plan.S > 1 ? ticket_buffer(like, stream, (int)(max_units * n_blocks)) : nullptr;
+  auto kernel = order == kGrpFlat ? grouped_kernel_ready<MT8, kAFp4, kGrpFlat>(dev)
+                                  : grouped_kernel_ready<MT8, kAFp4, kGrpJobs>(dev);
   kernel<<<ctas, kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L, plan.S, plan.C,
                                              (int)max_units);
   check_launch("fp4_grouped_linear (decode kslab-grouped)");
   return true;
 }
 
-template <int kOrder>
-bool run_decode_kslab_grouped_rows(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream) {
+bool run_decode_kslab_grouped_rows(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream,
+                                   int order) {
   const bool a4 = p.a_scales != nullptr;
   // rows per unit as the grouped stream kernel: a little above the average rows per expert (rows_hint)
-  if (rows_hint <= 2) return a4 ? launch_decode_kslab_grouped<1, true, kOrder>(p, like, stream)
-                                : launch_decode_kslab_grouped<1, false, kOrder>(p, like, stream);
-  if (rows_hint <= 8) return a4 ? launch_decode_kslab_grouped<2, true, kOrder>(p, like, stream)
-                                : launch_decode_kslab_grouped<2, false, kOrder>(p, like, stream);
-  return a4 ? launch_decode_kslab_grouped<4, true, kOrder>(p, like, stream)
-            : launch_decode_kslab_grouped<4, false, kOrder>(p, like, stream);
+  if (rows_hint <= 2) return a4 ? launch_decode_kslab_grouped<1, true>(p, like, stream, order)
+                                : launch_decode_kslab_grouped<1, false>(p, like, stream, order);
+  if (rows_hint <= 8) return a4 ? launch_decode_kslab_grouped<2, true>(p, like, stream, order)
+                                : launch_decode_kslab_grouped<2, false>(p, like, stream, order);
+  return a4 ? launch_decode_kslab_grouped<4, true>(p, like, stream, order)
+            : launch_decode_kslab_grouped<4, false>(p, like, stream, order);
 }
 
 bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream,
@@ -893,9 +895,8 @@ bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::
       p.E <= 0 || p.E > kMaxExperts)
     return false;  // the stream kernel runs
   if ((int64_t)(p.N / 16) * (p.K / kKsSuperK) >= (int64_t{1} << 31)) return false;
-  if (selected == 1) return run_decode_kslab_grouped_rows<kGrpJobs>(p, rows_hint, like, stream);
-  if (selected == 2) return run_decode_kslab_grouped_rows<kGrpFlat>(p, rows_hint, like, stream);
-  return run_decode_kslab_grouped_rows<kGrpAuto>(p, rows_hint, like, stream);
+  return run_decode_kslab_grouped_rows(p, rows_hint, like, stream,
+                                       selected == 1 ? kGrpJobs : selected == 2 ? kGrpFlat : -1);
 }
 
 }  // namespace gemm_w4

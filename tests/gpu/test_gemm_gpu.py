@@ -845,7 +845,7 @@ def test_kslab_forced_slab_counts(monkeypatch):
 
 # Two work orders of the grouped K-slab kernel: whole (unit, slab, N chunk) jobs (kslab-grouped) and one contiguous
 # range of (unit, slab, 16-row block) per CTA (kslab-flat); their K splits over warps differ, so each is held to the
-# f64 contract and to its own bits. An unset TRACE_EXT_DECODE_IMPL picks one of them per call on the device
+# f64 contract and to its own bits. An unset TRACE_EXT_DECODE_IMPL picks one of them per call on the host
 # (grouped_flat_pays): its output must equal one of theirs bit for bit.
 GROUPED_KSLAB_IMPLS = ("kslab-grouped", "kslab-flat")
 
