@@ -88,9 +88,9 @@
 //    rounds on 3 SMs, 2 on the rest; 67%). Flat ranges (each CTA one contiguous range of the (unit, slab, block)
 //    triples, equal to +-1 block) fix that: 1.12x / 1.26x there (61% of copy, 3.3x grouped_mm at gate_up T = 16), but
 //    a range crossing a unit boundary runs two jobs with their own A staging, ramp and drain, so flat lost 0.89-0.98x
-//    where whole jobs filled their rounds (T = 64, 256) or were short (T = 1). The default decides on the device from
-//    the real unit count: flat when the whole jobs fill < 80% of their rounds and the flat range has >= 128 tiles per
-//    CTA. TRACE_EXT_DECODE_IMPL=kslab-grouped / kslab-flat force one order.
+//    where whole jobs filled their rounds (T = 64, 256) or were short (T = 1). The default decides per call on the
+//    host, by the smaller estimated makespan at the plan's unit estimate (grouped_flat_pays; deciding on the device
+//    from the real unit count cost 1-6% of codegen). TRACE_EXT_DECODE_IMPL=kslab-grouped / kslab-flat force one order.
 //  - Risks: one barrier-separated job at a time per CTA: the A staging and ring ramp of each job are not overlapped
 //    (jobs are large: >= 64 tiles; flat ranges run up to 1 + range / unit jobs); the plan's unit estimate (for C)
 //    assumes uniform routing; 126 registers at 32 rows.
@@ -499,8 +499,9 @@ __global__ void __launch_bounds__(kKsThreads, 1)
 // Units = (expert with rows, chunk of R = 8 MT8 rows), numbered on the device exactly as the grouped stream kernel
 // (decode_number_units of gemm_w4_decode_units.cuh: one block-wide scan of offsets -> s_pref, unit -> expert by binary
 // search). Jobs = (unit u, slab s, N chunk c), job = (u S + s) C + c; one resident CTA per SM loops over jobs
-// (blockIdx-strided), or over the jobs of its flat range (kGrpFlat). Per job the CTA stages the unit's rows r_lo .. r_hi - 1 of A[:, slab] in shared memory (behind a
-// barrier: the previous job's reads are done), then runs the dense kernel's job body (kslab_job_start /
+// (blockIdx-strided), or over the jobs of its flat range (kGrpFlat). Per job the CTA stages the unit's rows
+// r_lo .. r_hi - 1 of A[:, slab] in shared memory (behind a barrier: the previous job's reads are done), then runs the
+// dense kernel's job body (kslab_job_start /
 // kslab_job_stream) on the expert's weights (w_packed + e * exp_bytes). Workspace: ws_slab
 // [max_units][S][N / 16][kFrag][32], ws_seg [gridDim.x][kKsWarps][2][kFrag][32] (reused job after job: the barrier
 // opening the next job orders the finisher's reads before the next writes), tickets [max_units][N / 16].
@@ -851,8 +852,10 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   const KslabPlan plan = kslab_grouped_plan(n_blocks, KT, R, kMaxL, sms, units_est);
   if (plan.S == 0 || max_units * plan.S * plan.C >= (int64_t{1} << 31)) return false;
   const int smem = kRing + R * (plan.L * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes;
-  if (order < 0)
-    order = grouped_flat_pays((int64_t)std::ceil(units_est), plan.S, plan.C, n_blocks, plan.L, sms) ? kGrpFlat : kGrpJobs;
+  if (order < 0) {
+    const bool flat = grouped_flat_pays((int64_t)std::ceil(units_est), plan.S, plan.C, n_blocks, plan.L, sms);
+    order = flat ? kGrpFlat : kGrpJobs;
+  }
   // flat ranges: one contiguous range of (unit, slab, block) per CTA, on every SM
   const int ctas = (int)std::max<int64_t>(
       1, std::min<int64_t>(sms, order == kGrpJobs ? max_units * plan.S * plan.C : max_units * plan.S * n_blocks));
@@ -889,8 +892,8 @@ bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   const int major = cc_major(dev);
   if (!named && major != 9) return false;  // the default elsewhere: the grouped stream kernel
-  TORCH_CHECK(major == 9, "trace_ext: TRACE_EXT_DECODE_IMPL=kslab-grouped / kslab-flat is an sm_90a kernel; unset it on this ",
-              "device (compute capability ", major, ".x)");
+  TORCH_CHECK(major == 9, "trace_ext: TRACE_EXT_DECODE_IMPL=kslab-grouped / kslab-flat is an sm_90a kernel; unset it on ",
+              "this device (compute capability ", major, ".x)");
   if (p.offsets == nullptr || p.M <= 0 || p.w_packed == nullptr || p.N % 16 != 0 || p.K % kKsSuperK != 0 ||
       p.E <= 0 || p.E > kMaxExperts)
     return false;  // the stream kernel runs

@@ -23,9 +23,9 @@ bool run_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream_t 
 
 // Grouped decode through the K-slab kernel generalized to units (expert, chunk of rows): the default on sm_90.
 // TRACE_EXT_DECODE_IMPL (read at every call): 0 unset or naming a dense kernel (the grouped default: per call whole
-// jobs or flat ranges, decided on the host from the expected unit count), 1 for "kslab-grouped" (whole (unit, slab, N chunk) jobs), 2 for
-// "kslab-flat" (each CTA on one contiguous range of (unit, slab, block)) (dense calls under both keep the dense
-// default), -1 for "stream" / "auto" (the grouped stream kernel).
+// jobs or flat ranges, decided on the host from the expected unit count), 1 for "kslab-grouped" (whole (unit, slab,
+// N chunk) jobs), 2 for "kslab-flat" (each CTA on one contiguous range of (unit, slab, block)) (dense calls under both
+// keep the dense default), -1 for "stream" / "auto" (the grouped stream kernel).
 int decode_kslab_grouped_selected();
 
 // Grouped decode (p.offsets != nullptr, prepared weight) through the grouped K-slab kernel. Returns false (nothing
