@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gemm import _rot  # noqa: E402
 from common import (  # noqa: E402
-    check_gemm_bound, copy_bandwidth_gbs, do_bench_cold, env_stamp, env_switch, nvfp4_f64, print_table, write_results)
+    check_gemm_bound, copy_bandwidth_gbs, do_bench_cold, env_stamp, impl_env, nvfp4_f64, print_table, write_results)
 
 import trace_ext.ops as O  # noqa: E402
 from trace_ext import reference as ref  # noqa: E402
@@ -50,8 +50,9 @@ TWINS = (("pair3", "pair2"), ("stream2", "stream"), ("kslab2", "kslab"), ("auto2
 
 
 def _with_impl(impl, fn):
-    """Calls fn with TRACE_EXT_DECODE_IMPL set to impl (None: unset, the default kernel)."""
-    with env_switch(ENV, impl):
+    """Calls fn with TRACE_EXT_DECODE_IMPL set to impl (None / "default": unset, the default kernel; "@VAR=VALUE"
+    suffixes set further switches, common.impl_env)."""
+    with impl_env(ENV, impl):
         return fn()
 
 

@@ -17,7 +17,6 @@ $BENCH_OUT or bench/results/).
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gemm import _rot, routed_offsets  # noqa: E402
 from common import (  # noqa: E402
-    check_gemm_bound, copy_bandwidth_gbs, do_bench_cold, env_stamp, env_switch, nvfp4_f64, print_table, write_results)
+    check_gemm_bound, copy_bandwidth_gbs, do_bench_cold, env_stamp, impl_env, nvfp4_f64, print_table, write_results)
 
 import trace_ext.ops as O  # noqa: E402
 from trace_ext import reference as ref  # noqa: E402
@@ -48,17 +47,8 @@ IMPLS = tuple(os.environ.get(
     "GROUPED_AB_IMPLS", "stream,kslab-grouped@TRACE_EXT_KSLAB_GRP_PLAN=v1,kslab-grouped,kslab-flat,default").split(","))
 
 
-@contextlib.contextmanager
 def _env(impl):
-    """impl = a TRACE_EXT_DECODE_IMPL value ("default": unset), optionally followed by @VAR=VALUE settings of further
-    switches, e.g. kslab-grouped@TRACE_EXT_KSLAB_GRP_PLAN=v1."""
-    name, *extra = impl.split("@")
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(env_switch(ENV, None if name == "default" else name))
-        for setting in extra:
-            var, value = setting.split("=", 1)
-            stack.enter_context(env_switch(var, value))
-        yield
+    return impl_env(ENV, impl)  # "default": unset; "@VAR=VALUE": further switches
 
 
 def _run(impl, a, wp, offsets):

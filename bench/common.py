@@ -45,6 +45,20 @@ def env_switch(name: str, value: str | None):
             os.environ[name] = saved
 
 
+@contextlib.contextmanager
+def impl_env(name: str, impl: str | None):
+    """env_switch for a kernel-variant name of the A/B benches: `impl` is a value of the switch `name` ("default" or
+    None: unset), optionally followed by @VAR=VALUE settings of further switches, e.g.
+    kslab-grouped@TRACE_EXT_KSLAB_GRP_PLAN=v1 or default@TRACE_EXT_KSLAB_SEG=smem."""
+    value, *extra = (impl or "default").split("@")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(env_switch(name, None if value == "default" else value))
+        for setting in extra:
+            var, val = setting.split("=", 1)
+            stack.enter_context(env_switch(var, val))
+        yield
+
+
 def do_bench_cold(fn, rep_ms: int = 200, warmup_ms: int = 25) -> float:
     """Median milliseconds with a cold L2 (do_bench clears the cache before every timed call)."""
     import triton.testing

@@ -276,11 +276,28 @@ __device__ __forceinline__ void kslab_job_start(KsRing<kStages>& r, const GemmPa
   for (int i = 0; i < kStages - 1; ++i) r.issue_next();
 }
 
+// Segment slots in shared memory (kSegSmem, opt-in TRACE_EXT_KSLAB_SEG=smem, read per call; <= 16 rows): a warp's
+// two fp32 segment partials (the block it started inside, the block it stopped inside) go into the first 2 x MT8 x 512
+// bytes of its own cp.async ring once its stream is done, instead of through L2 (ws_seg, __stcg / __ldcg), so the
+// finisher reads them after the CTA barrier with ld.shared. The first segment ends mid-stream while the ring is still
+// filling, so it waits in registers (MT8 x 4 more) until the last item; a segment ending at the last item is written
+// after a __syncwarp (every lane's copies into the ring have landed: each waited for its own groups). Same sums in
+// the same order: bit-equal to the L2 slots. 32 rows keep the L2 slots (the registers would spill).
+__device__ __forceinline__ void ks_sts32(uint32_t a, float v) {
+  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(a), "f"(v) : "memory");
+}
+__device__ __forceinline__ float ks_lds32(uint32_t a) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(a) : "memory");
+  return v;
+}
+
 // kslab_job_stream: the per-item MMA loop over the warp's items, segment ends, the cross-warp finisher and the
-// slab-partial arrival / reduction. seg_base: the CTA's segment slots (+ lane). The kernel-specific parts:
+// slab-partial arrival / reduction. seg_base: the CTA's segment slots (+ lane) in L2, or (kSegSmem) unused: the
+// slots lie in the warps' rings (warp w's ring at ring0 + w * kStages * kKsTileBytes). The kernel-specific parts:
 // store_y(nb, v) (Y of block nb from its fp32 sums), slab_partial(ss, nb) (the lane's slab ss partial of block nb),
 // arrive(nb) (lane 0: adds 1 to block nb's self-resetting ticket, ks_ticket_add; 1 for the last of the S slabs).
-template <int MT8, int kStages, bool kForm2, class StoreY, class SlabPartial, class Arrive>
+template <int MT8, int kStages, bool kForm2, bool kSegSmem = false, class StoreY, class SlabPartial, class Arrive>
 __device__ __forceinline__ void kslab_job_stream(const KsJob& jb, KsRing<kStages>& r, uint8_t* a_s, float* seg_base,
                                                  int warp_id, int lane, StoreY&& store_y, SlabPartial&& slab_partial,
                                                  Arrive&& arrive) {
@@ -288,6 +305,14 @@ __device__ __forceinline__ void kslab_job_stream(const KsJob& jb, KsRing<kStages
   const int g = lane >> 2, t = lane & 3;
   const int s = jb.s, S = jb.S, Ls = jb.Ls, nb0 = jb.nb0, I = jb.I, a_stride = jb.a_stride, i0 = jb.i0, i1 = jb.i1;
   const uint32_t ring_lane = r.ring_lane, ring_lane_sc = r.ring_lane_sc;
+  static_assert(!kSegSmem || 2 * kFrag * 32 * 4 <= kStages * kKsTileBytes, "two segment slots must fit a warp's ring");
+  // shared-memory segment slot `slot` of warp w, this lane's word of accumulator (i, cc): + (i * 4 + cc) * 128
+  const uint32_t ring0 = ring_lane - 16 * lane - (uint32_t)warp_id * (kStages * kKsTileBytes);
+  auto seg_smem = [&](int w, int slot) {
+    return ring0 + (uint32_t)w * (kStages * kKsTileBytes) + (uint32_t)slot * (kFrag * 128) + 4 * lane;
+  };
+  float seg0[kSegSmem ? MT8 : 1][4];  // kSegSmem: the first segment, held until the stream is done
+  bool seg0_held = false;
 
   // a block's sums over this slab: Y (one slab) or its slab partial (arrival after the stream)
   auto finish_block = [&](int nb, const float (&v)[MT8][4]) {
@@ -362,6 +387,21 @@ __device__ __forceinline__ void kslab_job_stream(const KsJob& jb, KsRing<kStages
     if (kl == Ls - 1 || j == i1 - 1) {
       if (kl == Ls - 1 && x * Ls >= i0) {
         finish_block(nb0 + x, acc);
+      } else if constexpr (kSegSmem) {
+        if (j == i1 - 1) {  // the stream is done: into the ring (slot 1, or slot 0 when the warp saw one block)
+          __syncwarp();
+          const uint32_t dst = seg_smem(warp_id, i0 < x * Ls ? 1 : 0);
+#pragma unroll
+          for (int i = 0; i < MT8; ++i)
+#pragma unroll
+            for (int cc = 0; cc < 4; ++cc) ks_sts32(dst + (i * 4 + cc) * 128, acc[i][cc]);
+        } else {  // slot 0, mid-stream: held in registers
+#pragma unroll
+          for (int i = 0; i < MT8; ++i)
+#pragma unroll
+            for (int cc = 0; cc < 4; ++cc) seg0[i][cc] = acc[i][cc];
+          seg0_held = true;
+        }
       } else {
         float* dst = seg_base + ((int64_t)warp_id * 2 + (i0 < x * Ls ? 1 : 0)) * (kFrag * 32);
 #pragma unroll
@@ -380,6 +420,16 @@ __device__ __forceinline__ void kslab_job_stream(const KsJob& jb, KsRing<kStages
     }
   }
   cp_async_wait<0>();  // no copy into the job's slots or A outlives the job (nor the kernel's shared memory)
+  if constexpr (kSegSmem) {
+    if (seg0_held) {  // warp-uniform
+      __syncwarp();
+      const uint32_t dst = seg_smem(warp_id, 0);
+#pragma unroll
+      for (int i = 0; i < MT8; ++i)
+#pragma unroll
+        for (int cc = 0; cc < 4; ++cc) ks_sts32(dst + (i * 4 + cc) * 128, seg0[i][cc]);
+    }
+  }
   __syncthreads();     // the segment partials of every warp are visible to the CTA
 
   // ---- blocks split between warps: the warp holding a block's first tile adds the segments in warp order
@@ -396,11 +446,19 @@ __device__ __forceinline__ void kslab_job_stream(const KsJob& jb, KsRing<kStages
     for (int ww = warp_id; ww <= wl; ++ww) {
       const int f = kslab_first(ww, I);
       if (f == kslab_first(ww + 1, I)) continue;  // no items
-      const float* src = seg_base + ((int64_t)ww * 2 + (f < xl * Ls ? 1 : 0)) * (kFrag * 32);
+      if constexpr (kSegSmem) {
+        const uint32_t src = seg_smem(ww, f < xl * Ls ? 1 : 0);
 #pragma unroll
-      for (int i = 0; i < MT8; ++i)
+        for (int i = 0; i < MT8; ++i)
 #pragma unroll
-        for (int cc = 0; cc < 4; ++cc) v[i][cc] = __fadd_rn(v[i][cc], __ldcg(src + (i * 4 + cc) * 32));
+          for (int cc = 0; cc < 4; ++cc) v[i][cc] = __fadd_rn(v[i][cc], ks_lds32(src + (i * 4 + cc) * 128));
+      } else {
+        const float* src = seg_base + ((int64_t)ww * 2 + (f < xl * Ls ? 1 : 0)) * (kFrag * 32);
+#pragma unroll
+        for (int i = 0; i < MT8; ++i)
+#pragma unroll
+          for (int cc = 0; cc < 4; ++cc) v[i][cc] = __fadd_rn(v[i][cc], __ldcg(src + (i * 4 + cc) * 32));
+      }
     }
     finish_block(nb0 + xl, v);
   }
@@ -433,7 +491,7 @@ __device__ __forceinline__ void kslab_job_stream(const KsJob& jb, KsRing<kStages
 
 // ws_slab: [S][N / 16][kFrag][32] fp32 slab partials (S > 1); ws_seg: [C * S][kKsWarps][2][kFrag][32] fp32 partials
 // of the blocks split between warps of a CTA. Grid (C, S).
-template <int MT8, bool kAFp4, int kStages, bool kForm2>
+template <int MT8, bool kAFp4, int kStages, bool kForm2, bool kSegSmem>
 __global__ void __launch_bounds__(kKsThreads, 1)
     gemm_w4_decode_kslab_kernel(const GemmParams p, float* __restrict__ ws_slab, float* __restrict__ ws_seg,
                                 int* __restrict__ tickets, int L) {
@@ -491,7 +549,8 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     return last;
   };
   float* const seg_base = ws_seg + ((int64_t)(s * C + c) * kKsWarps) * 2 * (kFrag * 32) + lane;
-  kslab_job_stream<MT8, kStages, kForm2>(jb, wr, a_s, seg_base, warp_id, lane, store_y, slab_partial, arrive);
+  kslab_job_stream<MT8, kStages, kForm2, kSegSmem>(jb, wr, a_s, seg_base, warp_id, lane, store_y, slab_partial,
+                                                    arrive);
 #endif
 }
 
@@ -541,7 +600,7 @@ bool grouped_flat_pays(int64_t n_units, int S, int C, int n_blocks, int L, int c
   return flat_cost < job_cost;
 }
 
-template <int MT8, bool kAFp4, int kStages, int kOrder>
+template <int MT8, bool kAFp4, int kStages, int kOrder, bool kSegSmem>
 __global__ void __launch_bounds__(kKsThreads, 1)
     gemm_w4_decode_kslab_grouped_kernel(const GemmParams p, float* __restrict__ ws_slab, float* __restrict__ ws_seg,
                                         int* __restrict__ tickets, int L, int S, int C, int max_units) {
@@ -636,7 +695,8 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       }
       return last;
     };
-    kslab_job_stream<MT8, kStages, false>(jb, wr, a_s, seg_base, warp_id, lane, store_y, slab_partial, arrive);
+    kslab_job_stream<MT8, kStages, false, kSegSmem>(jb, wr, a_s, seg_base, warp_id, lane, store_y, slab_partial,
+                                                    arrive);
   };
 
   if constexpr (kOrder == kGrpFlat) {
@@ -660,6 +720,12 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     }
   }
 #endif
+}
+
+// TRACE_EXT_KSLAB_SEG=smem (read per call): the segment slots in shared memory (kSegSmem) for up to 16 rows.
+bool kslab_seg_smem_selected() {
+  const char* v = std::getenv("TRACE_EXT_KSLAB_SEG");
+  return v != nullptr && std::strcmp(v, "smem") == 0;
 }
 
 int decode_kslab_selected() {
@@ -716,24 +782,32 @@ KslabPlan kslab_plan(int n_blocks, int KT, int rows, int max_l, int sms) {
   return best;
 }
 
-template <int MT8, bool kAFp4, bool kForm2>
-bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
-  constexpr int kStages = kslab_stages(MT8);
-  constexpr int kRing = kslab_ring_bytes(MT8);
-  constexpr int kMaxL = kslab_max_l(MT8);
-  constexpr int kSmemMax = kRing + 8 * MT8 * (kMaxL * kKsRowBytes + kKsRowPad);
-  static_assert(kSmemMax <= kKsSmemMax, "rings + A slab must fit one CTA's shared memory");
-  auto kernel = gemm_w4_decode_kslab_kernel<MT8, kAFp4, kStages, kForm2>;
+constexpr int kKsDenseSmemMax(int mt8) {
+  return kslab_ring_bytes(mt8) + 8 * mt8 * (kslab_max_l(mt8) * kKsRowBytes + kKsRowPad);
+}
+
+// The dense kernel, its shared-memory attributes set once per device.
+template <int MT8, bool kAFp4, bool kForm2, bool kSegSmem>
+auto dense_kernel_ready(int dev) {
+  static_assert(kKsDenseSmemMax(MT8) <= kKsSmemMax, "rings + A slab must fit one CTA's shared memory");
+  auto kernel = gemm_w4_decode_kslab_kernel<MT8, kAFp4, kslab_stages(MT8), kForm2, kSegSmem>;
   static bool attr_set[kMaxDevices] = {};
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
   if (dev >= kMaxDevices || !attr_set[dev]) {
     require_kernel_image(kernel, "fp4_linear (decode kslab)");
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemMax));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kKsDenseSmemMax(MT8)));
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                         (int)cudaSharedmemCarveoutMaxShared));
     if (dev < kMaxDevices) attr_set[dev] = true;
   }
+  return kernel;
+}
+
+template <int MT8, bool kAFp4, bool kForm2>
+bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
+  constexpr int kRing = kslab_ring_bytes(MT8);
+  constexpr int kMaxL = kslab_max_l(MT8);
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
   const int n_blocks = p.N / 16, KT = p.K / kKsSuperK;
   const KslabPlan plan = kslab_plan(n_blocks, KT, 8 * MT8, kMaxL, sm_count(dev));
   if (plan.S == 0) return false;
@@ -744,6 +818,8 @@ bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream
   at::Tensor ws = at::empty({slab_floats + seg_floats}, like.options().dtype(at::kFloat));
   float* const ws_p = ws.data_ptr<float>();
   int* tickets = plan.S > 1 ? ticket_buffer(like, stream, n_blocks) : nullptr;
+  auto kernel = MT8 <= 2 && kslab_seg_smem_selected() ? dense_kernel_ready<MT8, kAFp4, kForm2, MT8 <= 2>(dev)
+                                                      : dense_kernel_ready<MT8, kAFp4, kForm2, false>(dev);
   kernel<<<dim3(plan.C, plan.S), kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L);
   check_launch("fp4_linear (decode kslab)");
   return true;
@@ -818,10 +894,10 @@ constexpr int kKsGrpSmemMax(int mt8) {
 }
 
 // The grouped kernel of one work order, its shared-memory attributes set once per device.
-template <int MT8, bool kAFp4, int kOrder>
+template <int MT8, bool kAFp4, int kOrder, bool kSegSmem>
 auto grouped_kernel_ready(int dev) {
   static_assert(kKsGrpSmemMax(MT8) <= kKsSmemMax, "rings + A slab + unit prefix must fit one CTA's shared memory");
-  auto kernel = gemm_w4_decode_kslab_grouped_kernel<MT8, kAFp4, kslab_stages(MT8), kOrder>;
+  auto kernel = gemm_w4_decode_kslab_grouped_kernel<MT8, kAFp4, kslab_stages(MT8), kOrder, kSegSmem>;
   static bool attr_set[kMaxDevices] = {};
   if (dev >= kMaxDevices || !attr_set[dev]) {
     require_kernel_image(kernel, "fp4_grouped_linear (decode kslab-grouped)");
@@ -865,8 +941,11 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   at::Tensor ws = at::empty({slab_floats + seg_floats}, like.options().dtype(at::kFloat));
   float* const ws_p = ws.data_ptr<float>();
   int* tickets = plan.S > 1 ? ticket_buffer(like, stream, (int)(max_units * n_blocks)) : nullptr;
-  auto kernel = order == kGrpFlat ? grouped_kernel_ready<MT8, kAFp4, kGrpFlat>(dev)
-                                  : grouped_kernel_ready<MT8, kAFp4, kGrpJobs>(dev);
+  const bool seg_smem = MT8 <= 2 && kslab_seg_smem_selected();
+  auto kernel = order == kGrpFlat ? (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpFlat, MT8 <= 2>(dev)
+                                              : grouped_kernel_ready<MT8, kAFp4, kGrpFlat, false>(dev))
+                                  : (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpJobs, MT8 <= 2>(dev)
+                                              : grouped_kernel_ready<MT8, kAFp4, kGrpJobs, false>(dev));
   kernel<<<ctas, kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L, plan.S, plan.C,
                                              (int)max_units);
   check_launch("fp4_grouped_linear (decode kslab-grouped)");

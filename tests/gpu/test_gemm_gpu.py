@@ -940,6 +940,74 @@ def test_decode_kslab_grouped_other_models_and_edges(monkeypatch, mode, impl):
     assert y.shape == (0, N)
 
 
+# ---- K-slab segment slots in shared memory (TRACE_EXT_KSLAB_SEG=smem, read per call; opt-in, <= 16 rows) ----------
+# The same partial sums added in the same order as the default's L2 slots, so the outputs must be the default's bits.
+
+
+def _seg_smem(monkeypatch, on):
+    if on:
+        monkeypatch.setenv("TRACE_EXT_KSLAB_SEG", "smem")
+    else:
+        monkeypatch.delenv("TRACE_EXT_KSLAB_SEG", raising=False)
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_decode_kslab_seg_smem_dense_equals_default(monkeypatch, mode):
+    """Protects the shared-memory segment slots of the dense K-slab kernel: on every kslab test shape (whole K in one
+    slab, several slabs, a partial last one) at M = 1, 5, 8, 9, 13, 16 (8 and 16 rows: the new slots; 32: L2 slots
+    whatever the switch), kslab and kslab2, W4A16 and W4A4, the output equals the default's bit for bit, and again
+    after default calls in between (the ring slots are rewritten by every call)."""
+    for N, K in KSLAB_SHAPES:
+        w = _quant_w(N, K)
+        wp = O.prepare_fp4_weight(w, decode_form2=True)
+        for M in (1, 5, 8, 9, 13, 16, 32):
+            a = torch.randn(M, K, device=DEV).bfloat16()
+            if mode == "w4a4":
+                a = ref.nvfp4_quantize(a)
+            for impl in (None, "kslab2"):
+                _impl(monkeypatch, impl)
+                _seg_smem(monkeypatch, False)
+                y0 = O.fp4_linear(a, wp, backend="cuda")
+                _seg_smem(monkeypatch, True)
+                y1 = O.fp4_linear(a, wp, backend="cuda")
+                assert torch.equal(y1, y0), f"seg smem N={N} K={K} M={M} {mode} {impl}"
+                _seg_smem(monkeypatch, False)
+                O.fp4_linear(a, wp, backend="cuda")
+                _seg_smem(monkeypatch, True)
+                assert torch.equal(O.fp4_linear(a, wp, backend="cuda"), y0), f"repeat N={N} K={K} M={M}"
+
+
+@pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
+def test_decode_kslab_seg_smem_grouped_equals_default(monkeypatch, impl):
+    """Protects the shared-memory segment slots of the grouped K-slab kernel in both work orders (several jobs per CTA
+    reuse the ring: the next job's barrier orders the finisher's reads before the ring refills): Qwen3 T = 1, 3, 16,
+    64 (8- and 16-row units) and 256 (32-row units: L2 slots), both projections, W4A16 and W4A4, K = 8448 (several
+    slabs), one expert with 40 rows; equal to the L2 slots bit for bit."""
+    gen = torch.Generator().manual_seed(31)
+    E, k = 128, 8
+    cases = []
+    for N, K in ((1536, 2048), (2048, 768)):
+        w = _quant_w(N, K, E)
+        cases += [(E, w, _routed_counts(T, E, k, gen), f"qwen3 N={N} T={T}") for T in (1, 3, 16, 64, 256)]
+    cases.append((8, _quant_w(512, 8448, 8), _routed_counts(12, 8, 2, gen), "K=8448"))
+    cases.append((16, _quant_w(1536, 2048, 16), [0] * 7 + [40] + [0] * 8, "one expert 40 rows"))
+    _impl(monkeypatch, impl)
+    for E_, w, counts, what in cases:
+        counts = torch.tensor(counts, dtype=torch.int64)
+        offsets = torch.zeros(E_ + 1, dtype=torch.int32)
+        offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+        offsets = offsets.to(DEV)
+        wp = O.prepare_fp4_weight(w)
+        for mode in ("w4a16", "w4a4"):
+            a = torch.randn(int(counts.sum()), w.shape[-1], device=DEV).bfloat16()
+            if mode == "w4a4":
+                a = ref.nvfp4_quantize(a)
+            _seg_smem(monkeypatch, False)
+            y0 = O.fp4_grouped_linear(a, wp, offsets, backend="cuda")
+            _seg_smem(monkeypatch, True)
+            assert torch.equal(O.fp4_grouped_linear(a, wp, offsets, backend="cuda"), y0), f"{what} {mode} {impl}"
+
+
 @pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
 def test_decode_kslab_grouped_nan_scale_and_dense_default(monkeypatch, impl):
     """Protects NaN propagation through the grouped K-slab kernel (an E4M3 NaN scale byte of one expert: its output
