@@ -276,7 +276,9 @@ __device__ __forceinline__ void kslab_job_start(KsRing<kStages>& r, const GemmPa
   for (int i = 0; i < kStages - 1; ++i) r.issue_next();
 }
 
-// Segment slots in shared memory (kSegSmem, opt-in TRACE_EXT_KSLAB_SEG=smem, read per call; <= 16 rows): a warp's
+// Segment slots in shared memory (kSegSmem; the default up to 16 rows since the H200 A/B at 0c439e6, where they were
+// opt-in: 1.01-1.05x at <= 8 rows, dense and grouped (Qwen3 T = 16 gate_up 63.4% of copy, 3.38x grouped_mm), 0.98-1.01x
+// at 16 rows; TRACE_EXT_KSLAB_SEG=l2, read per call, keeps the L2 slots of the kernels before): a warp's
 // two fp32 segment partials (the block it started inside, the block it stopped inside) go into the first 2 x MT8 x 512
 // bytes of its own cp.async ring once its stream is done, instead of through L2 (ws_seg, __stcg / __ldcg), so the
 // finisher reads them after the CTA barrier with ld.shared. The first segment ends mid-stream while the ring is still
@@ -722,10 +724,11 @@ __global__ void __launch_bounds__(kKsThreads, 1)
 #endif
 }
 
-// TRACE_EXT_KSLAB_SEG=smem (read per call): the segment slots in shared memory (kSegSmem) for up to 16 rows.
+// The segment slots in shared memory (kSegSmem) for up to 16 rows: the default; TRACE_EXT_KSLAB_SEG=l2 (read per
+// call) keeps them in L2 (the kernels before 0c439e6).
 bool kslab_seg_smem_selected() {
   const char* v = std::getenv("TRACE_EXT_KSLAB_SEG");
-  return v != nullptr && std::strcmp(v, "smem") == 0;
+  return v == nullptr || std::strcmp(v, "l2") != 0;
 }
 
 int decode_kslab_selected() {

@@ -940,23 +940,24 @@ def test_decode_kslab_grouped_other_models_and_edges(monkeypatch, mode, impl):
     assert y.shape == (0, N)
 
 
-# ---- K-slab segment slots in shared memory (TRACE_EXT_KSLAB_SEG=smem, read per call; opt-in, <= 16 rows) ----------
-# The same partial sums added in the same order as the default's L2 slots, so the outputs must be the default's bits.
+# ---- K-slab segment slots in shared memory (the default up to 16 rows; TRACE_EXT_KSLAB_SEG=l2 keeps the L2 slots) ---
+# The same partial sums added in the same order as the L2 slots, so the outputs must be the same bits.
 
 
 def _seg_smem(monkeypatch, on):
     if on:
-        monkeypatch.setenv("TRACE_EXT_KSLAB_SEG", "smem")
+        monkeypatch.delenv("TRACE_EXT_KSLAB_SEG", raising=False)  # the default
     else:
-        monkeypatch.delenv("TRACE_EXT_KSLAB_SEG", raising=False)
+        monkeypatch.setenv("TRACE_EXT_KSLAB_SEG", "l2")
 
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
-def test_decode_kslab_seg_smem_dense_equals_default(monkeypatch, mode):
-    """Protects the shared-memory segment slots of the dense K-slab kernel: on every kslab test shape (whole K in one
-    slab, several slabs, a partial last one) at M = 1, 5, 8, 9, 13, 16 (8 and 16 rows: the new slots; 32: L2 slots
-    whatever the switch), kslab and kslab2, W4A16 and W4A4, the output equals the default's bit for bit, and again
-    after default calls in between (the ring slots are rewritten by every call)."""
+def test_decode_kslab_seg_smem_dense_equals_l2_slots(monkeypatch, mode):
+    """Protects the shared-memory segment slots of the dense K-slab kernel (the default): on every kslab test shape
+    (whole K in one slab, several slabs, a partial last one) at M = 1, 5, 8, 9, 13, 16 (8 and 16 rows: the ring
+    slots; 32: L2 slots whatever the switch), kslab and kslab2, W4A16 and W4A4, the output equals the L2 slots'
+    (TRACE_EXT_KSLAB_SEG=l2) bit for bit, and again after L2-slot calls in between (the ring slots are rewritten by
+    every call)."""
     for N, K in KSLAB_SHAPES:
         w = _quant_w(N, K)
         wp = O.prepare_fp4_weight(w, decode_form2=True)
@@ -978,8 +979,8 @@ def test_decode_kslab_seg_smem_dense_equals_default(monkeypatch, mode):
 
 
 @pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
-def test_decode_kslab_seg_smem_grouped_equals_default(monkeypatch, impl):
-    """Protects the shared-memory segment slots of the grouped K-slab kernel in both work orders (several jobs per CTA
+def test_decode_kslab_seg_smem_grouped_equals_l2_slots(monkeypatch, impl):
+    """Protects the shared-memory segment slots of the grouped K-slab kernel (the default) in both work orders (several jobs per CTA
     reuse the ring: the next job's barrier orders the finisher's reads before the ring refills): Qwen3 T = 1, 3, 16,
     64 (8- and 16-row units) and 256 (32-row units: L2 slots), both projections, W4A16 and W4A4, K = 8448 (several
     slabs), one expert with 40 rows; equal to the L2 slots bit for bit."""
