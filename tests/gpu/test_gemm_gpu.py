@@ -78,6 +78,24 @@ def _a64(a):
     return a.double()
 
 
+def _offsets(counts):
+    """Grouped offsets [E + 1] (int32, on the GPU) of per-expert row counts."""
+    counts = torch.as_tensor(counts, dtype=torch.int64)
+    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    return offsets.to(DEV)
+
+
+def _check_experts(y, a, w, offsets, what):
+    """Every expert's rows of a grouped output within the f64 contract of _check."""
+    a64 = _a64(a)
+    off = offsets.tolist()
+    for e in range(len(off) - 1):
+        lo, hi = off[e], off[e + 1]
+        if hi > lo:
+            _check(y[lo:hi], a64[lo:hi], _w64(w, e), f"{what} expert {e}")
+
+
 DENSE_CASES = [
     (QWEN_GATE_UP, [1, 2, 3, 8, 16, 17, 32, 33, 64, 100, 257, 1024, 4096]),
     (QWEN_DOWN, [1, 7, 16, 31, 128, 1000]),
@@ -132,11 +150,9 @@ def test_w4a4_act_quant_prologue_equals_prequantized():
 
 
 def _grouped_case(E, N, K, counts, mode, w=None, prepared=False, what=""):
-    counts = torch.tensor(counts, dtype=torch.int64)
-    M = int(counts.sum())
-    offsets = torch.zeros(E + 1, dtype=torch.int32)
-    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
-    offsets = offsets.to(DEV)
+    assert len(counts) == E
+    M = int(sum(counts))
+    offsets = _offsets(counts)
     w = w if w is not None else _quant_w(N, K, E)
     a = torch.randn(M, K, device=DEV).bfloat16()
     if mode == "w4a4":
@@ -144,12 +160,7 @@ def _grouped_case(E, N, K, counts, mode, w=None, prepared=False, what=""):
     wt = O.prepare_fp4_weight(w) if prepared else w
     y = O.fp4_grouped_linear(a, wt, offsets, backend="cuda")
     assert y.shape == (M, N)
-    a64 = _a64(a)
-    off = offsets.tolist()
-    for e in range(E):
-        lo, hi = off[e], off[e + 1]
-        if hi > lo:
-            _check(y[lo:hi], a64[lo:hi], _w64(w, e), f"{what} expert {e}")
+    _check_experts(y, a, w, offsets, what)
     return w
 
 
@@ -250,10 +261,7 @@ def test_results_are_deterministic():
     wg = O.prepare_fp4_weight(_quant_w(1536, 2048, E))
     gen = torch.Generator().manual_seed(3)
     for T in (1, 16, 64):
-        counts = torch.tensor(_routed_counts(T, E, 8, gen))
-        offsets = torch.zeros(E + 1, dtype=torch.int32)
-        offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
-        offsets = offsets.to(DEV)
+        offsets = _offsets(_routed_counts(T, E, 8, gen))
         a = torch.randn(T * 8, 2048, device=DEV).bfloat16()
         y1 = O.fp4_grouped_linear(a, wg, offsets, backend="cuda")
         assert torch.equal(y1, O.fp4_grouped_linear(a, wg, offsets, backend="cuda")), T
@@ -365,11 +373,7 @@ def test_moe_layer_end_to_end_on_gpu():
     p = O.moe_permute(x, ids, E, backend="cuda")
     y = O.fp4_grouped_linear(p.x_sorted, w, p.offsets, backend="cuda")
     y_ref = O.fp4_grouped_linear(p.x_sorted, w, p.offsets, backend="reference")
-    a64 = p.x_sorted.double()
-    off = p.offsets.tolist()
-    for e in range(E):
-        if off[e + 1] > off[e]:
-            _check(y[off[e] : off[e + 1]], a64[off[e] : off[e + 1]], _w64(w, e), f"e2e expert {e}")
+    _check_experts(y, p.x_sorted, w, p.offsets, "e2e")
     assert y_ref.shape == y.shape
     out = O.moe_unpermute(y, p, wts, backend="cuda")
     assert out.shape == (T, N) and torch.isfinite(out).all()
@@ -542,10 +546,7 @@ def test_decode_pair_switch_keeps_errors_and_grouped(monkeypatch):
         assert all(k is kinds[0] for k in kinds), kinds
     E, N, K = 128, 1536, 2048
     wg = O.prepare_fp4_weight(_quant_w(N, K, E))
-    counts = torch.tensor(_routed_counts(4, E, 8, torch.Generator().manual_seed(5)))
-    offsets = torch.zeros(E + 1, dtype=torch.int32)
-    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
-    offsets = offsets.to(DEV)
+    offsets = _offsets(_routed_counts(4, E, 8, torch.Generator().manual_seed(5)))
     ag = torch.randn(32, K, device=DEV).bfloat16()
     _impl(monkeypatch, None)
     y0 = O.fp4_grouped_linear(ag, wg, offsets, backend="cuda")
@@ -634,10 +635,7 @@ def test_decode_form2_switch_keeps_grouped(monkeypatch):
     E, N, K = 128, 1536, 2048
     wg = O.prepare_fp4_weight(_quant_w(N, K, E), decode_form2=True)
     assert wg.packed2 is None  # grouped: not built (no grouped form-2 kernel)
-    counts = torch.tensor(_routed_counts(4, E, 8, torch.Generator().manual_seed(5)))
-    offsets = torch.zeros(E + 1, dtype=torch.int32)
-    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
-    offsets = offsets.to(DEV)
+    offsets = _offsets(_routed_counts(4, E, 8, torch.Generator().manual_seed(5)))
     ag = torch.randn(32, K, device=DEV).bfloat16()
     _impl(monkeypatch, None)
     y0 = O.fp4_grouped_linear(ag, wg, offsets, backend="cuda")
@@ -788,10 +786,7 @@ def test_decode_kslab_switch_keeps_errors_and_grouped(monkeypatch):
         assert all(k is kinds[0] for k in kinds), kinds
     E, N, K = 128, 1536, 2048
     wg = O.prepare_fp4_weight(_quant_w(N, K, E))
-    counts = torch.tensor(_routed_counts(4, E, 8, torch.Generator().manual_seed(5)))
-    offsets = torch.zeros(E + 1, dtype=torch.int32)
-    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
-    offsets = offsets.to(DEV)
+    offsets = _offsets(_routed_counts(4, E, 8, torch.Generator().manual_seed(5)))
     ag = torch.randn(32, K, device=DEV).bfloat16()
     _impl(monkeypatch, None)
     y0 = O.fp4_grouped_linear(ag, wg, offsets, backend="cuda")
@@ -851,11 +846,9 @@ GROUPED_KSLAB_IMPLS = ("kslab-grouped", "kslab-flat")
 
 
 def _kslab_grouped_case(monkeypatch, E, N, K, counts, mode, w, what, impl="kslab-grouped"):
-    counts = torch.tensor(counts, dtype=torch.int64)
-    M = int(counts.sum())
-    offsets = torch.zeros(E + 1, dtype=torch.int32)
-    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
-    offsets = offsets.to(DEV)
+    assert len(counts) == E
+    M = int(sum(counts))
+    offsets = _offsets(counts)
     a = torch.randn(M, K, device=DEV).bfloat16()
     if mode == "w4a4":
         a = ref.nvfp4_quantize(a)
@@ -864,12 +857,7 @@ def _kslab_grouped_case(monkeypatch, E, N, K, counts, mode, w, what, impl="kslab
     _impl(monkeypatch, impl)
     y1 = O.fp4_grouped_linear(a, wp, offsets, backend="cuda")
     assert y1.shape == (M, N) and y1.dtype == torch.bfloat16
-    a64 = _a64(a)
-    off = offsets.tolist()
-    for e in range(E):
-        lo, hi = off[e], off[e + 1]
-        if hi > lo:
-            _check(y1[lo:hi], a64[lo:hi], _w64(w, e), f"{what} expert {e}")
+    _check_experts(y1, a, w, offsets, what)
     for other in (None, "stream", None):
         _impl(monkeypatch, other)
         y0 = O.fp4_grouped_linear(a, wp, offsets, backend="cuda")
@@ -989,18 +977,15 @@ def test_decode_kslab_seg_smem_grouped_equals_l2_slots(monkeypatch, impl):
     cases = []
     for N, K in ((1536, 2048), (2048, 768)):
         w = _quant_w(N, K, E)
-        cases += [(E, w, _routed_counts(T, E, k, gen), f"qwen3 N={N} T={T}") for T in (1, 3, 16, 64, 256)]
-    cases.append((8, _quant_w(512, 8448, 8), _routed_counts(12, 8, 2, gen), "K=8448"))
-    cases.append((16, _quant_w(1536, 2048, 16), [0] * 7 + [40] + [0] * 8, "one expert 40 rows"))
+        cases += [(w, _routed_counts(T, E, k, gen), f"qwen3 N={N} T={T}") for T in (1, 3, 16, 64, 256)]
+    cases.append((_quant_w(512, 8448, 8), _routed_counts(12, 8, 2, gen), "K=8448"))
+    cases.append((_quant_w(1536, 2048, 16), [0] * 7 + [40] + [0] * 8, "one expert 40 rows"))
     _impl(monkeypatch, impl)
-    for E_, w, counts, what in cases:
-        counts = torch.tensor(counts, dtype=torch.int64)
-        offsets = torch.zeros(E_ + 1, dtype=torch.int32)
-        offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
-        offsets = offsets.to(DEV)
+    for w, counts, what in cases:
+        offsets = _offsets(counts)
         wp = O.prepare_fp4_weight(w)
         for mode in ("w4a16", "w4a4"):
-            a = torch.randn(int(counts.sum()), w.shape[-1], device=DEV).bfloat16()
+            a = torch.randn(int(sum(counts)), w.shape[-1], device=DEV).bfloat16()
             if mode == "w4a4":
                 a = ref.nvfp4_quantize(a)
             _seg_smem(monkeypatch, False)
@@ -1021,12 +1006,10 @@ def test_decode_kslab_grouped_nan_scale_and_dense_default(monkeypatch, impl):
         w.scales[2, 37, 5] = 0x7F
         w.scales[2, 200, K // 16 - 1] = 0x7F
         wp = O.prepare_fp4_weight(w)
-        counts = torch.tensor([3, 0, 5, 2])
-        offsets = torch.zeros(E + 1, dtype=torch.int32)
-        offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+        offsets = _offsets([3, 0, 5, 2])
         a = torch.randn(10, K, generator=gen).bfloat16().to(DEV)
         _impl(monkeypatch, impl)
-        y = O.fp4_grouped_linear(a, wp, offsets.to(DEV), backend="cuda")
+        y = O.fp4_grouped_linear(a, wp, offsets, backend="cuda")
         nan = torch.isnan(y)
         assert nan[3:8, 37].all() and nan[3:8, 200].all() and int(nan.sum()) == 10, f"NaN cells K={K}"
     wd = _quant_w(1536, 2048)
