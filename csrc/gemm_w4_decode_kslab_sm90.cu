@@ -789,20 +789,27 @@ constexpr int kKsDenseSmemMax(int mt8) {
   return kslab_ring_bytes(mt8) + 8 * mt8 * (kslab_max_l(mt8) * kKsRowBytes + kKsRowPad);
 }
 
-// The dense kernel, its shared-memory attributes set once per device.
-template <int MT8, bool kAFp4, bool kForm2, bool kSegSmem>
-auto dense_kernel_ready(int dev) {
-  static_assert(kKsDenseSmemMax(MT8) <= kKsSmemMax, "rings + A slab must fit one CTA's shared memory");
-  auto kernel = gemm_w4_decode_kslab_kernel<MT8, kAFp4, kslab_stages(MT8), kForm2, kSegSmem>;
+// A K-slab kernel (dense or grouped) with its shared-memory attributes (kSmemMax bytes, largest carveout) set once
+// per device: one flag set per kernel instantiation.
+template <auto kKernel, int kSmemMax>
+auto kslab_kernel_ready(int dev, const char* op) {
+  static_assert(kSmemMax <= kKsSmemMax, "a K-slab CTA's shared memory must fit the SM");
   static bool attr_set[kMaxDevices] = {};
   if (dev >= kMaxDevices || !attr_set[dev]) {
-    require_kernel_image(kernel, "fp4_linear (decode kslab)");
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kKsDenseSmemMax(MT8)));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+    require_kernel_image(kKernel, op);
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemMax));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                         (int)cudaSharedmemCarveoutMaxShared));
     if (dev < kMaxDevices) attr_set[dev] = true;
   }
-  return kernel;
+  return kKernel;
+}
+
+// The dense kernel (rings + A slab).
+template <int MT8, bool kAFp4, bool kForm2, bool kSegSmem>
+auto dense_kernel_ready(int dev) {
+  return kslab_kernel_ready<gemm_w4_decode_kslab_kernel<MT8, kAFp4, kslab_stages(MT8), kForm2, kSegSmem>,
+                            kKsDenseSmemMax(MT8)>(dev, "fp4_linear (decode kslab)");
 }
 
 template <int MT8, bool kAFp4, bool kForm2>
@@ -896,20 +903,11 @@ constexpr int kKsGrpSmemMax(int mt8) {
   return kslab_ring_bytes(mt8) + 8 * mt8 * (kslab_grp_max_l(mt8) * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes;
 }
 
-// The grouped kernel of one work order, its shared-memory attributes set once per device.
+// The grouped kernel of one work order (rings + A slab + unit prefix).
 template <int MT8, bool kAFp4, int kOrder, bool kSegSmem>
 auto grouped_kernel_ready(int dev) {
-  static_assert(kKsGrpSmemMax(MT8) <= kKsSmemMax, "rings + A slab + unit prefix must fit one CTA's shared memory");
-  auto kernel = gemm_w4_decode_kslab_grouped_kernel<MT8, kAFp4, kslab_stages(MT8), kOrder, kSegSmem>;
-  static bool attr_set[kMaxDevices] = {};
-  if (dev >= kMaxDevices || !attr_set[dev]) {
-    require_kernel_image(kernel, "fp4_grouped_linear (decode kslab-grouped)");
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kKsGrpSmemMax(MT8)));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                        (int)cudaSharedmemCarveoutMaxShared));
-    if (dev < kMaxDevices) attr_set[dev] = true;
-  }
-  return kernel;
+  return kslab_kernel_ready<gemm_w4_decode_kslab_grouped_kernel<MT8, kAFp4, kslab_stages(MT8), kOrder, kSegSmem>,
+                            kKsGrpSmemMax(MT8)>(dev, "fp4_grouped_linear (decode kslab-grouped)");
 }
 
 // order: kGrpJobs, kGrpFlat, or -1 (the default: grouped_flat_pays at the plan's unit estimate)
