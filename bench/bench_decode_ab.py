@@ -77,6 +77,14 @@ def picked_shapes() -> list[int]:
     return [int(x) for x in sys.argv[1:]] or list(range(len(SHAPES)))
 
 
+def start_run() -> tuple[float, list[int]]:
+    """The common start of the decode A/B benches: seed, the copy bandwidth of this run (printed), the picked shapes."""
+    torch.manual_seed(0)
+    copy_bw = copy_bandwidth_gbs()
+    print(f"copy bandwidth: {copy_bw:.0f} GB/s")
+    return copy_bw, picked_shapes()
+
+
 def write_decode_results(base: str, rows: list[dict], pick: list[int], copy_bw: float, env: str = "") -> None:
     """Prints the table and writes <base>_h200[_s<indices>].{json,md}, stamped with the script's command line."""
     print_table(rows)
@@ -88,11 +96,8 @@ def write_decode_results(base: str, rows: list[dict], pick: list[int], copy_bw: 
 
 
 def main():
-    torch.manual_seed(0)
-    copy_bw = copy_bandwidth_gbs()
-    print(f"copy bandwidth: {copy_bw:.0f} GB/s")
+    copy_bw, pick = start_run()
     rows = []
-    pick = picked_shapes()
     for N, K in [SHAPES[i] for i in pick]:
         sets = []
         for _ in range(N_SETS):

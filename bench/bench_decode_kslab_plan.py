@@ -19,9 +19,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode_ab import MS, N_SETS, ROUNDS, SHAPES, picked_shapes, write_decode_results  # noqa: E402
+from bench_decode_ab import MS, N_SETS, ROUNDS, SHAPES, start_run, write_decode_results  # noqa: E402
 from bench_gemm import _rot  # noqa: E402
-from common import check_gemm_bound, copy_bandwidth_gbs, do_bench_cold, env_switch, nvfp4_f64, print_table  # noqa: E402
+from common import check_gemm_bound, do_bench_cold, env_switch, nvfp4_f64, print_table  # noqa: E402
 
 import trace_ext.ops as O  # noqa: E402
 from trace_ext import reference as ref  # noqa: E402
@@ -44,11 +44,8 @@ def valid_slab_counts(K, M):
 
 
 def main():
-    torch.manual_seed(0)
-    copy_bw = copy_bandwidth_gbs()
-    print(f"copy bandwidth: {copy_bw:.0f} GB/s")
+    copy_bw, pick = start_run()
     rows = []
-    pick = picked_shapes()
     for N, K in [SHAPES[i] for i in pick]:
         qs = [ref.nvfp4_quantize(torch.randn(N, K, device=DEV) * 0.02, scope="tensor") for _ in range(N_SETS)]
         ws = [O.prepare_fp4_weight(q) for q in qs]

@@ -18,9 +18,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode_ab import MS, N_SETS, ROUNDS, SHAPES, _with_impl, picked_shapes, write_decode_results  # noqa: E402
+from bench_decode_ab import MS, N_SETS, ROUNDS, SHAPES, _with_impl, start_run, write_decode_results  # noqa: E402
 from bench_gemm import _rot  # noqa: E402
-from common import check_gemm_bound, copy_bandwidth_gbs, do_bench_cold, nvfp4_f64, print_table  # noqa: E402
+from common import check_gemm_bound, do_bench_cold, nvfp4_f64, print_table  # noqa: E402
 
 import trace_ext.ops as O  # noqa: E402
 from trace_ext import reference as ref  # noqa: E402
@@ -42,11 +42,8 @@ def _check(aq, q, wp):
 
 
 def main():
-    torch.manual_seed(0)
-    copy_bw = copy_bandwidth_gbs()
-    print(f"copy bandwidth: {copy_bw:.0f} GB/s")
+    copy_bw, pick = start_run()
     rows = []
-    pick = picked_shapes()
     for N, K in [SHAPES[i] for i in pick]:
         sets = []
         for _ in range(N_SETS):
