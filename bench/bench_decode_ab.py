@@ -77,6 +77,16 @@ def picked_shapes() -> list[int]:
     return [int(x) for x in sys.argv[1:]] or list(range(len(SHAPES)))
 
 
+def weight_sets(N: int, K: int, bf16: bool = False) -> list[tuple]:
+    """N_SETS random weights (rotated for a cold L2): (NVFP4 q, prepared with the second packed form[, bf16 q])."""
+    sets = []
+    for _ in range(N_SETS):
+        q = ref.nvfp4_quantize(torch.randn(N, K, device=DEV) * 0.02, scope="tensor")
+        w = O.prepare_fp4_weight(q, decode_form2=True)
+        sets.append((q, w, ref.nvfp4_dequantize(q, torch.bfloat16)) if bf16 else (q, w))
+    return sets
+
+
 def start_run() -> tuple[float, list[int]]:
     """The common start of the decode A/B benches: seed, the copy bandwidth of this run (printed), the picked shapes."""
     torch.manual_seed(0)
@@ -99,10 +109,7 @@ def main():
     copy_bw, pick = start_run()
     rows = []
     for N, K in [SHAPES[i] for i in pick]:
-        sets = []
-        for _ in range(N_SETS):
-            q = ref.nvfp4_quantize(torch.randn(N, K, device=DEV) * 0.02, scope="tensor")
-            sets.append((q, O.prepare_fp4_weight(q, decode_form2=True), ref.nvfp4_dequantize(q, torch.bfloat16)))
+        sets = weight_sets(N, K, bf16=True)
         for M in MS:
             a = torch.randn(M, K, device=DEV).bfloat16()
             same = _check_pair(a, sets[0][0], sets[0][1])

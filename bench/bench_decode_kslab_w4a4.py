@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode_ab import MS, N_SETS, ROUNDS, SHAPES, _with_impl, start_run, write_decode_results  # noqa: E402
+from bench_decode_ab import MS, ROUNDS, SHAPES, _with_impl, start_run, weight_sets, write_decode_results  # noqa: E402
 from bench_gemm import _rot  # noqa: E402
 from common import check_gemm_bound, do_bench_cold, nvfp4_f64, print_table  # noqa: E402
 
@@ -45,10 +45,7 @@ def main():
     copy_bw, pick = start_run()
     rows = []
     for N, K in [SHAPES[i] for i in pick]:
-        sets = []
-        for _ in range(N_SETS):
-            q = ref.nvfp4_quantize(torch.randn(N, K, device=DEV) * 0.02, scope="tensor")
-            sets.append((q, O.prepare_fp4_weight(q, decode_form2=True)))
+        sets = weight_sets(N, K)
         for M in MS:
             aq = ref.nvfp4_quantize(torch.randn(M, K, device=DEV))
             same = _check(aq, sets[0][0], sets[0][1])
