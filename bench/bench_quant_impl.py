@@ -16,6 +16,8 @@ blocks per lane for every K) on K 4096 (rowg-lean: one block per lane), K 7168 (
 CTA), ~40 s:
   QUANT_IMPL_VARIANTS=rowg-lean,rowg-lean2 QUANT_IMPL_OPS="rtn (per-row,swizzled,capture" \
   QUANT_IMPL_SHAPES=65536x4096,16384x4096,37449x7168,262144x1024 python bench/bench_quant_impl.py
+SR's lean element code (=sr-lean: NVFP4 SR quantize / fake-quantize and MXFP4 SR), ~25 s:
+  QUANT_IMPL_VARIANTS=sr-lean QUANT_IMPL_OPS=sr python bench/bench_quant_impl.py
 The guided-lean kernel (=guided-lean: guided quantize through nvfp4_quant_guided_lean_kernel; everything else the
 default's), guided compact / full on 2^26 and 2^28 elements, ~20 s:
   QUANT_IMPL_VARIANTS=guided-lean QUANT_IMPL_OPS=guided python bench/bench_quant_impl.py
@@ -78,6 +80,9 @@ def main() -> None:
              lambda: op.nvfp4_quantize(x_train, None, 2, 0, 0, scales, g_out, mbits, False, False)),
             ("nvfp4 guided full", q_bytes + 4 * R + full,
              lambda: op.nvfp4_quantize(x_train, None, 3, 0, 0, scales, g_out, codes, False, False)),
+            ("nvfp4 fake-quant sr (per-row g fused)", 4 * n,
+             lambda: op.nvfp4_fake_quantize(x, None, 1, 7, 0, None, None, None, False)),
+            ("mxfp4 sr", 2 * n + n // 2 + n // 32, lambda: op.mxfp4_quantize(x, 1, 7, 0, False)),
         ]
         cases = [c for c in cases if not OPS or any(w in c[0] for w in OPS)]
         for name, nbytes, fn in cases:

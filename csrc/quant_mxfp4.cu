@@ -16,11 +16,14 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <tuple>
 
 #include "trace_ext/fp4_numerics.cuh"
 #include "trace_ext/host_checks.h"
 #include "trace_ext/quant_common.cuh"
+#include "trace_ext/quant_sr_elems.cuh"
 
 namespace trace_ext {
 namespace {
@@ -46,10 +49,33 @@ struct MxParams {
 template <typename T>
 using MxBlockRaw = RawBlock<T, kMxfp4Block>;
 
-// Codes of one finite MX block with scale exponent e (SPEC 3, 4): 4 words of 8 codes.
-template <int MODE>
+// SR (lean, opt-in: TRACE_EXT_QUANT_IMPL=sr-lean) of one finite MX block: sr_elems_lean_x2m14 with the divisor
+// t = 2^e and r = 2^-e (so its division is the exact product x 2^-e) where that routine's preconditions hold: e in
+// [-100, 100] (t and 1 / t far from under / overflow; amax 2^-e < 8) and every nonzero |x| >= 2^-100 with
+// fl(|x| 2^-e) >= 2^-99 (all quotients exact and normal after the 2^-14 scaling). Returns false (nothing written)
+// otherwise: the caller then runs the per-element code. m = the block's smallest nonzero |x| (+inf: all zero).
+__device__ __forceinline__ bool mx_block_codes_sr_lean(const float (&x)[kMxfp4Block], int e, uint64_t b, float m,
+                                                       const MxParams& p, uint32_t (&w)[4]) {
+  if (e < -100 || e > 100) return false;
+  const float r = exp2_exact(-e);
+  if (m < 0x1p-100f || __fmul_rn(m, r) < 0x1p-99f) return false;
+  const uint64_t n0 = 8 * b;  // SPEC 4 counter of element 0: flat index 32 b over 4 (a multiple of 8: no carry)
+  sr_elems_lean_x2m14<kMxfp4Block>(x, exp2_exact(e), r, (uint32_t)n0, (uint32_t)(n0 >> 32), (uint32_t)p.offset,
+                                   (uint32_t)(p.offset >> 32), p.keys, w);
+  return true;
+}
+
+// Codes of one finite MX block with scale exponent e (SPEC 3, 4): 4 words of 8 codes. kSrLean: SR through
+// mx_block_codes_sr_lean where it applies.
+template <int MODE, bool kSrLean = false>
 __device__ __forceinline__ uint4 mx_block_codes(const float (&x)[kMxfp4Block], int e, uint64_t b, const MxParams& p) {
   uint32_t w[4];
+  if constexpr (MODE == kSR && kSrLean) {
+    uint32_t min_m1 = 0xFFFFFFFFu;  // smallest nonzero |x| - 1 on the bits (+-0 map to 0xFFFFFFFF)
+#pragma unroll
+    for (int i = 0; i < kMxfp4Block; ++i) min_m1 = min(min_m1, (__float_as_uint(x[i]) & 0x7FFFFFFFu) - 1u);
+    if (mx_block_codes_sr_lean(x, e, b, __uint_as_float(min_m1 + 1u), p, w)) return make_uint4(w[0], w[1], w[2], w[3]);
+  }
   if constexpr (MODE == kRTN) {
     const float inv14 = exp2_exact(-e - 14);  // v * 2^-14 in one exact multiply (-e - 14 >= -141)
 #pragma unroll
@@ -83,7 +109,7 @@ __device__ __forceinline__ uint4 mx_block_codes(const float (&x)[kMxfp4Block], i
 }
 
 // Tiles of 32 consecutive blocks: lane l owns block 32 tile + l; warps loop over tiles with a grid stride.
-template <typename T, int MODE>
+template <typename T, int MODE, bool kSrLean = false>
 __global__ void __launch_bounds__(kThreads) mxfp4_quant_kernel(const MxParams p) {
   constexpr int kV = ElemTraits<T>::kPerVec;
   const uint64_t total = (uint64_t)p.total_blocks;
@@ -110,7 +136,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_quant_kernel(const MxParams p)
         float x[kMxfp4Block];
 #pragma unroll
         for (int i = 0; i < MxBlockRaw<T>::kVecs; ++i) vec_to_float<T>(cur.v[i], x + i * kV);
-        w = mx_block_codes<MODE>(x, e, b, p);
+        w = mx_block_codes<MODE, kSrLean>(x, e, b, p);
       }
       reinterpret_cast<uint4*>(p.codes)[b] = w;
       p.scales[b] = scale;
@@ -153,6 +179,12 @@ __global__ void __launch_bounds__(kThreads) mxfp4_dequant_kernel(const uint8_t* 
   }
 }
 
+// TRACE_EXT_QUANT_IMPL=sr-lean (read per call, as in quant_nvfp4.cu): SR through mx_block_codes_sr_lean.
+bool mx_sr_lean_selected() {
+  const char* v = std::getenv("TRACE_EXT_QUANT_IMPL");
+  return v != nullptr && std::strcmp(v, "sr-lean") == 0;
+}
+
 std::tuple<at::Tensor, at::Tensor> mxfp4_quantize_cuda(const at::Tensor& x, int64_t rounding, int64_t seed,
                                                        int64_t offset, bool scale_ceil) {
   const char* op = "mxfp4_quantize";
@@ -178,7 +210,9 @@ std::tuple<at::Tensor, at::Tensor> mxfp4_quantize_cuda(const at::Tensor& x, int6
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   dispatch_float_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    auto kernel = rounding == kRTN ? mxfp4_quant_kernel<T, kRTN> : mxfp4_quant_kernel<T, kSR>;
+    auto kernel = rounding == kRTN ? mxfp4_quant_kernel<T, kRTN>
+                  : mx_sr_lean_selected()  ? mxfp4_quant_kernel<T, kSR, true>
+                                           : mxfp4_quant_kernel<T, kSR>;
     require_kernel_image(kernel, op);
     // about four tiles of 32 blocks per warp, but never fewer warps than the GPU holds
     const int64_t n_tiles = div_up(p.total_blocks, 32);

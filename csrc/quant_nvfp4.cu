@@ -77,6 +77,7 @@
 #include "trace_ext/fp4_numerics.cuh"
 #include "trace_ext/host_checks.h"
 #include "trace_ext/quant_common.cuh"
+#include "trace_ext/quant_sr_elems.cuh"
 
 namespace trace_ext {
 namespace {
@@ -108,6 +109,8 @@ constexpr int kImplRowgLean2 = 5;  // TRACE_EXT_QUANT_IMPL=rowg-lean2: as kImplR
 constexpr int kImplGuidedLean = 6;  // default (TRACE_EXT_QUANT_IMPL=guided-lean): kImplRowgLean2, except guided
                                     // quantize (linear scales, 32-bit walk) through nvfp4_quant_guided_lean_kernel;
                                     // H200 A/B at 7b3e763: guided 1.26-1.31x, codes equal
+constexpr int kImplSrLean = 7;  // TRACE_EXT_QUANT_IMPL=sr-lean: kImplGuidedLean, except the SR element code on the fast
+                                // path: sr_elems_lean_x2m14 (quant_sr_elems.cuh; same codes)
 static_assert(kChunkElems % 8 == 0, "a chunk must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kNvfp4Block % 8 == 0, "a block must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 2 blocks x 16 elements");
@@ -200,7 +203,13 @@ __device__ __forceinline__ void quantize_elems(const float (&x)[N], float t, flo
                                                const QuantParams& p, uint32_t guide_bits, uint2 guide_codes,
                                                uint32_t (&w)[N / 8]) {
   // ctr0: Philox counter of element 0 (flat element index / 4, SPEC 4)
-  if constexpr (MODE == kRTN && FAST && IMPL == kImplLean) {
+  if constexpr (MODE == kSR && FAST && IMPL == kImplSrLean) {
+    // SR (lean): one round-up FFMA per element and one cvt.rz.f16x2 per pair (quant_sr_elems.cuh). ctr0 = 4 * flat
+    // block index, a multiple of 4: its low word + 3 never carries.
+    static_assert(N % 16 == 0, "whole blocks: the counter of element 0 is a multiple of 4");
+    sr_elems_lean_x2m14<N>(x, t, r, (uint32_t)ctr0, (uint32_t)(ctr0 >> 32), (uint32_t)p.offset,
+                           (uint32_t)(p.offset >> 32), p.keys, w);
+  } else if constexpr (MODE == kRTN && FAST && IMPL == kImplLean) {
     // RTN (lean): as kImplRtnSat below, the grid value by e2m1_rn_grid_pow2_x2m14 (LOP3, VIMNMX and two FFMAs per
     // element instead of four FADDs, an FMUL, an FSETP and a predicated FADD).
     quantize_rtn_abs_x2m14<true>(x, t, r, w);
@@ -1315,7 +1324,8 @@ void launch_quant_impl(const QuantParams& p, int64_t rounding, bool rowg, cudaSt
 // linear scales through nvfp4_quant_lean_kernel, the scaled-domain SR / guided code; "rowg-lean": kImplLean except
 // RTN quantize with g None through nvfp4_quant_rowg_lean_kernel (one block per lane); "rowg-lean2": the same with two
 // blocks per lane (the default before the A/B at 7b3e763); unset (or anything else, e.g. "guided-lean"):
-// kImplGuidedLean = rowg-lean2 except guided quantize through nvfp4_quant_guided_lean_kernel.
+// kImplGuidedLean = rowg-lean2 except guided quantize through nvfp4_quant_guided_lean_kernel; "sr-lean": the default
+// except SR's element code (sr_elems_lean_x2m14).
 int quant_impl() {
   const char* v = std::getenv("TRACE_EXT_QUANT_IMPL");
   if (v != nullptr && std::strcmp(v, "bits") == 0) return kImplBits;
@@ -1324,6 +1334,7 @@ int quant_impl() {
   if (v != nullptr && std::strcmp(v, "rowg-lean") == 0) return kImplRowgLean;
   if (v != nullptr && std::strcmp(v, "lean") == 0) return kImplLean;
   if (v != nullptr && std::strcmp(v, "rowg-lean2") == 0) return kImplRowgLean2;
+  if (v != nullptr && std::strcmp(v, "sr-lean") == 0) return kImplSrLean;
   return kImplGuidedLean;
 }
 
@@ -1340,6 +1351,13 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
     case kImplLean:
       launch_quant_impl<FAKE, T, kImplLean>(p, rounding, rowg, stream, op);
       break;
+    case kImplSrLean:  // the default's kernels, SR with the lean element code (same kernels, other instantiations)
+      if (rounding == kSR) {
+        rowg ? launch_rowg<kSR, FAKE, T, kImplSrLean>(p, stream, op)
+             : launch_flat<kSR, FAKE, T, kImplSrLean>(p, stream, op);
+        break;
+      }
+      [[fallthrough]];
     case kImplGuidedLean:  // the default's kernels except guided quantize (where the lean kernel would take it)
       if (!FAKE && rounding == kGuidedCompact && launch_guided_lean<kGuidedCompact, T>(p, stream, op)) break;
       if (!FAKE && rounding == kGuidedFull && launch_guided_lean<kGuidedFull, T>(p, stream, op)) break;

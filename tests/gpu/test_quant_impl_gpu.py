@@ -25,7 +25,7 @@ GRID = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
-@pytest.fixture(params=("default", "bits", "rtn-fminf", "rtn-sat", "lean", "rowg-lean", "rowg-lean2"))
+@pytest.fixture(params=("default", "bits", "rtn-fminf", "rtn-sat", "lean", "rowg-lean", "rowg-lean2", "sr-lean"))
 def impl(request, monkeypatch):
     if request.param == "default":
         monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
@@ -137,7 +137,7 @@ def test_impls_agree_on_random_activations(monkeypatch):
     for kw in cases:
         monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
         a = ops.nvfp4_quantize(x, backend="cuda", **kw)
-        for variant in ("bits", "rtn-fminf", "rtn-sat", "lean", "rowg-lean", "rowg-lean2", "guided-lean"):
+        for variant in ("bits", "rtn-fminf", "rtn-sat", "lean", "rowg-lean", "rowg-lean2", "guided-lean", "sr-lean"):
             monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", variant)
             b = ops.nvfp4_quantize(x, backend="cuda", **kw)
             assert torch.equal(a.codes, b.codes), (variant, list(kw))
@@ -281,3 +281,65 @@ def test_rowg_lean_matches_default_everywhere_else(monkeypatch):
     for variant in ("rowg-lean", None):
         _set_impl(monkeypatch, variant)
         assert torch.equal(ops.nvfp4_fake_quantize(x, backend="cuda").view(torch.int16), fa.view(torch.int16))
+
+
+# ---- TRACE_EXT_QUANT_IMPL=sr-lean: SR's element code by one round-up FFMA per element (quant_sr_elems.cuh) ----------
+# The dense-threshold SR test above runs it too (impl fixture). Here: magnitudes over every binade down to 2^-100 (the
+# small-value range, where the SR probability is not a whole multiple of 2^-24, and the fast path's lower edge), the
+# per-row and g-given kernels, fake quantization, and MXFP4 (which takes the same routine with t = 2^e).
+
+
+def sr_tiny_input(R, K, dtype, seed):
+    """Rows of blocks led by +-6 (t = 1 with g = 1) or by a random magnitude, the other elements log-uniform in
+    [2^-110, 8) with random signs, zeros and exact grid / tie values mixed in."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    mag = torch.exp2(torch.rand(R, K, generator=gen, device=DEV) * 113.0 - 110.0)
+    pick = torch.randint(0, 16, (R, K), generator=gen, device=DEV)
+    grid = torch.tensor(GRID + TIES, device=DEV)
+    mag = torch.where(pick == 0, grid[torch.randint(0, len(grid), (R, K), generator=gen, device=DEV)], mag)
+    mag = torch.where(pick == 1, torch.zeros_like(mag), mag)
+    sign = torch.where(torch.rand(R, K, generator=gen, device=DEV) < 0.5, -1.0, 1.0)
+    x = (mag * sign).reshape(R, K // 16, 16)
+    lead = torch.rand(R, K // 16, generator=gen, device=DEV) < 0.5
+    x[:, :, 0] = torch.where(lead, torch.full_like(x[:, :, 0], 6.0), x[:, :, 0])
+    return x.reshape(R, K).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+def test_sr_lean_tiny_magnitudes(monkeypatch, dtype):
+    """sr-lean equals the reference on magnitudes down to 2^-110 (fast path and its fallback), g given (t = 1 on
+    the blocks led by 6) and per row, quantize and fake quantize, several seeds / offsets."""
+    x = sr_tiny_input(512, 1024, dtype, 3)
+    one = torch.ones(1, device=DEV)
+    monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", "sr-lean")
+    for seed, offset in ((0, 0), (5, 2**35 + 1), (2**50 + 7, 9)):
+        kw = {"rounding": "sr", "seed": seed, "offset": offset}
+        for g in (one, None):
+            what = f"sr-lean {dtype} seed {seed} g {'1' if g is not None else 'row'}"
+            assert_codes(ops.nvfp4_quantize(x, g, backend="cuda", **kw),
+                         ops.nvfp4_quantize(x, g, backend="reference", **kw), what)
+        fc = ops.nvfp4_fake_quantize(x, backend="cuda", **kw)
+        fr = ops.nvfp4_fake_quantize(x, backend="reference", **kw)
+        assert torch.equal(torch.nan_to_num(fc.float(), nan=7.0), torch.nan_to_num(fr.float(), nan=7.0)), f"fake {seed}"
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("scale_rounding", ("floor", "ceil"))
+def test_sr_lean_mxfp4_against_reference(monkeypatch, dtype, scale_rounding):
+    """MXFP4 SR under sr-lean equals the reference: blocks scaled by 2^-126 .. 2^126 (scale exponents in and out of
+    the fast path's [-100, 100]), tiny elements (the fallback), grid values and ties (t = 2^e exactly), NaN / Inf
+    blocks, several seeds."""
+    gen = torch.Generator(device=DEV).manual_seed(8)
+    R, K = 600, 1024
+    x = sr_tiny_input(R, K, torch.float32, 4).reshape(R, K // 32, 32)
+    x = x * torch.exp2(torch.randint(-126, 120, (R, K // 32, 1), generator=gen, device=DEV).float())
+    x = x.reshape(R, K)
+    x[3, 5] = float("nan")
+    x[7, 100] = float("inf")
+    x = x.to(dtype)
+    for seed, offset in ((0, 0), (11, 2**34 + 3)):
+        kw = {"rounding": "sr", "seed": seed, "offset": offset, "scale_rounding": scale_rounding}
+        mr = ops.mxfp4_quantize(x, backend="reference", **kw)
+        for variant in (None, "sr-lean"):
+            _set_impl(monkeypatch, variant)
+            assert_codes(ops.mxfp4_quantize(x, backend="cuda", **kw), mr, f"mxfp4 sr {variant} {dtype} {seed}")
