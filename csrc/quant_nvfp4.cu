@@ -106,11 +106,11 @@ constexpr int kImplRowgLean = 4;  // TRACE_EXT_QUANT_IMPL=rowg-lean: kImplLean, 
 constexpr int kImplRowgLean2 = 5;  // TRACE_EXT_QUANT_IMPL=rowg-lean2: as kImplRowgLean, two blocks per lane
                                    // (16-bit x); H200 A/B at c7928a5 vs lean: per-row g 1.03-1.06x, swizzled
                                    // 1.12-1.16x, capture 1.03-1.05x (bench/results/quant_impl_h200.md)
-constexpr int kImplGuidedLean = 6;  // default (TRACE_EXT_QUANT_IMPL=guided-lean): kImplRowgLean2, except guided
+constexpr int kImplGuidedLean = 6;  // TRACE_EXT_QUANT_IMPL=guided-lean: kImplRowgLean2, except guided
                                     // quantize (linear scales, 32-bit walk) through nvfp4_quant_guided_lean_kernel;
                                     // H200 A/B at 7b3e763: guided 1.26-1.31x, codes equal
-constexpr int kImplSrLean = 7;  // TRACE_EXT_QUANT_IMPL=sr-lean: kImplGuidedLean, except the SR element code on the fast
-                                // path: sr_elems_lean_x2m14 (quant_sr_elems.cuh; same codes)
+constexpr int kImplSrLean = 7;  // default (TRACE_EXT_QUANT_IMPL=sr-lean): kImplGuidedLean, except the SR element code
+                                // on the fast path: sr_elems_lean_x2m14 (quant_sr_elems.cuh; same codes)
 static_assert(kChunkElems % 8 == 0, "a chunk must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kNvfp4Block % 8 == 0, "a block must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 2 blocks x 16 elements");
@@ -1323,9 +1323,9 @@ void launch_quant_impl(const QuantParams& p, int64_t rounding, bool rowg, cudaSt
 // after packing; "lean" kImplLean (the default before 2026-11-30): RTN by the power-of-two magic add, quantize with
 // linear scales through nvfp4_quant_lean_kernel, the scaled-domain SR / guided code; "rowg-lean": kImplLean except
 // RTN quantize with g None through nvfp4_quant_rowg_lean_kernel (one block per lane); "rowg-lean2": the same with two
-// blocks per lane (the default before the A/B at 7b3e763); unset (or anything else, e.g. "guided-lean"):
-// kImplGuidedLean = rowg-lean2 except guided quantize through nvfp4_quant_guided_lean_kernel; "sr-lean": the default
-// except SR's element code (sr_elems_lean_x2m14).
+// blocks per lane (the default before the A/B at 7b3e763); "guided-lean": kImplGuidedLean = rowg-lean2 except guided
+// quantize through nvfp4_quant_guided_lean_kernel (the default before 2026-11-30 13:00); unset (or anything else,
+// e.g. "sr-lean"): kImplSrLean = guided-lean except SR's element code (sr_elems_lean_x2m14).
 int quant_impl() {
   const char* v = std::getenv("TRACE_EXT_QUANT_IMPL");
   if (v != nullptr && std::strcmp(v, "bits") == 0) return kImplBits;
@@ -1334,8 +1334,8 @@ int quant_impl() {
   if (v != nullptr && std::strcmp(v, "rowg-lean") == 0) return kImplRowgLean;
   if (v != nullptr && std::strcmp(v, "lean") == 0) return kImplLean;
   if (v != nullptr && std::strcmp(v, "rowg-lean2") == 0) return kImplRowgLean2;
-  if (v != nullptr && std::strcmp(v, "sr-lean") == 0) return kImplSrLean;
-  return kImplGuidedLean;
+  if (v != nullptr && std::strcmp(v, "guided-lean") == 0) return kImplGuidedLean;
+  return kImplSrLean;
 }
 
 template <bool FAKE, typename T>

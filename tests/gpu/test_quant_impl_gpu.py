@@ -25,7 +25,8 @@ GRID = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
-@pytest.fixture(params=("default", "bits", "rtn-fminf", "rtn-sat", "lean", "rowg-lean", "rowg-lean2", "sr-lean"))
+@pytest.fixture(params=("default", "bits", "rtn-fminf", "rtn-sat", "lean", "rowg-lean", "rowg-lean2", "guided-lean",
+                        "sr-lean"))
 def impl(request, monkeypatch):
     if request.param == "default":
         monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
@@ -283,7 +284,7 @@ def test_rowg_lean_matches_default_everywhere_else(monkeypatch):
         assert torch.equal(ops.nvfp4_fake_quantize(x, backend="cuda").view(torch.int16), fa.view(torch.int16))
 
 
-# ---- TRACE_EXT_QUANT_IMPL=sr-lean: SR's element code by one round-up FFMA per element (quant_sr_elems.cuh) ----------
+# ---- SR's lean element code (the default; TRACE_EXT_QUANT_IMPL=guided-lean keeps the previous one) -------------------
 # The dense-threshold SR test above runs it too (impl fixture). Here: magnitudes over every binade down to 2^-100 (the
 # small-value range, where the SR probability is not a whole multiple of 2^-24, and the fast path's lower edge), the
 # per-row and g-given kernels, fake quantization, and MXFP4 (which takes the same routine with t = 2^e).
@@ -307,8 +308,9 @@ def sr_tiny_input(R, K, dtype, seed):
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
 def test_sr_lean_tiny_magnitudes(monkeypatch, dtype):
-    """sr-lean equals the reference on magnitudes down to 2^-110 (fast path and its fallback), g given (t = 1 on
-    the blocks led by 6) and per row, quantize and fake quantize, several seeds / offsets."""
+    """SR's lean element code (the default, also =sr-lean by name) equals the reference on magnitudes down to 2^-110
+    (fast path and its fallback), g given (t = 1 on the blocks led by 6) and per row, quantize and fake
+    quantize, several seeds / offsets."""
     x = sr_tiny_input(512, 1024, dtype, 3)
     one = torch.ones(1, device=DEV)
     monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", "sr-lean")
@@ -326,9 +328,9 @@ def test_sr_lean_tiny_magnitudes(monkeypatch, dtype):
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("scale_rounding", ("floor", "ceil"))
 def test_sr_lean_mxfp4_against_reference(monkeypatch, dtype, scale_rounding):
-    """MXFP4 SR under sr-lean equals the reference: blocks scaled by 2^-126 .. 2^126 (scale exponents in and out of
-    the fast path's [-100, 100]), tiny elements (the fallback), grid values and ties (t = 2^e exactly), NaN / Inf
-    blocks, several seeds."""
+    """MXFP4 SR with the lean element code (the default) and the per-element code (=guided-lean) equals the reference:
+    blocks scaled by 2^-126 .. 2^126 (scale exponents in and out of the fast path's [-100, 100]), tiny elements
+    (the fallback), grid values and ties (t = 2^e exactly), NaN / Inf blocks, several seeds."""
     gen = torch.Generator(device=DEV).manual_seed(8)
     R, K = 600, 1024
     x = sr_tiny_input(R, K, torch.float32, 4).reshape(R, K // 32, 32)
@@ -340,6 +342,6 @@ def test_sr_lean_mxfp4_against_reference(monkeypatch, dtype, scale_rounding):
     for seed, offset in ((0, 0), (11, 2**34 + 3)):
         kw = {"rounding": "sr", "seed": seed, "offset": offset, "scale_rounding": scale_rounding}
         mr = ops.mxfp4_quantize(x, backend="reference", **kw)
-        for variant in (None, "sr-lean"):
+        for variant in ("guided-lean", None, "sr-lean"):  # the per-element code, the default (lean), lean by name
             _set_impl(monkeypatch, variant)
             assert_codes(ops.mxfp4_quantize(x, backend="cuda", **kw), mr, f"mxfp4 sr {variant} {dtype} {seed}")
