@@ -19,7 +19,7 @@ retry() {  # retry FILE VAR=VALUE: rerun one test file with a fallback switch; k
 }
 retry tests/gpu/test_gemm_gpu.py TRACE_EXT_DECODE_IMPL=auto
 retry tests/gpu/test_kv_gpu.py TRACE_EXT_KV_DECODE_COMBINE=kernel
-retry tests/gpu/test_quant_gpu.py TRACE_EXT_QUANT_IMPL=rowg-lean2
+retry tests/gpu/test_quant_gpu.py TRACE_EXT_QUANT_IMPL=guided-lean
 touch $T/switches.txt; echo "switches: $(cat $T/switches.txt | tr '\n' ' ')"
 make gpu-bench 2>&1 | grep -E "copy bandwidth|MISS|PASS|rows meet"
 mkdir -p "$OUT" && tar czf "$OUT/results.tgz" -C $T .

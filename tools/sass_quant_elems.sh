@@ -29,10 +29,11 @@ print(f"baseline (loads + stores): {base} instructions")
 print("mode             impl     total  per elem  top opcodes (whole probe)")
 for k, d in sorted(names.items(), key=lambda kv: kv[1]):
     m = re.search(r"probe_elems<(\d), (\d)>", d)
-    if not m:
+    if not m and "probe_sr_lean" not in d:
         continue
+    mode, im = (label[m.group(1)], impl[m.group(2)]) if m else ("sr", "lean (sr_elems_lean_x2m14)")
     c = funcs[k]
     n = sum(c.values())
     top = " ".join(f"{op}:{cnt}" for op, cnt in c.most_common(9))
-    print(f"{label[m.group(1)]:16} {impl[m.group(2)]:7} {n:6d} {(n - base) / 16:9.2f}  {top}")
+    print(f"{mode:16} {im:7} {n:6d} {(n - base) / 16:9.2f}  {top}")
 '
