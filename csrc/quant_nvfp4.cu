@@ -61,6 +61,13 @@
 //   (ALU-pipe 213 -> 141), full 338 -> 257 (215 -> 136); per 32-element tile with the walk 760 -> 608 / 750 -> 590.
 //   60 / 58 registers, no spills. Checked: tests/test_guided_rz_emulation.py,
 //   tools/exhaustive_guided_rz.py (every float a in [0, 6 * 2^-14]), tests/gpu/test_quant_guided_lean_gpu.py.
+// - Default since the H200 A/B at aed970c (TRACE_EXT_QUANT_IMPL=sr-lean; =guided-lean keeps the previous default; SR
+//   per-row 1.15x -> 34.5% of copy at 2^28, g given 1.17x, fake-quant SR 1.11x, MXFP4 SR 1.20x, timed twice): SR's
+//   fast-path element code is sr_elems_lean_x2m14 (quant_sr_elems.cuh: one round-up FFMA per element decides lo / hi,
+//   one cvt.rz.f16x2 per pair floors; 22.6 instead of 30.7 static instructions per element in the probe; exhaustively
+//   checked by tools/exhaustive_sr_lean.py). Nsight of the previous SR kernel (nvfp4_quant_rowg_kernel, 2^26 bf16):
+//   45.6 thread instructions per element, IPC 2.70, ALU pipe 69%, 76 registers; the persistent per-row kernel with
+//   the same element code ran at 1.00x (branch next/srrow), so the element code is what SR's time is made of.
 // - Swizzled scales: written at their 128x4 offsets; the zero padding is written by the same launch
 //   (a grid-stride pass over the padded bytes of the last row tile and the last column chunk of each tile).
 #include <ATen/ATen.h>
