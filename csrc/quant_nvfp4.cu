@@ -68,6 +68,9 @@
 //   checked by tools/exhaustive_sr_lean.py). Nsight of the previous SR kernel (nvfp4_quant_rowg_kernel, 2^26 bf16):
 //   45.6 thread instructions per element, IPC 2.70, ALU pipe 69%, 76 registers; the persistent per-row kernel with
 //   the same element code ran at 1.00x (branch next/srrow), so the element code is what SR's time is made of.
+// - Opt-in (TRACE_EXT_QUANT_IMPL=sr-row / sr-row4): SR quantize with g None through nvfp4_quant_rowg_lean_kernel
+//   (MODE = kSR, the default's lean SR element code: the same bits); 3 CTAs per SM (sr-row, up to 85 registers) or 4
+//   with the 64-register cap (sr-row4). With the previous SR element code it ran at 1.00x / 0.93x (round 14).
 // - Swizzled scales: written at their 128x4 offsets; the zero padding is written by the same launch
 //   (a grid-stride pass over the padded bytes of the last row tile and the last column chunk of each tile).
 #include <ATen/ATen.h>
@@ -118,6 +121,9 @@ constexpr int kImplGuidedLean = 6;  // TRACE_EXT_QUANT_IMPL=guided-lean: kImplRo
                                     // H200 A/B at 7b3e763: guided 1.26-1.31x, codes equal
 constexpr int kImplSrLean = 7;  // default (TRACE_EXT_QUANT_IMPL=sr-lean): kImplGuidedLean, except the SR element code
                                 // on the fast path: sr_elems_lean_x2m14 (quant_sr_elems.cuh; same codes)
+constexpr int kImplSrRow = 8;   // TRACE_EXT_QUANT_IMPL=sr-row: kImplSrLean, except SR quantize with g None through
+                                // nvfp4_quant_rowg_lean_kernel<..., kSR> (two blocks per lane, as rowg-lean2)
+constexpr int kImplSrRow4 = 9;  // TRACE_EXT_QUANT_IMPL=sr-row4: as sr-row with 4 CTAs per SM (<= 64 registers)
 static_assert(kChunkElems % 8 == 0, "a chunk must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kNvfp4Block % 8 == 0, "a block must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 2 blocks x 16 elements");
@@ -967,6 +973,7 @@ __global__ void __launch_bounds__(kMaxTeam) nvfp4_quant_rowg_kernel(const QuantP
 // default's element code, so the results are the default's bit for bit.
 constexpr int kRowLeanThreads = 256;  // CTA of the lean per-row kernel (4 resident per SM at <= 64 registers)
 constexpr int kRowLeanCtasPerSm = 4;
+constexpr int kRowLeanSrCtasPerSm = 3;  // SR (TRACE_EXT_QUANT_IMPL=sr-row; =sr-row4: 4): Philox state wants > 64 registers
 static_assert(kRowLeanThreads % 32 == 0 && kRowLeanThreads <= kMaxTeam, "lean per-row CTA: whole warps, <= kMaxTeam");
 
 struct RowLeanWalk {
@@ -990,9 +997,10 @@ __device__ __forceinline__ void load_row_blocks(const T* xp, const RowLeanWalk& 
   }
 }
 
-template <typename T, int BPL, bool SWIZZLE>
-__global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
+template <typename T, int BPL, bool SWIZZLE, int MODE = kRTN, int kCtasPerSm = kRowLeanCtasPerSm>
+__global__ void __launch_bounds__(kRowLeanThreads, kCtasPerSm)
     nvfp4_quant_rowg_lean_kernel(const QuantParams p, const RowLeanWalk w) {
+  static_assert(MODE == kRTN || MODE == kSR, "guided rounding never recomputes g");
   __shared__ uint32_t warp_max[2][kRowLeanThreads / 32];
   const uint32_t team = 1u << w.team_shift;
   const uint32_t lane_in_team = threadIdx.x & (team - 1u);
@@ -1052,7 +1060,12 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
           const float t = nvfp4_block_divisor(s, g);
           uint32_t codes[2] = {0u, 0u};
           if (finite) {
-            quantize_block<kRTN, kNvfp4Block, kImplLean>(x, mb[q], t, 0u, p, 0u, make_uint2(0u, 0u), codes);
+            if constexpr (MODE == kRTN) {
+              quantize_block<kRTN, kNvfp4Block, kImplLean>(x, mb[q], t, 0u, p, 0u, make_uint2(0u, 0u), codes);
+            } else {  // SR: Philox counter of the block's element 0 = flat element index / 4 (SPEC 4)
+              quantize_block<kSR, kNvfp4Block, kImplSrLean>(x, mb[q], t, (uint64_t)fb * 4u, p, 0u,
+                                                            make_uint2(0u, 0u), codes);
+            }
           } else {
             s = kE4M3NaN;
           }
@@ -1272,7 +1285,7 @@ void launch_rowg(const QuantParams& p, cudaStream_t stream, const char* op) {
 // <= kRowLeanThreads * BPL blocks, 32-bit indices); false if not (the caller then runs the default's kernels).
 // prefer_two (=rowg-lean2, 16-bit x): two blocks per lane for every kb >= 2 (half the team, half the per-row work per
 // element, twice the bytes in flight per thread), else only where one block per lane would need more than 256 threads.
-template <typename T>
+template <typename T, int MODE = kRTN, int kCtasPerSm = kRowLeanCtasPerSm>
 bool launch_rowg_lean(const QuantParams& p, cudaStream_t stream, const char* op, bool prefer_two) {
   if (p.y != nullptr || p.codes == nullptr || p.scales == nullptr || p.g_out == nullptr) return false;
   constexpr int64_t kMaxBpl = sizeof(T) == 2 ? 2 : 1;  // fp32: two rows of 2 blocks in flight would exceed 64 registers
@@ -1282,7 +1295,7 @@ bool launch_rowg_lean(const QuantParams& p, cudaStream_t stream, const char* op,
   while ((int64_t(1) << shift) * bpl < p.kb) ++shift;
   const int64_t rows_per_cta = kRowLeanThreads >> shift;
   const int64_t groups = div_up(p.rows, rows_per_cta);
-  const int64_t max_ctas = int64_t(current_sm_count()) * kRowLeanCtasPerSm;
+  const int64_t max_ctas = int64_t(current_sm_count()) * kCtasPerSm;
   const int64_t iters = div_up(groups, max_ctas);
   const int64_t grid = div_up(groups, iters);  // balanced: every CTA walks iters or iters - 1 row groups
   const int64_t row_stride = grid * rows_per_cta;
@@ -1296,9 +1309,11 @@ bool launch_rowg_lean(const QuantParams& p, cudaStream_t stream, const char* op,
     check_launch(op);
   };
   if (bpl == 1) {
-    p.swizzle ? go(nvfp4_quant_rowg_lean_kernel<T, 1, true>) : go(nvfp4_quant_rowg_lean_kernel<T, 1, false>);
+    p.swizzle ? go(nvfp4_quant_rowg_lean_kernel<T, 1, true, MODE, kCtasPerSm>)
+              : go(nvfp4_quant_rowg_lean_kernel<T, 1, false, MODE, kCtasPerSm>);
   } else if constexpr (kMaxBpl == 2) {
-    p.swizzle ? go(nvfp4_quant_rowg_lean_kernel<T, 2, true>) : go(nvfp4_quant_rowg_lean_kernel<T, 2, false>);
+    p.swizzle ? go(nvfp4_quant_rowg_lean_kernel<T, 2, true, MODE, kCtasPerSm>)
+              : go(nvfp4_quant_rowg_lean_kernel<T, 2, false, MODE, kCtasPerSm>);
   }
   return true;
 }
@@ -1333,6 +1348,7 @@ void launch_quant_impl(const QuantParams& p, int64_t rounding, bool rowg, cudaSt
 // blocks per lane (the default before the A/B at 7b3e763); "guided-lean": kImplGuidedLean = rowg-lean2 except guided
 // quantize through nvfp4_quant_guided_lean_kernel (the default before 2026-11-30 13:00); unset (or anything else,
 // e.g. "sr-lean"): kImplSrLean = guided-lean except SR's element code (sr_elems_lean_x2m14).
+// "sr-row" / "sr-row4": the default except SR quantize with g None through nvfp4_quant_rowg_lean_kernel (kSR).
 int quant_impl() {
   const char* v = std::getenv("TRACE_EXT_QUANT_IMPL");
   if (v != nullptr && std::strcmp(v, "bits") == 0) return kImplBits;
@@ -1341,6 +1357,8 @@ int quant_impl() {
   if (v != nullptr && std::strcmp(v, "rowg-lean") == 0) return kImplRowgLean;
   if (v != nullptr && std::strcmp(v, "lean") == 0) return kImplLean;
   if (v != nullptr && std::strcmp(v, "rowg-lean2") == 0) return kImplRowgLean2;
+  if (v != nullptr && std::strcmp(v, "sr-row") == 0) return kImplSrRow;
+  if (v != nullptr && std::strcmp(v, "sr-row4") == 0) return kImplSrRow4;
   if (v != nullptr && std::strcmp(v, "guided-lean") == 0) return kImplGuidedLean;
   return kImplSrLean;
 }
@@ -1358,6 +1376,13 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
     case kImplLean:
       launch_quant_impl<FAKE, T, kImplLean>(p, rounding, rowg, stream, op);
       break;
+    case kImplSrRow:  // the default, except SR quantize with g None through the persistent per-row kernel
+    case kImplSrRow4:
+      if (!FAKE && rowg && rounding == kSR && p.K <= kFusedMaxK &&
+          (impl == kImplSrRow ? launch_rowg_lean<T, kSR, kRowLeanSrCtasPerSm>(p, stream, op, true)
+                              : launch_rowg_lean<T, kSR, 4>(p, stream, op, true)))
+        break;
+      [[fallthrough]];
     case kImplSrLean:  // the default's kernels, SR with the lean element code (same kernels, other instantiations)
       if (rounding == kSR) {
         rowg ? launch_rowg<kSR, FAKE, T, kImplSrLean>(p, stream, op)
