@@ -68,9 +68,11 @@
 //   checked by tools/exhaustive_sr_lean.py). Nsight of the previous SR kernel (nvfp4_quant_rowg_kernel, 2^26 bf16):
 //   45.6 thread instructions per element, IPC 2.70, ALU pipe 69%, 76 registers; the persistent per-row kernel with
 //   the same element code ran at 1.00x (branch next/srrow), so the element code is what SR's time is made of.
-// - Opt-in (TRACE_EXT_QUANT_IMPL=sr-row / sr-row4): SR quantize with g None through nvfp4_quant_rowg_lean_kernel
-//   (MODE = kSR, the default's lean SR element code: the same bits); 3 CTAs per SM (sr-row, up to 85 registers) or 4
-//   with the 64-register cap (sr-row4). With the previous SR element code it ran at 1.00x / 0.93x (round 14).
+// - Default since the H200 A/B at fa48a9d (TRACE_EXT_QUANT_IMPL=sr-row; =sr-lean keeps the per-row kernel below): SR
+//   quantize with g None through nvfp4_quant_rowg_lean_kernel (MODE = kSR, the lean SR element code: the same bits), 3
+//   CTAs per SM (79 registers, no spills; the default per-row kernel ran SR at 64 registers with spills): 1.03-1.04x,
+//   timed twice (35.8% of copy at 2^28). 4 CTAs per SM at the 64-register cap: 0.93-0.95x (spills). With the previous
+//   SR element code the persistent kernel ran at 1.00x (round 14).
 // - Swizzled scales: written at their 128x4 offsets; the zero padding is written by the same launch
 //   (a grid-stride pass over the padded bytes of the last row tile and the last column chunk of each tile).
 #include <ATen/ATen.h>
@@ -119,11 +121,10 @@ constexpr int kImplRowgLean2 = 5;  // TRACE_EXT_QUANT_IMPL=rowg-lean2: as kImplR
 constexpr int kImplGuidedLean = 6;  // TRACE_EXT_QUANT_IMPL=guided-lean: kImplRowgLean2, except guided
                                     // quantize (linear scales, 32-bit walk) through nvfp4_quant_guided_lean_kernel;
                                     // H200 A/B at 7b3e763: guided 1.26-1.31x, codes equal
-constexpr int kImplSrLean = 7;  // default (TRACE_EXT_QUANT_IMPL=sr-lean): kImplGuidedLean, except the SR element code
+constexpr int kImplSrLean = 7;  // TRACE_EXT_QUANT_IMPL=sr-lean: kImplGuidedLean, except the SR element code
                                 // on the fast path: sr_elems_lean_x2m14 (quant_sr_elems.cuh; same codes)
-constexpr int kImplSrRow = 8;   // TRACE_EXT_QUANT_IMPL=sr-row: kImplSrLean, except SR quantize with g None through
-                                // nvfp4_quant_rowg_lean_kernel<..., kSR> (two blocks per lane, as rowg-lean2)
-constexpr int kImplSrRow4 = 9;  // TRACE_EXT_QUANT_IMPL=sr-row4: as sr-row with 4 CTAs per SM (<= 64 registers)
+constexpr int kImplSrRow = 8;   // default (TRACE_EXT_QUANT_IMPL=sr-row): kImplSrLean, except SR quantize with g None
+                                // through nvfp4_quant_rowg_lean_kernel<..., kSR> (two blocks per lane, as rowg-lean2)
 static_assert(kChunkElems % 8 == 0, "a chunk must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kNvfp4Block % 8 == 0, "a block must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 2 blocks x 16 elements");
@@ -973,7 +974,7 @@ __global__ void __launch_bounds__(kMaxTeam) nvfp4_quant_rowg_kernel(const QuantP
 // default's element code, so the results are the default's bit for bit.
 constexpr int kRowLeanThreads = 256;  // CTA of the lean per-row kernel (4 resident per SM at <= 64 registers)
 constexpr int kRowLeanCtasPerSm = 4;
-constexpr int kRowLeanSrCtasPerSm = 3;  // SR (TRACE_EXT_QUANT_IMPL=sr-row; =sr-row4: 4): Philox state wants > 64 registers
+constexpr int kRowLeanSrCtasPerSm = 3;  // SR: > 64 registers without spills (4 CTAs at 64 spilled: 0.93-0.95x)
 static_assert(kRowLeanThreads % 32 == 0 && kRowLeanThreads <= kMaxTeam, "lean per-row CTA: whole warps, <= kMaxTeam");
 
 struct RowLeanWalk {
@@ -1346,9 +1347,9 @@ void launch_quant_impl(const QuantParams& p, int64_t rounding, bool rowg, cudaSt
 // linear scales through nvfp4_quant_lean_kernel, the scaled-domain SR / guided code; "rowg-lean": kImplLean except
 // RTN quantize with g None through nvfp4_quant_rowg_lean_kernel (one block per lane); "rowg-lean2": the same with two
 // blocks per lane (the default before the A/B at 7b3e763); "guided-lean": kImplGuidedLean = rowg-lean2 except guided
-// quantize through nvfp4_quant_guided_lean_kernel (the default before 2026-11-30 13:00); unset (or anything else,
-// e.g. "sr-lean"): kImplSrLean = guided-lean except SR's element code (sr_elems_lean_x2m14).
-// "sr-row" / "sr-row4": the default except SR quantize with g None through nvfp4_quant_rowg_lean_kernel (kSR).
+// quantize through nvfp4_quant_guided_lean_kernel (the default before 2026-11-30 12:45); "sr-lean": kImplSrLean =
+// guided-lean except SR's element code (sr_elems_lean_x2m14; the default from 12:45 to 13:00); unset (or anything
+// else, e.g. "sr-row"): kImplSrRow = sr-lean except SR quantize with g None through nvfp4_quant_rowg_lean_kernel.
 int quant_impl() {
   const char* v = std::getenv("TRACE_EXT_QUANT_IMPL");
   if (v != nullptr && std::strcmp(v, "bits") == 0) return kImplBits;
@@ -1357,10 +1358,9 @@ int quant_impl() {
   if (v != nullptr && std::strcmp(v, "rowg-lean") == 0) return kImplRowgLean;
   if (v != nullptr && std::strcmp(v, "lean") == 0) return kImplLean;
   if (v != nullptr && std::strcmp(v, "rowg-lean2") == 0) return kImplRowgLean2;
-  if (v != nullptr && std::strcmp(v, "sr-row") == 0) return kImplSrRow;
-  if (v != nullptr && std::strcmp(v, "sr-row4") == 0) return kImplSrRow4;
   if (v != nullptr && std::strcmp(v, "guided-lean") == 0) return kImplGuidedLean;
-  return kImplSrLean;
+  if (v != nullptr && std::strcmp(v, "sr-lean") == 0) return kImplSrLean;
+  return kImplSrRow;
 }
 
 template <bool FAKE, typename T>
@@ -1376,11 +1376,9 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
     case kImplLean:
       launch_quant_impl<FAKE, T, kImplLean>(p, rounding, rowg, stream, op);
       break;
-    case kImplSrRow:  // the default, except SR quantize with g None through the persistent per-row kernel
-    case kImplSrRow4:
+    case kImplSrRow:  // sr-lean, except SR quantize with g None through the persistent per-row kernel
       if (!FAKE && rowg && rounding == kSR && p.K <= kFusedMaxK &&
-          (impl == kImplSrRow ? launch_rowg_lean<T, kSR, kRowLeanSrCtasPerSm>(p, stream, op, true)
-                              : launch_rowg_lean<T, kSR, 4>(p, stream, op, true)))
+          launch_rowg_lean<T, kSR, kRowLeanSrCtasPerSm>(p, stream, op, true))
         break;
       [[fallthrough]];
     case kImplSrLean:  // the default's kernels, SR with the lean element code (same kernels, other instantiations)

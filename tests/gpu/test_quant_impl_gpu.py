@@ -26,7 +26,7 @@ TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 @pytest.fixture(params=("default", "bits", "rtn-fminf", "rtn-sat", "lean", "rowg-lean", "rowg-lean2", "guided-lean",
-                        "sr-lean"))
+                        "sr-lean", "sr-row"))
 def impl(request, monkeypatch):
     if request.param == "default":
         monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
@@ -138,7 +138,8 @@ def test_impls_agree_on_random_activations(monkeypatch):
     for kw in cases:
         monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
         a = ops.nvfp4_quantize(x, backend="cuda", **kw)
-        for variant in ("bits", "rtn-fminf", "rtn-sat", "lean", "rowg-lean", "rowg-lean2", "guided-lean", "sr-lean"):
+        for variant in ("bits", "rtn-fminf", "rtn-sat", "lean", "rowg-lean", "rowg-lean2", "guided-lean", "sr-lean",
+                        "sr-row"):
             monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", variant)
             b = ops.nvfp4_quantize(x, backend="cuda", **kw)
             assert torch.equal(a.codes, b.codes), (variant, list(kw))
@@ -345,7 +346,7 @@ def test_sr_lean_mxfp4_against_reference(monkeypatch, dtype, scale_rounding):
         for variant in ("guided-lean", None, "sr-lean"):  # the per-element code, the default (lean), lean by name
             _set_impl(monkeypatch, variant)
             assert_codes(ops.mxfp4_quantize(x, backend="cuda", **kw), mr, f"mxfp4 sr {variant} {dtype} {seed}")
-# ---- TRACE_EXT_QUANT_IMPL=sr-row / sr-row4: SR quantize with g None through the persistent per-row-g kernel ----------
+# ---- SR quantize with g None through the persistent per-row-g kernel (the default; also =sr-row by name) ---------
 # The same shapes and inputs as rowg-lean (every team size, one / two blocks per lane, the grid-stride walk, NaN / Inf
 # blocks, zero rows, a row with no finite value, the fallbacks), SR with seeds / offsets whose high words are nonzero
 # (the Philox key and counter words beyond 32 bits), linear and swizzled scales and capture.
@@ -354,15 +355,16 @@ def test_sr_lean_mxfp4_against_reference(monkeypatch, dtype, scale_rounding):
 @pytest.mark.parametrize("R,K", ROWG_SHAPES)
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
 def test_sr_row_against_reference(monkeypatch, R, K, dtype):
-    """codes, scales, g, capture mbits and swizzled scales of SR through =sr-row and =sr-row4 equal the reference's."""
+    """codes, scales, g, capture mbits and swizzled scales of SR through the default (the persistent per-row kernel),
+    =sr-row and =sr-lean (the previous per-row kernel) equal the reference's."""
     x = rowg_input(R, K, dtype, 5 * R + K)
     seed, offset = 0x1234_5678_9ABC + R, (K << 33) + 7
     qr = ops.nvfp4_quantize(x, rounding="sr", seed=seed, offset=offset, backend="reference")
     mbits = ref.guidance_from_quantized(qr, "compact").payload
     qsr = ops.nvfp4_quantize(x, rounding="sr", seed=seed, offset=offset, swizzle=True, backend="reference")
-    for variant in ("sr-row", "sr-row4"):
-        monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", variant)
-        what = f"{variant} {R}x{K} {dtype}"
+    for variant in (None, "sr-row", "sr-lean"):
+        _set_impl(monkeypatch, variant)
+        what = f"{variant or 'default'} {R}x{K} {dtype}"
         assert_same(ops.nvfp4_quantize(x, rounding="sr", seed=seed, offset=offset, backend="cuda"), qr, what)
         qc, recc = ops.nvfp4_quantize(x, rounding="sr", seed=seed, offset=offset, capture=True, backend="cuda")
         assert_same(qc, qr, f"{what} capture")
@@ -372,18 +374,18 @@ def test_sr_row_against_reference(monkeypatch, R, K, dtype):
 
 
 def test_sr_row_matches_default_on_activations(monkeypatch):
-    """On random activations (2^22 elements, bf16) =sr-row / =sr-row4 give the default's SR codes bit for bit, for
-    several (seed, offset) pairs; RTN, guided and fake quantization are unchanged by the switch."""
+    """On random activations (2^22 elements, bf16) =sr-row, =sr-lean and =guided-lean (the previous SR element code)
+    give the default's SR codes bit for bit, for several (seed, offset) pairs; RTN is unchanged by the switch."""
     gen = torch.Generator(device=DEV).manual_seed(5)
     x = (torch.randn(1024, 4096, generator=gen, device=DEV) * 3.0).to(torch.bfloat16)
     for seed, offset in ((0, 0), (7, 1), (2**40 + 3, 2**35 + 5)):
         _set_impl(monkeypatch, None)
         a = ops.nvfp4_quantize(x, rounding="sr", seed=seed, offset=offset, backend="cuda")
-        for variant in ("sr-row", "sr-row4"):
+        for variant in ("sr-row", "sr-lean", "guided-lean"):
             _set_impl(monkeypatch, variant)
             assert_same(ops.nvfp4_quantize(x, rounding="sr", seed=seed, offset=offset, backend="cuda"), a,
                         f"{variant} seed {seed} offset {offset}")
     _set_impl(monkeypatch, None)
     b = ops.nvfp4_quantize(x, backend="cuda")
-    _set_impl(monkeypatch, "sr-row")
-    assert_same(ops.nvfp4_quantize(x, backend="cuda"), b, "rtn under sr-row")
+    _set_impl(monkeypatch, "guided-lean")
+    assert_same(ops.nvfp4_quantize(x, backend="cuda"), b, "rtn under guided-lean")
