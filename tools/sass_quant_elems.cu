@@ -48,18 +48,6 @@ __global__ void probe_elems(const ProbeIn* in, const QuantParams p, uint2* out) 
   out[threadIdx.x] = make_uint2(w[0], w[1]);
 }
 
-// The lean SR element routine (quant_sr_elems.cuh: sr_elems_lean_x2m14) on the same loads / stores, counter and key
-// schedule as probe_elems<kSR, *> (element 0's Philox counter 4 * threadIdx.x).
-__global__ void probe_sr_lean(const ProbeIn* in, const QuantParams p, uint2* out) {
-  float x[16], t, r;
-  uint32_t gb;
-  uint2 gc;
-  probe_load(in, x, t, r, gb, gc);
-  uint32_t w[2];
-  sr_elems_lean_x2m14<16>(x, t, r, 4u * threadIdx.x, 0u, (uint32_t)p.offset, (uint32_t)(p.offset >> 32), p.keys, w);
-  out[threadIdx.x] = make_uint2(w[0], w[1]);
-}
-
 // Referenced once so that every probe is emitted.
 __attribute__((used)) const void* const kProbes[] = {
     (const void*)probe_baseline,
@@ -71,7 +59,7 @@ __attribute__((used)) const void* const kProbes[] = {
     (const void*)probe_elems<kGuidedCompact, kImplScaled>,
     (const void*)probe_elems<kGuidedFull, kImplBits>,
     (const void*)probe_elems<kGuidedFull, kImplScaled>,
-    (const void*)probe_sr_lean,
+    (const void*)probe_elems<kSR, kImplSrLean>,
 };
 
 }  // namespace

@@ -24,14 +24,15 @@ def demangle(k):
 names = {k: demangle(k) for k in funcs if "probe" in k}
 base = next(sum(funcs[k].values()) for k, d in names.items() if "probe_baseline" in d)
 label = {"0": "rtn", "1": "sr", "2": "guided compact", "3": "guided full"}
-impl = {"0": "scaled (rtn-fminf)", "1": "bits", "2": "default (rtn saturated after packing)"}
+impl = {"0": "scaled (rtn-fminf)", "1": "bits", "2": "default (rtn saturated after packing)",
+        "7": "lean (sr_elems_lean_x2m14)"}
 print(f"baseline (loads + stores): {base} instructions")
 print("mode             impl     total  per elem  top opcodes (whole probe)")
 for k, d in sorted(names.items(), key=lambda kv: kv[1]):
     m = re.search(r"probe_elems<(\d), (\d)>", d)
-    if not m and "probe_sr_lean" not in d:
+    if not m:
         continue
-    mode, im = (label[m.group(1)], impl[m.group(2)]) if m else ("sr", "lean (sr_elems_lean_x2m14)")
+    mode, im = label[m.group(1)], impl[m.group(2)]
     c = funcs[k]
     n = sum(c.values())
     top = " ".join(f"{op}:{cnt}" for op, cnt in c.most_common(9))
