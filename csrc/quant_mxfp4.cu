@@ -8,7 +8,8 @@
 // loads before quantizing the current one. v = x * 2^-e is one fl multiply (exact unless it underflows, exactly as
 // in the reference). RTN multiplies by 2^(-e-14) instead and rounds in the scaled fp32 domain with the codes read
 // off fp16 bits (e2m1_rn_grid_x2m14 / e2m1_pack8_x2m14, as the NVFP4 kernel). SR: one philox4x32_10 call per 4
-// elements (SPEC 4 counters). Dequantize: lanes own 8-element chunks, one 16-byte store per chunk.
+// elements (SPEC 4 counters); the lean element routine of the NVFP4 kernels (quant_sr_elems.cuh, t = 2^e) wherever its
+// preconditions hold (mx_block_codes_sr_lean), else per element. Dequantize: lanes own 8-element chunks, one 16-byte store per chunk.
 // Every numeric step comes from fp4_numerics.cuh.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -49,7 +50,7 @@ struct MxParams {
 template <typename T>
 using MxBlockRaw = RawBlock<T, kMxfp4Block>;
 
-// SR (lean, opt-in: TRACE_EXT_QUANT_IMPL=sr-lean) of one finite MX block: sr_elems_lean_x2m14 with the divisor
+// SR (lean; the default since the H200 A/B at aed970c: 1.20x) of one finite MX block: sr_elems_lean_x2m14 with the divisor
 // t = 2^e and r = 2^-e (so its division is the exact product x 2^-e) where that routine's preconditions hold: e in
 // [-100, 100] (t and 1 / t far from under / overflow; amax 2^-e < 8) and every nonzero |x| >= 2^-100 with
 // fl(|x| 2^-e) >= 2^-99 (all quotients exact and normal after the 2^-14 scaling). Returns false (nothing written)
