@@ -1,15 +1,15 @@
 // MXFP4 quantize / dequantize (SPEC 3, 4), bit-exact against reference.py.
 //
-// Design: memory-bound, and on the H200 bound by instruction issue, so the quantize kernel counts instructions:
-// a lane owns whole 32-element blocks (bf16: four 16-byte loads; the warp's loads of one block index cover one
-// contiguous span), so the block amax (two magnitudes per max.u16x2 on the raw halves), the E8M0 exponent and the
-// scale byte are per-thread work done once per 32 elements, and a lane stores its 16 code bytes with one 16-byte
-// store (contiguous across the warp). Warps loop over tiles of 32 blocks (grid stride) and issue the next tile's
-// loads before quantizing the current one. v = x * 2^-e is one fl multiply (exact unless it underflows, exactly as
-// in the reference). RTN multiplies by 2^(-e-14) instead and rounds in the scaled fp32 domain with the codes read
-// off fp16 bits (e2m1_rn_grid_x2m14 / e2m1_pack8_x2m14, as the NVFP4 kernel). SR: one philox4x32_10 call per 4
-// elements (SPEC 4 counters); the lean element routine of the NVFP4 kernels (quant_sr_elems.cuh, t = 2^e) wherever its
-// preconditions hold (mx_block_codes_sr_lean), else per element. Dequantize: lanes own 8-element chunks, one 16-byte store per chunk.
+// Design: memory-bound, and on the H200 bound by instruction issue, so the quantize kernel counts instructions: a lane
+// owns whole 32-element blocks (bf16: four 16-byte loads; the warp's loads of one block index cover one contiguous
+// span), so the block amax (two magnitudes per max.u16x2 on the raw halves), the E8M0 exponent and the scale byte are
+// per-thread work done once per 32 elements, and a lane stores its 16 code bytes with one 16-byte store (contiguous
+// across the warp). Warps loop over tiles of 32 blocks (grid stride) and issue the next tile's loads before quantizing
+// the current one. v = x * 2^-e is one fl multiply (exact unless it underflows, exactly as in the reference). RTN
+// multiplies by 2^(-e-14) instead and rounds in the scaled fp32 domain with the codes read off fp16 bits
+// (e2m1_rn_grid_x2m14 / e2m1_pack8_x2m14, as the NVFP4 kernel). SR: one philox4x32_10 call per 4 elements (SPEC 4
+// counters); the lean element routine of the NVFP4 kernels (quant_sr_elems.cuh, t = 2^e) wherever its preconditions
+// hold (mx_block_codes_sr_lean), else per element. Dequantize: lanes own 8-element chunks, one 16-byte store per chunk.
 // Every numeric step comes from fp4_numerics.cuh.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -50,11 +50,11 @@ struct MxParams {
 template <typename T>
 using MxBlockRaw = RawBlock<T, kMxfp4Block>;
 
-// SR (lean; the default since the H200 A/B at aed970c: 1.20x) of one finite MX block: sr_elems_lean_x2m14 with the divisor
-// t = 2^e and r = 2^-e (so its division is the exact product x 2^-e) where that routine's preconditions hold: e in
-// [-100, 100] (t and 1 / t far from under / overflow; amax 2^-e < 8) and every nonzero |x| >= 2^-100 with
-// fl(|x| 2^-e) >= 2^-99 (all quotients exact and normal after the 2^-14 scaling). Returns false (nothing written)
-// otherwise: the caller then runs the per-element code. m = the block's smallest nonzero |x| (+inf: all zero).
+// SR (lean; the default since the H200 A/B at aed970c: 1.20x) of one finite MX block: sr_elems_lean_x2m14 with the
+// divisor t = 2^e and r = 2^-e (so its division is the exact product x 2^-e) where that routine's preconditions hold: e
+// in [-100, 100] (t and 1 / t far from under / overflow; amax 2^-e < 8) and every nonzero |x| >= 2^-100 with fl(|x|
+// 2^-e) >= 2^-99 (all quotients exact and normal after the 2^-14 scaling). Returns false (nothing written) otherwise:
+// the caller then runs the per-element code. m = the block's smallest nonzero |x| (+inf: all zero).
 __device__ __forceinline__ bool mx_block_codes_sr_lean(const float (&x)[kMxfp4Block], int e, uint64_t b, float m,
                                                        const MxParams& p, uint32_t (&w)[4]) {
   if (e < -100 || e > 100) return false;
