@@ -998,8 +998,8 @@ __device__ __forceinline__ void load_row_blocks(const T* xp, const RowLeanWalk& 
   }
 }
 
-template <typename T, int BPL, bool SWIZZLE, int MODE = kRTN, int kCtasPerSm = kRowLeanCtasPerSm>
-__global__ void __launch_bounds__(kRowLeanThreads, kCtasPerSm)
+template <typename T, int BPL, bool SWIZZLE, int MODE = kRTN>
+__global__ void __launch_bounds__(kRowLeanThreads, MODE == kRTN ? kRowLeanCtasPerSm : kRowLeanSrCtasPerSm)
     nvfp4_quant_rowg_lean_kernel(const QuantParams p, const RowLeanWalk w) {
   static_assert(MODE == kRTN || MODE == kSR, "guided rounding never recomputes g");
   __shared__ uint32_t warp_max[2][kRowLeanThreads / 32];
@@ -1286,7 +1286,7 @@ void launch_rowg(const QuantParams& p, cudaStream_t stream, const char* op) {
 // <= kRowLeanThreads * BPL blocks, 32-bit indices); false if not (the caller then runs the default's kernels).
 // prefer_two (=rowg-lean2, 16-bit x): two blocks per lane for every kb >= 2 (half the team, half the per-row work per
 // element, twice the bytes in flight per thread), else only where one block per lane would need more than 256 threads.
-template <typename T, int MODE = kRTN, int kCtasPerSm = kRowLeanCtasPerSm>
+template <typename T, int MODE = kRTN>
 bool launch_rowg_lean(const QuantParams& p, cudaStream_t stream, const char* op, bool prefer_two) {
   if (p.y != nullptr || p.codes == nullptr || p.scales == nullptr || p.g_out == nullptr) return false;
   constexpr int64_t kMaxBpl = sizeof(T) == 2 ? 2 : 1;  // fp32: two rows of 2 blocks in flight would exceed 64 registers
@@ -1296,7 +1296,7 @@ bool launch_rowg_lean(const QuantParams& p, cudaStream_t stream, const char* op,
   while ((int64_t(1) << shift) * bpl < p.kb) ++shift;
   const int64_t rows_per_cta = kRowLeanThreads >> shift;
   const int64_t groups = div_up(p.rows, rows_per_cta);
-  const int64_t max_ctas = int64_t(current_sm_count()) * kCtasPerSm;
+  const int64_t max_ctas = int64_t(current_sm_count()) * (MODE == kRTN ? kRowLeanCtasPerSm : kRowLeanSrCtasPerSm);
   const int64_t iters = div_up(groups, max_ctas);
   const int64_t grid = div_up(groups, iters);  // balanced: every CTA walks iters or iters - 1 row groups
   const int64_t row_stride = grid * rows_per_cta;
@@ -1310,11 +1310,11 @@ bool launch_rowg_lean(const QuantParams& p, cudaStream_t stream, const char* op,
     check_launch(op);
   };
   if (bpl == 1) {
-    p.swizzle ? go(nvfp4_quant_rowg_lean_kernel<T, 1, true, MODE, kCtasPerSm>)
-              : go(nvfp4_quant_rowg_lean_kernel<T, 1, false, MODE, kCtasPerSm>);
+    p.swizzle ? go(nvfp4_quant_rowg_lean_kernel<T, 1, true, MODE>)
+              : go(nvfp4_quant_rowg_lean_kernel<T, 1, false, MODE>);
   } else if constexpr (kMaxBpl == 2) {
-    p.swizzle ? go(nvfp4_quant_rowg_lean_kernel<T, 2, true, MODE, kCtasPerSm>)
-              : go(nvfp4_quant_rowg_lean_kernel<T, 2, false, MODE, kCtasPerSm>);
+    p.swizzle ? go(nvfp4_quant_rowg_lean_kernel<T, 2, true, MODE>)
+              : go(nvfp4_quant_rowg_lean_kernel<T, 2, false, MODE>);
   }
   return true;
 }
@@ -1378,7 +1378,7 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
       break;
     case kImplSrRow:  // sr-lean, except SR quantize with g None through the persistent per-row kernel
       if (!FAKE && rowg && rounding == kSR && p.K <= kFusedMaxK &&
-          launch_rowg_lean<T, kSR, kRowLeanSrCtasPerSm>(p, stream, op, true))
+          launch_rowg_lean<T, kSR>(p, stream, op, true))
         break;
       [[fallthrough]];
     case kImplSrLean:  // the default's kernels, SR with the lean element code (same kernels, other instantiations)
