@@ -4,7 +4,8 @@ of 8 / 16 / 32 rows) (stream, the default before f062b32), kslab-grouped (the de
 of gemm_w4_decode_kslab_sm90.cu generalized to units, the unit's A rows staged once per job in shared memory; jobs of
 (unit, K slab, N chunk)), kslab-flat (opt-in: the same kernel with each CTA on one contiguous range of (unit, slab,
 16-row block), so every SM gets the same number of blocks whatever the unit count), default (unset: per call one of
-the two work orders, grouped_flat_pays) and torch._grouped_mm on the dequantized bf16 weights. GROUPED_AB_IMPLS=a,b,... picks the FP4 kernels (the first is the speedup baseline).
+the two work orders, grouped_flat_pays) and torch._grouped_mm on the dequantized bf16 weights. GROUPED_AB_IMPLS=a,b,...
+picks the FP4 kernels (the first is the speedup baseline).
 Qwen3-30B-A3B experts (E=128, top-8; gate_up N=1536 K=2048, down N=2048 K=768) at T = 1, 16, 64, 256 tokens (M = 8 T
 rows, router-like random top-8 routing).
 Interleaved in one process: per row, ROUNDS rounds of (each FP4 kernel, grouped_mm), each a do_bench_cold median over
@@ -39,20 +40,16 @@ E, TOPK = 128, 8
 PROJ = (("gate_up", 1536, 2048), ("down", 2048, 768))
 TS = (1, 16, 64, 256)
 ENV = "TRACE_EXT_DECODE_IMPL"
-# TRACE_EXT_DECODE_IMPL values ("default": unset; "@VAR=VALUE" sets a further switch, see _env): the grouped stream
-# kernel (the default before f062b32), the K-slab kernel's whole jobs under the previous plan (the default before
+# TRACE_EXT_DECODE_IMPL values ("default": unset; "@VAR=VALUE" sets a further switch, common.impl_env): the grouped
+# stream kernel (the default before f062b32), the K-slab kernel's whole jobs under the previous plan (the default before
 # 2026-11-30 11:30) and the current one, its flat ranges, and the default (per call one of the two orders);
 # GROUPED_AB_IMPLS=a,b,... overrides (the first is the speedup baseline; each is checked against the f64 bound)
 IMPLS = tuple(os.environ.get(
     "GROUPED_AB_IMPLS", "stream,kslab-grouped@TRACE_EXT_KSLAB_GRP_PLAN=v1,kslab-grouped,kslab-flat,default").split(","))
 
 
-def _env(impl):
-    return impl_env(ENV, impl)  # "default": unset; "@VAR=VALUE": further switches
-
-
 def _run(impl, a, wp, offsets):
-    with _env(impl):
+    with impl_env(ENV, impl):
         return O.fp4_grouped_linear(a, wp, offsets, backend="cuda")
 
 
@@ -97,7 +94,7 @@ def main():
             t = {k: [] for k in (*IMPLS, "grouped_mm")}
             for _ in range(ROUNDS):
                 for impl in IMPLS:
-                    with _env(impl):
+                    with impl_env(ENV, impl):
                         t[impl].append(do_bench_cold(lambda: O.fp4_grouped_linear(a, nw(), offsets, backend="cuda"),
                                                      rep_ms=REP_MS))
                 t["grouped_mm"].append(do_bench_cold(lambda: torch._grouped_mm(a, nb(), offs=offs_end), rep_ms=REP_MS))

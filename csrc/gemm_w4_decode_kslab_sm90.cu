@@ -313,6 +313,13 @@ __device__ __forceinline__ void kslab_job_stream(const KsJob& jb, KsRing<kStages
   auto seg_smem = [&](int w, int slot) {
     return ring0 + (uint32_t)w * (kStages * kKsTileBytes) + (uint32_t)slot * (kFrag * 128) + 4 * lane;
   };
+  auto store_seg_smem = [&](int slot, const float (&v)[MT8][4]) {  // this warp's slot, after a __syncwarp
+    const uint32_t dst = seg_smem(warp_id, slot);
+#pragma unroll
+    for (int i = 0; i < MT8; ++i)
+#pragma unroll
+      for (int cc = 0; cc < 4; ++cc) ks_sts32(dst + (i * 4 + cc) * 128, v[i][cc]);
+  };
   float seg0[kSegSmem ? MT8 : 1][4];  // kSegSmem: the first segment, held until the stream is done
   bool seg0_held = false;
 
@@ -392,11 +399,7 @@ __device__ __forceinline__ void kslab_job_stream(const KsJob& jb, KsRing<kStages
       } else if constexpr (kSegSmem) {
         if (j == i1 - 1) {  // the stream is done: into the ring (slot 1, or slot 0 when the warp saw one block)
           __syncwarp();
-          const uint32_t dst = seg_smem(warp_id, i0 < x * Ls ? 1 : 0);
-#pragma unroll
-          for (int i = 0; i < MT8; ++i)
-#pragma unroll
-            for (int cc = 0; cc < 4; ++cc) ks_sts32(dst + (i * 4 + cc) * 128, acc[i][cc]);
+          store_seg_smem(i0 < x * Ls ? 1 : 0, acc);
         } else {  // slot 0, mid-stream: held in registers
 #pragma unroll
           for (int i = 0; i < MT8; ++i)
@@ -425,11 +428,7 @@ __device__ __forceinline__ void kslab_job_stream(const KsJob& jb, KsRing<kStages
   if constexpr (kSegSmem) {
     if (seg0_held) {  // warp-uniform
       __syncwarp();
-      const uint32_t dst = seg_smem(warp_id, 0);
-#pragma unroll
-      for (int i = 0; i < MT8; ++i)
-#pragma unroll
-        for (int cc = 0; cc < 4; ++cc) ks_sts32(dst + (i * 4 + cc) * 128, seg0[i][cc]);
+      store_seg_smem(0, seg0);
     }
   }
   __syncthreads();     // the segment partials of every warp are visible to the CTA
@@ -953,8 +952,20 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   return true;
 }
 
-bool run_decode_kslab_grouped_rows(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream,
-                                   int order) {
+bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream,
+                              int selected) {
+  const bool named = selected > 0;
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  const int major = cc_major(dev);
+  if (!named && major != 9) return false;  // the default elsewhere: the grouped stream kernel
+  TORCH_CHECK(major == 9, "trace_ext: TRACE_EXT_DECODE_IMPL=kslab-grouped / kslab-flat is an sm_90a kernel; ",
+              "unset it on this device (compute capability ", major, ".x)");
+  if (p.offsets == nullptr || p.M <= 0 || p.w_packed == nullptr || p.N % 16 != 0 || p.K % kKsSuperK != 0 ||
+      p.E <= 0 || p.E > kMaxExperts)
+    return false;  // the stream kernel runs
+  if ((int64_t)(p.N / 16) * (p.K / kKsSuperK) >= (int64_t{1} << 31)) return false;
+  const int order = selected == 1 ? kGrpJobs : selected == 2 ? kGrpFlat : -1;
   const bool a4 = p.a_scales != nullptr;
   // rows per unit as the grouped stream kernel: a little above the average rows per expert (rows_hint)
   if (rows_hint <= 2) return a4 ? launch_decode_kslab_grouped<1, true>(p, like, stream, order)
@@ -963,23 +974,6 @@ bool run_decode_kslab_grouped_rows(const GemmParams& p, int64_t rows_hint, const
                                 : launch_decode_kslab_grouped<2, false>(p, like, stream, order);
   return a4 ? launch_decode_kslab_grouped<4, true>(p, like, stream, order)
             : launch_decode_kslab_grouped<4, false>(p, like, stream, order);
-}
-
-bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream,
-                              int selected) {
-  const bool named = selected > 0;
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  const int major = cc_major(dev);
-  if (!named && major != 9) return false;  // the default elsewhere: the grouped stream kernel
-  TORCH_CHECK(major == 9, "trace_ext: TRACE_EXT_DECODE_IMPL=kslab-grouped / kslab-flat is an sm_90a kernel; unset it on ",
-              "this device (compute capability ", major, ".x)");
-  if (p.offsets == nullptr || p.M <= 0 || p.w_packed == nullptr || p.N % 16 != 0 || p.K % kKsSuperK != 0 ||
-      p.E <= 0 || p.E > kMaxExperts)
-    return false;  // the stream kernel runs
-  if ((int64_t)(p.N / 16) * (p.K / kKsSuperK) >= (int64_t{1} << 31)) return false;
-  return run_decode_kslab_grouped_rows(p, rows_hint, like, stream,
-                                       selected == 1 ? kGrpJobs : selected == 2 ? kGrpFlat : -1);
 }
 
 }  // namespace gemm_w4

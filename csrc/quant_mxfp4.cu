@@ -54,7 +54,7 @@ using MxBlockRaw = RawBlock<T, kMxfp4Block>;
 // divisor t = 2^e and r = 2^-e (so its division is the exact product x 2^-e) where that routine's preconditions hold: e
 // in [-100, 100] (t and 1 / t far from under / overflow; amax 2^-e < 8) and every nonzero |x| >= 2^-100 with fl(|x|
 // 2^-e) >= 2^-99 (all quotients exact and normal after the 2^-14 scaling). Returns false (nothing written) otherwise:
-// the caller then runs the per-element code. m = the block's smallest nonzero |x| (+inf: all zero).
+// the caller then runs the per-element code. m = the block's smallest nonzero |x| (+0: all zero).
 __device__ __forceinline__ bool mx_block_codes_sr_lean(const float (&x)[kMxfp4Block], int e, uint64_t b, float m,
                                                        const MxParams& p, uint32_t (&w)[4]) {
   if (e < -100 || e > 100) return false;
@@ -72,10 +72,8 @@ template <int MODE, bool kSrLean = false>
 __device__ __forceinline__ uint4 mx_block_codes(const float (&x)[kMxfp4Block], int e, uint64_t b, const MxParams& p) {
   uint32_t w[4];
   if constexpr (MODE == kSR && kSrLean) {
-    uint32_t min_m1 = 0xFFFFFFFFu;  // smallest nonzero |x| - 1 on the bits (+-0 map to 0xFFFFFFFF)
-#pragma unroll
-    for (int i = 0; i < kMxfp4Block; ++i) min_m1 = min(min_m1, (__float_as_uint(x[i]) & 0x7FFFFFFFu) - 1u);
-    if (mx_block_codes_sr_lean(x, e, b, __uint_as_float(min_m1 + 1u), p, w)) return make_uint4(w[0], w[1], w[2], w[3]);
+    const float m = __uint_as_float(min_nonzero_abs_bits_m1(x) + 1u);  // +0 when the block is all zero
+    if (mx_block_codes_sr_lean(x, e, b, m, p, w)) return make_uint4(w[0], w[1], w[2], w[3]);
   }
   if constexpr (MODE == kRTN) {
     const float inv14 = exp2_exact(-e - 14);  // v * 2^-14 in one exact multiply (-e - 14 >= -141)

@@ -192,10 +192,7 @@ __device__ __forceinline__ void quantize_rtn_abs_x2m14(const float (&x)[N], floa
   const float t14 = __fmul_rn(t, 16384.0f), r14 = __fmul_rn(r, 0x1p-14f);
 #pragma unroll
   for (int k = 0; k < N / 8; ++k) {
-    uint32_t s[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) s[i] = __float_as_uint(x[8 * k + i]);
-    const SignBytes8 sb = sign_bytes8(s);
+    const SignBytes8 sb = sign_bytes8_at(x, k);
     float g[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -259,10 +256,7 @@ __device__ __forceinline__ void quantize_elems(const float (&x)[N], float t, flo
     Philox4 rnd;
 #pragma unroll
     for (int k = 0; k < N / 8; ++k) {
-      uint32_t s[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) s[i] = __float_as_uint(x[8 * k + i]);
-      const SignBytes8 sb = sign_bytes8(s);
+      const SignBytes8 sb = sign_bytes8_at(x, k);
       float q[8];
       uint32_t off_grid = 0u;
 #pragma unroll
@@ -345,7 +339,8 @@ __device__ __forceinline__ void quantize_block(const float (&x)[N], uint32_t max
     // The reciprocal quotient v is exact unless |x| or v is tiny (< 2^-100). Both are >= 2^-100 for every nonzero
     // element when the smallest nonzero |x| of the block, m, has m >= 2^-100 and fl(m * r) >= 2^-99 (each nonzero
     // |x| >= m, q = fl(|x| r) >= 2^-99 and v is within an ulp of q); zeros give v = 0 either way. Otherwise the
-    // block takes __fdiv_rn (the reference operation itself). m - 1 on the bits maps +-0 to 0xFFFFFFFF.
+    // block takes __fdiv_rn (the reference operation itself). m - 1 on the bits maps +-0 to 0xFFFFFFFF. (The loop is
+    // min_nonzero_abs_bits_m1's; calling it here changed the SASS of 76 kernels, so it stays inline until a GPU run.)
     uint32_t min_m1 = 0xFFFFFFFFu;
 #pragma unroll
     for (int i = 0; i < N; ++i) min_m1 = min(min_m1, (__float_as_uint(x[i]) & 0x7FFFFFFFu) - 1u);

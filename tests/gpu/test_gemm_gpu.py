@@ -968,10 +968,10 @@ def test_decode_kslab_seg_smem_dense_equals_l2_slots(monkeypatch, mode):
 
 @pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
 def test_decode_kslab_seg_smem_grouped_equals_l2_slots(monkeypatch, impl):
-    """Protects the shared-memory segment slots of the grouped K-slab kernel (the default) in both work orders (several jobs per CTA
-    reuse the ring: the next job's barrier orders the finisher's reads before the ring refills): Qwen3 T = 1, 3, 16,
-    64 (8- and 16-row units) and 256 (32-row units: L2 slots), both projections, W4A16 and W4A4, K = 8448 (several
-    slabs), one expert with 40 rows; equal to the L2 slots bit for bit."""
+    """Protects the shared-memory segment slots of the grouped K-slab kernel (the default) in both work orders
+    (several jobs per CTA reuse the ring: the next job's barrier orders the finisher's reads before the ring refills):
+    Qwen3 T = 1, 3, 16, 64 (8- and 16-row units) and 256 (32-row units: L2 slots), both projections, W4A16 and W4A4,
+    K = 8448 (several slabs), one expert with 40 rows; equal to the L2 slots bit for bit."""
     gen = torch.Generator().manual_seed(31)
     E, k = 128, 8
     cases = []

@@ -247,6 +247,25 @@ __device__ __forceinline__ SignBytes8 sign_bytes8(const uint32_t (&s)[8]) {
                     prmt_b32(prmt_b32(s[1], s[3], 0xFBu), prmt_b32(s[5], s[7], 0xFBu), 0x5410u)};
 }
 
+// sign_bytes8 of elements 8 k .. 8 k + 7 of x.
+template <int N>
+__device__ __forceinline__ SignBytes8 sign_bytes8_at(const float (&x)[N], int k) {
+  uint32_t s[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s[i] = __float_as_uint(x[8 * k + i]);
+  return sign_bytes8(s);
+}
+
+// The smallest nonzero |x_i| minus one ulp, on the bits (+-0 map to 0xFFFFFFFF: all zero gives 0xFFFFFFFF), for the
+// quantizers' test that no nonzero quotient of a block is tiny.
+template <int N>
+__device__ __forceinline__ uint32_t min_nonzero_abs_bits_m1(const float (&x)[N]) {
+  uint32_t min_m1 = 0xFFFFFFFFu;
+#pragma unroll
+  for (int i = 0; i < N; ++i) min_m1 = min(min_m1, (__float_as_uint(x[i]) & 0x7FFFFFFFu) - 1u);
+  return min_m1;
+}
+
 // Four fp16x2 words of non-negative 2^-14-scaled magnitudes saturated at 6 * 2^-14 (one min.u16x2 per word: for
 // non-negative fp16 the bit order is the value order).
 __device__ __forceinline__ void saturate_x2m14_halves(uint32_t& a, uint32_t& b, uint32_t& c, uint32_t& d) {

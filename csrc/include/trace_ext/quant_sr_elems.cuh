@@ -84,10 +84,7 @@ __device__ __forceinline__ void sr_elems_lean_x2m14(const float (&x)[N], float t
   Philox4 rnd;  // complemented words
 #pragma unroll
   for (int k = 0; k < N / 8; ++k) {
-    uint32_t s[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) s[i] = __float_as_uint(x[8 * k + i]);
-    const SignBytes8 sb = sign_bytes8(s);
+    const SignBytes8 sb = sign_bytes8_at(x, k);
     float p[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
