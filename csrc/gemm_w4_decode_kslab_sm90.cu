@@ -805,10 +805,18 @@ auto kslab_kernel_ready(int dev, const char* op) {
 }
 
 // The dense kernel (rings + A slab).
-template <int MT8, bool kAFp4, bool kForm2, bool kSegSmem>
+template <int MT8, bool kAFp4, bool kForm2, bool kSegSmem, int kStages = kslab_stages(MT8)>
 auto dense_kernel_ready(int dev) {
-  return kslab_kernel_ready<gemm_w4_decode_kslab_kernel<MT8, kAFp4, kslab_stages(MT8), kForm2, kSegSmem>,
+  return kslab_kernel_ready<gemm_w4_decode_kslab_kernel<MT8, kAFp4, kStages, kForm2, kSegSmem>,
                             kKsDenseSmemMax(MT8)>(dev, "fp4_linear (decode kslab)");
+}
+
+// TRACE_EXT_KSLAB_STAGES=3 (read per call; an A/B knob): the dense kernel at <= 8 rows with 3 ring slots per warp
+// instead of 4, same plan (L, S, C), same sums (bit-equal). The H200 A/B of 5 / 6 slots (round 18) ran 0.93-0.98x,
+// so this is the other side of that sweep.
+bool kslab_stages3_selected() {
+  const char* v = std::getenv("TRACE_EXT_KSLAB_STAGES");
+  return v != nullptr && std::strcmp(v, "3") == 0;
 }
 
 template <int MT8, bool kAFp4, bool kForm2>
@@ -820,7 +828,8 @@ bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream
   const int n_blocks = p.N / 16, KT = p.K / kKsSuperK;
   const KslabPlan plan = kslab_plan(n_blocks, KT, 8 * MT8, kMaxL, sm_count(dev));
   if (plan.S == 0) return false;
-  const int smem = kRing + 8 * MT8 * (plan.L * kKsRowBytes + kKsRowPad);
+  const bool stages3 = MT8 == 1 && kslab_stages3_selected();
+  const int smem = (stages3 ? kKsWarps * 3 * kKsTileBytes : kRing) + 8 * MT8 * (plan.L * kKsRowBytes + kKsRowPad);
   constexpr int64_t kFragFloats = MT8 * 4 * 32;
   const int64_t slab_floats = plan.S > 1 ? (int64_t)plan.S * n_blocks * kFragFloats : 0;
   const int64_t seg_floats = (int64_t)plan.C * plan.S * kKsWarps * 2 * kFragFloats;
@@ -829,6 +838,10 @@ bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream
   int* tickets = plan.S > 1 ? ticket_buffer(like, stream, n_blocks) : nullptr;
   auto kernel = MT8 <= 2 && kslab_seg_smem_selected() ? dense_kernel_ready<MT8, kAFp4, kForm2, MT8 <= 2>(dev)
                                                       : dense_kernel_ready<MT8, kAFp4, kForm2, false>(dev);
+  if constexpr (MT8 == 1) {
+    if (stages3) kernel = kslab_seg_smem_selected() ? dense_kernel_ready<1, kAFp4, kForm2, true, 3>(dev)
+                                                    : dense_kernel_ready<1, kAFp4, kForm2, false, 3>(dev);
+  }
   kernel<<<dim3(plan.C, plan.S), kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L);
   check_launch("fp4_linear (decode kslab)");
   return true;

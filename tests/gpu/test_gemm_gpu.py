@@ -1019,3 +1019,38 @@ def test_decode_kslab_grouped_nan_scale_and_dense_default(monkeypatch, impl):
     y0 = O.fp4_linear(ad, wdp, backend="cuda")
     _impl(monkeypatch, impl)
     assert torch.equal(O.fp4_linear(ad, wdp, backend="cuda"), y0)
+
+
+# ---- K-slab ring depth (TRACE_EXT_KSLAB_STAGES=3, read per call; an A/B knob) ------------------------------------
+# At <= 8 rows the dense K-slab kernel runs 3 cp.async slots per warp instead of 4, same plan, same sums: the outputs
+# must be the default's bits.
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_kslab_stages3_equals_default(monkeypatch, mode):
+    """Protects the 3-slot ring variant of the dense K-slab kernel: every kslab shape (one slab, several, a partial
+    last one) at M = 1, 2, 3, 5, 8, both packed forms, W4A16 and W4A4, with the shared-memory and the L2 segment
+    slots: the default's bits, also on a repeated call after a default call."""
+    for N, K in KSLAB_SHAPES:
+        wp = O.prepare_fp4_weight(_quant_w(N, K), decode_form2=True)
+        for M in (1, 2, 3, 5, 8):
+            a = torch.randn(M, K, device=DEV).bfloat16()
+            if mode == "w4a4":
+                a = ref.nvfp4_quantize(a)
+            for impl in (None, "kslab2"):
+                for seg in (None, "l2"):
+                    _impl(monkeypatch, impl)
+                    if seg is None:
+                        monkeypatch.delenv("TRACE_EXT_KSLAB_SEG", raising=False)
+                    else:
+                        monkeypatch.setenv("TRACE_EXT_KSLAB_SEG", seg)
+                    monkeypatch.delenv("TRACE_EXT_KSLAB_STAGES", raising=False)
+                    y0 = O.fp4_linear(a, wp, backend="cuda")
+                    monkeypatch.setenv("TRACE_EXT_KSLAB_STAGES", "3")
+                    y = O.fp4_linear(a, wp, backend="cuda")
+                    tag = f"N={N} K={K} M={M} {mode} {impl} {seg}"
+                    assert y.dtype == y0.dtype and torch.equal(y.view(torch.int16), y0.view(torch.int16)), tag
+                    monkeypatch.delenv("TRACE_EXT_KSLAB_STAGES", raising=False)
+                    O.fp4_linear(a, wp, backend="cuda")
+                    monkeypatch.setenv("TRACE_EXT_KSLAB_STAGES", "3")
+                    assert torch.equal(O.fp4_linear(a, wp, backend="cuda").view(torch.int16), y0.view(torch.int16)), tag
+    monkeypatch.delenv("TRACE_EXT_KSLAB_STAGES", raising=False)
+    monkeypatch.delenv("TRACE_EXT_KSLAB_SEG", raising=False)
