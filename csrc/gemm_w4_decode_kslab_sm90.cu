@@ -916,9 +916,9 @@ constexpr int kKsGrpSmemMax(int mt8) {
 }
 
 // The grouped kernel of one work order (rings + A slab + unit prefix).
-template <int MT8, bool kAFp4, int kOrder, bool kSegSmem>
+template <int MT8, bool kAFp4, int kOrder, bool kSegSmem, int kStages = kslab_stages(MT8)>
 auto grouped_kernel_ready(int dev) {
-  return kslab_kernel_ready<gemm_w4_decode_kslab_grouped_kernel<MT8, kAFp4, kslab_stages(MT8), kOrder, kSegSmem>,
+  return kslab_kernel_ready<gemm_w4_decode_kslab_grouped_kernel<MT8, kAFp4, kStages, kOrder, kSegSmem>,
                             kKsGrpSmemMax(MT8)>(dev, "fp4_grouped_linear (decode kslab-grouped)");
 }
 
@@ -940,7 +940,9 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   const int sms = sm_count(dev);
   const KslabPlan plan = kslab_grouped_plan(n_blocks, KT, R, kMaxL, sms, units_est);
   if (plan.S == 0 || max_units * plan.S * plan.C >= (int64_t{1} << 31)) return false;
-  const int smem = kRing + R * (plan.L * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes;
+  const bool stages3 = MT8 == 1 && kslab_stages3_selected();  // TRACE_EXT_KSLAB_STAGES=3: 3 ring slots, same plan
+  const int smem = (stages3 ? kKsWarps * 3 * kKsTileBytes : kRing) + R * (plan.L * kKsRowBytes + kKsRowPad) +
+                   kKsGrpPrefBytes;
   if (order < 0) {
     const bool flat = grouped_flat_pays((int64_t)std::ceil(units_est), plan.S, plan.C, n_blocks, plan.L, sms);
     order = flat ? kGrpFlat : kGrpJobs;
@@ -959,6 +961,13 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
                                               : grouped_kernel_ready<MT8, kAFp4, kGrpFlat, false>(dev))
                                   : (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpJobs, MT8 <= 2>(dev)
                                               : grouped_kernel_ready<MT8, kAFp4, kGrpJobs, false>(dev));
+  if constexpr (MT8 == 1) {
+    if (stages3)
+      kernel = order == kGrpFlat ? (seg_smem ? grouped_kernel_ready<1, kAFp4, kGrpFlat, true, 3>(dev)
+                                             : grouped_kernel_ready<1, kAFp4, kGrpFlat, false, 3>(dev))
+                                 : (seg_smem ? grouped_kernel_ready<1, kAFp4, kGrpJobs, true, 3>(dev)
+                                             : grouped_kernel_ready<1, kAFp4, kGrpJobs, false, 3>(dev));
+  }
   kernel<<<ctas, kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L, plan.S, plan.C,
                                              (int)max_units);
   check_launch("fp4_grouped_linear (decode kslab-grouped)");

@@ -1054,3 +1054,33 @@ def test_kslab_stages3_equals_default(monkeypatch, mode):
                     assert torch.equal(O.fp4_linear(a, wp, backend="cuda").view(torch.int16), y0.view(torch.int16)), tag
     monkeypatch.delenv("TRACE_EXT_KSLAB_STAGES", raising=False)
     monkeypatch.delenv("TRACE_EXT_KSLAB_SEG", raising=False)
+
+
+@pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
+def test_kslab_stages3_grouped_equals_default(monkeypatch, impl):
+    """Protects the 3-slot ring variant of the grouped K-slab kernel (8-row units) in both work orders: Qwen3 T = 1,
+    3, 16, 64 (the switch changes the 8-row units only), both projections, W4A16 and W4A4, K = 8448
+    (several slabs); the default's bits, with shared-memory and L2 segment slots."""
+    gen = torch.Generator().manual_seed(37)
+    E, k = 128, 8
+    cases = []
+    for N, K in ((1536, 2048), (2048, 768)):
+        w = _quant_w(N, K, E)
+        cases += [(w, _routed_counts(T, E, k, gen), f"qwen3 N={N} T={T}") for T in (1, 3, 16, 64)]
+    cases.append((_quant_w(512, 8448, 8), _routed_counts(12, 8, 2, gen), "K=8448"))
+    _impl(monkeypatch, impl)
+    for w, counts, what in cases:
+        offsets = _offsets(counts)
+        wp = O.prepare_fp4_weight(w)
+        for mode in ("w4a16", "w4a4"):
+            a = torch.randn(int(sum(counts)), w.shape[-1], device=DEV).bfloat16()
+            if mode == "w4a4":
+                a = ref.nvfp4_quantize(a)
+            for seg in (True, False):
+                _seg_smem(monkeypatch, seg)
+                monkeypatch.delenv("TRACE_EXT_KSLAB_STAGES", raising=False)
+                y0 = O.fp4_grouped_linear(a, wp, offsets, backend="cuda")
+                monkeypatch.setenv("TRACE_EXT_KSLAB_STAGES", "3")
+                y = O.fp4_grouped_linear(a, wp, offsets, backend="cuda")
+                assert torch.equal(y.view(torch.int16), y0.view(torch.int16)), f"{what} {mode} {impl} seg_smem={seg}"
+    monkeypatch.delenv("TRACE_EXT_KSLAB_STAGES", raising=False)
