@@ -811,12 +811,15 @@ auto dense_kernel_ready(int dev) {
                             kKsDenseSmemMax(MT8)>(dev, "fp4_linear (decode kslab)");
 }
 
-// TRACE_EXT_KSLAB_STAGES=3 (read per call; an A/B knob): the dense kernel at <= 8 rows with 3 ring slots per warp
-// instead of 4, same plan (L, S, C), same sums (bit-equal). The H200 A/B of 5 / 6 slots (round 18) ran 0.93-0.98x,
-// so this is the other side of that sweep.
-bool kslab_stages3_selected() {
+// TRACE_EXT_KSLAB_STAGES=2 / 3 (read per call; an A/B knob): ring slots per warp of the K-slab kernels (dense and
+// grouped) at <= 16 rows instead of the default (4 at <= 8 rows, 3 at 16), same plan (L, S, C), same sums (bit-equal);
+// 0: the default depth. The H200 A/B of 5 / 6 slots at <= 8 rows (round 18) ran 0.93-0.98x; 3 slots ran 1.00-1.06x
+// (round 19).
+int kslab_stages_forced(int mt8) {
   const char* v = std::getenv("TRACE_EXT_KSLAB_STAGES");
-  return v != nullptr && std::strcmp(v, "3") == 0;
+  if (v == nullptr || mt8 > 2) return 0;
+  const int stages = std::atoi(v);
+  return (stages == 2 || stages == 3) && stages != kslab_stages(mt8) ? stages : 0;
 }
 
 template <int MT8, bool kAFp4, bool kForm2>
@@ -828,8 +831,8 @@ bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream
   const int n_blocks = p.N / 16, KT = p.K / kKsSuperK;
   const KslabPlan plan = kslab_plan(n_blocks, KT, 8 * MT8, kMaxL, sm_count(dev));
   if (plan.S == 0) return false;
-  const bool stages3 = MT8 == 1 && kslab_stages3_selected();
-  const int smem = (stages3 ? kKsWarps * 3 * kKsTileBytes : kRing) + 8 * MT8 * (plan.L * kKsRowBytes + kKsRowPad);
+  const int stages = kslab_stages_forced(MT8);
+  const int smem = (stages ? kKsWarps * stages * kKsTileBytes : kRing) + 8 * MT8 * (plan.L * kKsRowBytes + kKsRowPad);
   constexpr int64_t kFragFloats = MT8 * 4 * 32;
   const int64_t slab_floats = plan.S > 1 ? (int64_t)plan.S * n_blocks * kFragFloats : 0;
   const int64_t seg_floats = (int64_t)plan.C * plan.S * kKsWarps * 2 * kFragFloats;
@@ -838,9 +841,14 @@ bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream
   int* tickets = plan.S > 1 ? ticket_buffer(like, stream, n_blocks) : nullptr;
   auto kernel = MT8 <= 2 && kslab_seg_smem_selected() ? dense_kernel_ready<MT8, kAFp4, kForm2, MT8 <= 2>(dev)
                                                       : dense_kernel_ready<MT8, kAFp4, kForm2, false>(dev);
-  if constexpr (MT8 == 1) {
-    if (stages3) kernel = kslab_seg_smem_selected() ? dense_kernel_ready<1, kAFp4, kForm2, true, 3>(dev)
-                                                    : dense_kernel_ready<1, kAFp4, kForm2, false, 3>(dev);
+  if constexpr (MT8 <= 2) {
+    const bool seg = kslab_seg_smem_selected();
+    if (stages == 2) kernel = seg ? dense_kernel_ready<MT8, kAFp4, kForm2, true, 2>(dev)
+                                  : dense_kernel_ready<MT8, kAFp4, kForm2, false, 2>(dev);
+    if constexpr (MT8 == 1) {
+      if (stages == 3) kernel = seg ? dense_kernel_ready<1, kAFp4, kForm2, true, 3>(dev)
+                                    : dense_kernel_ready<1, kAFp4, kForm2, false, 3>(dev);
+    }
   }
   kernel<<<dim3(plan.C, plan.S), kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L);
   check_launch("fp4_linear (decode kslab)");
@@ -940,8 +948,8 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   const int sms = sm_count(dev);
   const KslabPlan plan = kslab_grouped_plan(n_blocks, KT, R, kMaxL, sms, units_est);
   if (plan.S == 0 || max_units * plan.S * plan.C >= (int64_t{1} << 31)) return false;
-  const bool stages3 = MT8 == 1 && kslab_stages3_selected();  // TRACE_EXT_KSLAB_STAGES=3: 3 ring slots, same plan
-  const int smem = (stages3 ? kKsWarps * 3 * kKsTileBytes : kRing) + R * (plan.L * kKsRowBytes + kKsRowPad) +
+  const int stages = kslab_stages_forced(MT8);  // TRACE_EXT_KSLAB_STAGES: another ring depth, same plan
+  const int smem = (stages ? kKsWarps * stages * kKsTileBytes : kRing) + R * (plan.L * kKsRowBytes + kKsRowPad) +
                    kKsGrpPrefBytes;
   if (order < 0) {
     const bool flat = grouped_flat_pays((int64_t)std::ceil(units_est), plan.S, plan.C, n_blocks, plan.L, sms);
@@ -961,12 +969,19 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
                                               : grouped_kernel_ready<MT8, kAFp4, kGrpFlat, false>(dev))
                                   : (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpJobs, MT8 <= 2>(dev)
                                               : grouped_kernel_ready<MT8, kAFp4, kGrpJobs, false>(dev));
-  if constexpr (MT8 == 1) {
-    if (stages3)
-      kernel = order == kGrpFlat ? (seg_smem ? grouped_kernel_ready<1, kAFp4, kGrpFlat, true, 3>(dev)
-                                             : grouped_kernel_ready<1, kAFp4, kGrpFlat, false, 3>(dev))
-                                 : (seg_smem ? grouped_kernel_ready<1, kAFp4, kGrpJobs, true, 3>(dev)
-                                             : grouped_kernel_ready<1, kAFp4, kGrpJobs, false, 3>(dev));
+  if constexpr (MT8 <= 2) {
+    if (stages == 2)
+      kernel = order == kGrpFlat ? (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpFlat, true, 2>(dev)
+                                             : grouped_kernel_ready<MT8, kAFp4, kGrpFlat, false, 2>(dev))
+                                 : (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpJobs, true, 2>(dev)
+                                             : grouped_kernel_ready<MT8, kAFp4, kGrpJobs, false, 2>(dev));
+    if constexpr (MT8 == 1) {
+      if (stages == 3)
+        kernel = order == kGrpFlat ? (seg_smem ? grouped_kernel_ready<1, kAFp4, kGrpFlat, true, 3>(dev)
+                                               : grouped_kernel_ready<1, kAFp4, kGrpFlat, false, 3>(dev))
+                                   : (seg_smem ? grouped_kernel_ready<1, kAFp4, kGrpJobs, true, 3>(dev)
+                                               : grouped_kernel_ready<1, kAFp4, kGrpJobs, false, 3>(dev));
+    }
   }
   kernel<<<ctas, kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L, plan.S, plan.C,
                                              (int)max_units);

@@ -1021,46 +1021,51 @@ def test_decode_kslab_grouped_nan_scale_and_dense_default(monkeypatch, impl):
     assert torch.equal(O.fp4_linear(ad, wdp, backend="cuda"), y0)
 
 
-# ---- K-slab ring depth (TRACE_EXT_KSLAB_STAGES=3, read per call; an A/B knob) ------------------------------------
-# At <= 8 rows the dense K-slab kernel runs 3 cp.async slots per warp instead of 4, same plan, same sums: the outputs
-# must be the default's bits.
+# ---- K-slab ring depth (TRACE_EXT_KSLAB_STAGES=2 / 3, read per call; an A/B knob) --------------------------------
+# At <= 16 rows the K-slab kernels run 2 or 3 cp.async slots per warp instead of the default (4 at <= 8 rows, 3 at 16),
+# same plan, same sums: the outputs must be the default's bits.
+def _stages_env(monkeypatch, stages):
+    if stages is None:
+        monkeypatch.delenv("TRACE_EXT_KSLAB_STAGES", raising=False)
+    else:
+        monkeypatch.setenv("TRACE_EXT_KSLAB_STAGES", str(stages))
+
+
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
-def test_kslab_stages3_equals_default(monkeypatch, mode):
-    """Protects the 3-slot ring variant of the dense K-slab kernel: every kslab shape (one slab, several, a partial
-    last one) at M = 1, 2, 3, 5, 8, both packed forms, W4A16 and W4A4, with the shared-memory and the L2 segment
-    slots: the default's bits, also on a repeated call after a default call."""
+def test_kslab_stages_equals_default(monkeypatch, mode):
+    """Protects the 2- and 3-slot ring variants of the dense K-slab kernel: every kslab shape (one slab, several, a
+    partial last one) at M = 1, 2, 3, 5, 8 (8-row groups) and 9, 16 (16-row groups), both packed forms, W4A16 and
+    W4A4, with the shared-memory and the L2 segment slots: the default's bits, also on a repeated call after a
+    default call."""
     for N, K in KSLAB_SHAPES:
         wp = O.prepare_fp4_weight(_quant_w(N, K), decode_form2=True)
-        for M in (1, 2, 3, 5, 8):
+        for M in (1, 2, 3, 5, 8, 9, 16):
             a = torch.randn(M, K, device=DEV).bfloat16()
             if mode == "w4a4":
                 a = ref.nvfp4_quantize(a)
             for impl in (None, "kslab2"):
-                for seg in (None, "l2"):
+                for seg in (True, False):
                     _impl(monkeypatch, impl)
-                    if seg is None:
-                        monkeypatch.delenv("TRACE_EXT_KSLAB_SEG", raising=False)
-                    else:
-                        monkeypatch.setenv("TRACE_EXT_KSLAB_SEG", seg)
-                    monkeypatch.delenv("TRACE_EXT_KSLAB_STAGES", raising=False)
-                    y0 = O.fp4_linear(a, wp, backend="cuda")
-                    monkeypatch.setenv("TRACE_EXT_KSLAB_STAGES", "3")
-                    y = O.fp4_linear(a, wp, backend="cuda")
-                    tag = f"N={N} K={K} M={M} {mode} {impl} {seg}"
-                    assert y.dtype == y0.dtype and torch.equal(y.view(torch.int16), y0.view(torch.int16)), tag
-                    monkeypatch.delenv("TRACE_EXT_KSLAB_STAGES", raising=False)
-                    O.fp4_linear(a, wp, backend="cuda")
-                    monkeypatch.setenv("TRACE_EXT_KSLAB_STAGES", "3")
-                    assert torch.equal(O.fp4_linear(a, wp, backend="cuda").view(torch.int16), y0.view(torch.int16)), tag
-    monkeypatch.delenv("TRACE_EXT_KSLAB_STAGES", raising=False)
+                    _seg_smem(monkeypatch, seg)
+                    _stages_env(monkeypatch, None)
+                    y0 = O.fp4_linear(a, wp, backend="cuda").view(torch.int16)
+                    for stages in (2, 3):
+                        tag = f"stages={stages} N={N} K={K} M={M} {mode} {impl} seg_smem={seg}"
+                        _stages_env(monkeypatch, stages)
+                        assert torch.equal(O.fp4_linear(a, wp, backend="cuda").view(torch.int16), y0), tag
+                        _stages_env(monkeypatch, None)
+                        O.fp4_linear(a, wp, backend="cuda")
+                        _stages_env(monkeypatch, stages)
+                        assert torch.equal(O.fp4_linear(a, wp, backend="cuda").view(torch.int16), y0), tag
+    _stages_env(monkeypatch, None)
     monkeypatch.delenv("TRACE_EXT_KSLAB_SEG", raising=False)
 
 
 @pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
-def test_kslab_stages3_grouped_equals_default(monkeypatch, impl):
-    """Protects the 3-slot ring variant of the grouped K-slab kernel (8-row units) in both work orders: Qwen3 T = 1,
-    3, 16, 64 (the switch changes the 8-row units only), both projections, W4A16 and W4A4, K = 8448
-    (several slabs); the default's bits, with shared-memory and L2 segment slots."""
+def test_kslab_stages_grouped_equals_default(monkeypatch, impl):
+    """Protects the 2- and 3-slot ring variants of the grouped K-slab kernel (8- and 16-row units) in both work
+    orders: Qwen3 T = 1, 3, 16, 64, both projections, W4A16 and W4A4, K = 8448 (several slabs), one expert with 12
+    rows (a 16-row unit); the default's bits, with shared-memory and L2 segment slots."""
     gen = torch.Generator().manual_seed(37)
     E, k = 128, 8
     cases = []
@@ -1068,6 +1073,7 @@ def test_kslab_stages3_grouped_equals_default(monkeypatch, impl):
         w = _quant_w(N, K, E)
         cases += [(w, _routed_counts(T, E, k, gen), f"qwen3 N={N} T={T}") for T in (1, 3, 16, 64)]
     cases.append((_quant_w(512, 8448, 8), _routed_counts(12, 8, 2, gen), "K=8448"))
+    cases.append((_quant_w(1536, 2048, 16), [0] * 7 + [12] + [0] * 8, "one expert 12 rows"))
     _impl(monkeypatch, impl)
     for w, counts, what in cases:
         offsets = _offsets(counts)
@@ -1078,9 +1084,10 @@ def test_kslab_stages3_grouped_equals_default(monkeypatch, impl):
                 a = ref.nvfp4_quantize(a)
             for seg in (True, False):
                 _seg_smem(monkeypatch, seg)
-                monkeypatch.delenv("TRACE_EXT_KSLAB_STAGES", raising=False)
-                y0 = O.fp4_grouped_linear(a, wp, offsets, backend="cuda")
-                monkeypatch.setenv("TRACE_EXT_KSLAB_STAGES", "3")
-                y = O.fp4_grouped_linear(a, wp, offsets, backend="cuda")
-                assert torch.equal(y.view(torch.int16), y0.view(torch.int16)), f"{what} {mode} {impl} seg_smem={seg}"
-    monkeypatch.delenv("TRACE_EXT_KSLAB_STAGES", raising=False)
+                _stages_env(monkeypatch, None)
+                y0 = O.fp4_grouped_linear(a, wp, offsets, backend="cuda").view(torch.int16)
+                for stages in (2, 3):
+                    _stages_env(monkeypatch, stages)
+                    y = O.fp4_grouped_linear(a, wp, offsets, backend="cuda").view(torch.int16)
+                    assert torch.equal(y, y0), f"stages={stages} {what} {mode} {impl} seg_smem={seg}"
+    _stages_env(monkeypatch, None)
