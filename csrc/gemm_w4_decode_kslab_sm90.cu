@@ -26,8 +26,14 @@
 //    (2 LDS.128 per 8 rows per 64-K step, constant offsets), so no L2 latency per tile and no row guards.
 //  - One CTA of 16 warps per SM (<= 128 registers, __launch_bounds__(512, 1)) rather than 2 CTAs of 8: the same 16
 //    warps per SM, but one A slab shared by all of them, i.e. twice the slab length L for the same shared memory.
-//    Rings: 4 slots (3 tiles = 6.9 KB ahead per warp, 147 KB per SM) up to 8 rows, 3 slots (110 KB) for 16 / 32 rows;
-//    the rest of the 227 KB holds the slab: L <= 20 / 14 / 7 super-tiles at 8 / 16 / 32 rows.
+//    Rings: 2 slots (one 2.3 KB tile ahead per warp) up to 16 rows, 3 slots for 32 rows; the slab length bound (and so
+//    every plan) is that of the rings before (4 slots = 147 KB per SM up to 8 rows, 3 = 110 KB for 16 / 32 rows): the
+//    rest of the 227 KB holds the slab, L <= 20 / 14 / 7 super-tiles at 8 / 16 / 32 rows. Ring depth, H200 A/B with
+//    the same plans, bit-equal (rounds 18-20 of notes/GPU_RESULTS.md): 2 slots 1.06-1.08x at M = 1 and 1.08-1.14x at
+//    M = 8 (14336x4096, 4096x14336), 1.01-1.05x at M = 16, grouped Qwen3 T = 1..64 1.02-1.06x over the 4 / 3 slots
+//    before; 3 slots at <= 8 rows in between; 5-6 slots 0.93-0.98x; a slow start (one tile before the loop, then two
+//    per item up to 3 ahead) no better than 4. Fewer tiles in flight per warp is faster here: with 2112 warps in one
+//    wave asking at once, a deeper ring only makes each warp wait behind more of the other warps' tiles.
 //  - Reduction (deterministic, same bits on every call): a block whose slab tiles one warp covers is finished by it;
 //    a block split between warps of the CTA gets one fp32 partial per warp segment (workspace, 2 slots per warp,
 //    fragment layout), and after one CTA barrier the warp holding the block's first tile adds them in warp order
@@ -126,9 +132,13 @@ static_assert(kKsTileBytes == 16 * kKsSuperK / 2 + 16 * kKsSuperK / 16 && kKsCod
               "packed super-tile layout (reference_gemm.to_decode_layout)");
 static_assert(kKsRowBytes % 128 == 0 && kKsRowPad % 128 == 16, "A row stride must be 16 mod 128 bytes");
 
-// ring slots per warp for MT8 8-row groups (see the design note)
-constexpr int kslab_stages(int mt8) { return mt8 == 1 ? 4 : 3; }
-constexpr int kslab_ring_bytes(int mt8) { return kKsWarps * kslab_stages(mt8) * kKsTileBytes; }
+// Ring slots per warp for MT8 8-row groups (see the design note): 2 (one tile ahead) up to 16 rows, 3 at 32 rows.
+constexpr int kslab_stages(int mt8) { return mt8 <= 2 ? 2 : 3; }
+// The depth before the H200 A/B of round 20 (4 at <= 8 rows, 3 at 16; TRACE_EXT_KSLAB_STAGES=prev selects it).
+constexpr int kslab_prev_stages(int mt8) { return mt8 == 1 ? 4 : 3; }
+// Shared memory the plans reserve for the rings: that of the previous depth, so the plans (slab length L, slabs S, N
+// chunks C) are the ones measured with both depths (a longer slab in the freed bytes has not been timed).
+constexpr int kslab_ring_bytes(int mt8) { return kKsWarps * kslab_prev_stages(mt8) * kKsTileBytes; }
 // longest slab (super-tiles) whose A rows fit beside the rings
 constexpr int kslab_max_l(int mt8) {
   return ((kKsSmemMax - kslab_ring_bytes(mt8)) / (8 * mt8) - kKsRowPad) / kKsRowBytes;
@@ -811,28 +821,24 @@ auto dense_kernel_ready(int dev) {
                             kKsDenseSmemMax(MT8)>(dev, "fp4_linear (decode kslab)");
 }
 
-// TRACE_EXT_KSLAB_STAGES=2 / 3 (read per call; an A/B knob): ring slots per warp of the K-slab kernels (dense and
-// grouped) at <= 16 rows instead of the default (4 at <= 8 rows, 3 at 16), same plan (L, S, C), same sums (bit-equal);
-// 0: the default depth. The H200 A/B of 5 / 6 slots at <= 8 rows (round 18) ran 0.93-0.98x; 3 slots ran 1.00-1.06x
-// (round 19).
-int kslab_stages_forced(int mt8) {
+// TRACE_EXT_KSLAB_STAGES=prev (read per call; an A/B knob): the K-slab kernels at <= 16 rows (dense and grouped)
+// with the ring depth before round 20 (4 slots at <= 8 rows, 3 at 16), same plan, same sums (bit-equal).
+bool kslab_prev_ring_selected() {
   const char* v = std::getenv("TRACE_EXT_KSLAB_STAGES");
-  if (v == nullptr || mt8 > 2) return 0;
-  const int stages = std::atoi(v);
-  return (stages == 2 || stages == 3) && stages != kslab_stages(mt8) ? stages : 0;
+  return v != nullptr && std::strcmp(v, "prev") == 0;
 }
 
 template <int MT8, bool kAFp4, bool kForm2>
 bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
-  constexpr int kRing = kslab_ring_bytes(MT8);
   constexpr int kMaxL = kslab_max_l(MT8);
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   const int n_blocks = p.N / 16, KT = p.K / kKsSuperK;
   const KslabPlan plan = kslab_plan(n_blocks, KT, 8 * MT8, kMaxL, sm_count(dev));
   if (plan.S == 0) return false;
-  const int stages = kslab_stages_forced(MT8);
-  const int smem = (stages ? kKsWarps * stages * kKsTileBytes : kRing) + 8 * MT8 * (plan.L * kKsRowBytes + kKsRowPad);
+  const bool prev = MT8 <= 2 && kslab_prev_ring_selected();
+  const int smem = kKsWarps * (prev ? kslab_prev_stages(MT8) : kslab_stages(MT8)) * kKsTileBytes +
+                   8 * MT8 * (plan.L * kKsRowBytes + kKsRowPad);
   constexpr int64_t kFragFloats = MT8 * 4 * 32;
   const int64_t slab_floats = plan.S > 1 ? (int64_t)plan.S * n_blocks * kFragFloats : 0;
   const int64_t seg_floats = (int64_t)plan.C * plan.S * kKsWarps * 2 * kFragFloats;
@@ -842,13 +848,9 @@ bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream
   auto kernel = MT8 <= 2 && kslab_seg_smem_selected() ? dense_kernel_ready<MT8, kAFp4, kForm2, MT8 <= 2>(dev)
                                                       : dense_kernel_ready<MT8, kAFp4, kForm2, false>(dev);
   if constexpr (MT8 <= 2) {
-    const bool seg = kslab_seg_smem_selected();
-    if (stages == 2) kernel = seg ? dense_kernel_ready<MT8, kAFp4, kForm2, true, 2>(dev)
-                                  : dense_kernel_ready<MT8, kAFp4, kForm2, false, 2>(dev);
-    if constexpr (MT8 == 1) {
-      if (stages == 3) kernel = seg ? dense_kernel_ready<1, kAFp4, kForm2, true, 3>(dev)
-                                    : dense_kernel_ready<1, kAFp4, kForm2, false, 3>(dev);
-    }
+    constexpr int kPrev = kslab_prev_stages(MT8);
+    if (prev) kernel = kslab_seg_smem_selected() ? dense_kernel_ready<MT8, kAFp4, kForm2, true, kPrev>(dev)
+                                                 : dense_kernel_ready<MT8, kAFp4, kForm2, false, kPrev>(dev);
   }
   kernel<<<dim3(plan.C, plan.S), kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L);
   check_launch("fp4_linear (decode kslab)");
@@ -933,7 +935,6 @@ auto grouped_kernel_ready(int dev) {
 // order: kGrpJobs, kGrpFlat, or -1 (the default: grouped_flat_pays at the plan's unit estimate)
 template <int MT8, bool kAFp4>
 bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cudaStream_t stream, int order) {
-  constexpr int kRing = kslab_ring_bytes(MT8);
   constexpr int kMaxL = kslab_grp_max_l(MT8);
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
@@ -948,9 +949,9 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   const int sms = sm_count(dev);
   const KslabPlan plan = kslab_grouped_plan(n_blocks, KT, R, kMaxL, sms, units_est);
   if (plan.S == 0 || max_units * plan.S * plan.C >= (int64_t{1} << 31)) return false;
-  const int stages = kslab_stages_forced(MT8);  // TRACE_EXT_KSLAB_STAGES: another ring depth, same plan
-  const int smem = (stages ? kKsWarps * stages * kKsTileBytes : kRing) + R * (plan.L * kKsRowBytes + kKsRowPad) +
-                   kKsGrpPrefBytes;
+  const bool prev = MT8 <= 2 && kslab_prev_ring_selected();  // TRACE_EXT_KSLAB_STAGES=prev: the ring before
+  const int smem = kKsWarps * (prev ? kslab_prev_stages(MT8) : kslab_stages(MT8)) * kKsTileBytes +
+                   R * (plan.L * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes;
   if (order < 0) {
     const bool flat = grouped_flat_pays((int64_t)std::ceil(units_est), plan.S, plan.C, n_blocks, plan.L, sms);
     order = flat ? kGrpFlat : kGrpJobs;
@@ -970,18 +971,12 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
                                   : (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpJobs, MT8 <= 2>(dev)
                                               : grouped_kernel_ready<MT8, kAFp4, kGrpJobs, false>(dev));
   if constexpr (MT8 <= 2) {
-    if (stages == 2)
-      kernel = order == kGrpFlat ? (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpFlat, true, 2>(dev)
-                                             : grouped_kernel_ready<MT8, kAFp4, kGrpFlat, false, 2>(dev))
-                                 : (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpJobs, true, 2>(dev)
-                                             : grouped_kernel_ready<MT8, kAFp4, kGrpJobs, false, 2>(dev));
-    if constexpr (MT8 == 1) {
-      if (stages == 3)
-        kernel = order == kGrpFlat ? (seg_smem ? grouped_kernel_ready<1, kAFp4, kGrpFlat, true, 3>(dev)
-                                               : grouped_kernel_ready<1, kAFp4, kGrpFlat, false, 3>(dev))
-                                   : (seg_smem ? grouped_kernel_ready<1, kAFp4, kGrpJobs, true, 3>(dev)
-                                               : grouped_kernel_ready<1, kAFp4, kGrpJobs, false, 3>(dev));
-    }
+    constexpr int kPrev = kslab_prev_stages(MT8);
+    if (prev)
+      kernel = order == kGrpFlat ? (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpFlat, true, kPrev>(dev)
+                                             : grouped_kernel_ready<MT8, kAFp4, kGrpFlat, false, kPrev>(dev))
+                                 : (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpJobs, true, kPrev>(dev)
+                                             : grouped_kernel_ready<MT8, kAFp4, kGrpJobs, false, kPrev>(dev));
   }
   kernel<<<ctas, kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L, plan.S, plan.C,
                                              (int)max_units);

@@ -1021,22 +1021,22 @@ def test_decode_kslab_grouped_nan_scale_and_dense_default(monkeypatch, impl):
     assert torch.equal(O.fp4_linear(ad, wdp, backend="cuda"), y0)
 
 
-# ---- K-slab ring depth (TRACE_EXT_KSLAB_STAGES=2 / 3, read per call; an A/B knob) --------------------------------
-# At <= 16 rows the K-slab kernels run 2 or 3 cp.async slots per warp instead of the default (4 at <= 8 rows, 3 at 16),
-# same plan, same sums: the outputs must be the default's bits.
-def _stages_env(monkeypatch, stages):
-    if stages is None:
-        monkeypatch.delenv("TRACE_EXT_KSLAB_STAGES", raising=False)
+# ---- K-slab ring depth (TRACE_EXT_KSLAB_STAGES=prev, read per call; an A/B knob) -----------------------------------
+# At <= 16 rows the K-slab kernels run a 2-slot cp.async ring per warp since round 20; =prev runs the depth before (4
+# slots at <= 8 rows, 3 at 16), same plan, same sums: the outputs must be the same bits.
+def _prev_ring(monkeypatch, on):
+    if on:
+        monkeypatch.setenv("TRACE_EXT_KSLAB_STAGES", "prev")
     else:
-        monkeypatch.setenv("TRACE_EXT_KSLAB_STAGES", str(stages))
+        monkeypatch.delenv("TRACE_EXT_KSLAB_STAGES", raising=False)
 
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
-def test_kslab_stages_equals_default(monkeypatch, mode):
-    """Protects the 2- and 3-slot ring variants of the dense K-slab kernel: every kslab shape (one slab, several, a
-    partial last one) at M = 1, 2, 3, 5, 8 (8-row groups) and 9, 16 (16-row groups), both packed forms, W4A16 and
-    W4A4, with the shared-memory and the L2 segment slots: the default's bits, also on a repeated call after a
-    default call."""
+def test_kslab_ring_depth_equals_prev(monkeypatch, mode):
+    """Protects the 2-slot ring of the dense K-slab kernel (the default at <= 16 rows): every kslab shape (one slab,
+    several, a partial last one) at M = 1, 2, 3, 5, 8 (8-row groups) and 9, 16 (16-row groups), both packed forms,
+    W4A16 and W4A4, with the shared-memory and the L2 segment slots: the bits of the previous ring depth, also on a
+    repeated call after a call of the other kernel."""
     for N, K in KSLAB_SHAPES:
         wp = O.prepare_fp4_weight(_quant_w(N, K), decode_form2=True)
         for M in (1, 2, 3, 5, 8, 9, 16):
@@ -1045,27 +1045,25 @@ def test_kslab_stages_equals_default(monkeypatch, mode):
                 a = ref.nvfp4_quantize(a)
             for impl in (None, "kslab2"):
                 for seg in (True, False):
+                    tag = f"N={N} K={K} M={M} {mode} {impl} seg_smem={seg}"
                     _impl(monkeypatch, impl)
                     _seg_smem(monkeypatch, seg)
-                    _stages_env(monkeypatch, None)
+                    _prev_ring(monkeypatch, True)
                     y0 = O.fp4_linear(a, wp, backend="cuda").view(torch.int16)
-                    for stages in (2, 3):
-                        tag = f"stages={stages} N={N} K={K} M={M} {mode} {impl} seg_smem={seg}"
-                        _stages_env(monkeypatch, stages)
-                        assert torch.equal(O.fp4_linear(a, wp, backend="cuda").view(torch.int16), y0), tag
-                        _stages_env(monkeypatch, None)
-                        O.fp4_linear(a, wp, backend="cuda")
-                        _stages_env(monkeypatch, stages)
-                        assert torch.equal(O.fp4_linear(a, wp, backend="cuda").view(torch.int16), y0), tag
-    _stages_env(monkeypatch, None)
+                    _prev_ring(monkeypatch, False)
+                    assert torch.equal(O.fp4_linear(a, wp, backend="cuda").view(torch.int16), y0), tag
+                    _prev_ring(monkeypatch, True)
+                    O.fp4_linear(a, wp, backend="cuda")
+                    _prev_ring(monkeypatch, False)
+                    assert torch.equal(O.fp4_linear(a, wp, backend="cuda").view(torch.int16), y0), tag
     monkeypatch.delenv("TRACE_EXT_KSLAB_SEG", raising=False)
 
 
 @pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
-def test_kslab_stages_grouped_equals_default(monkeypatch, impl):
-    """Protects the 2- and 3-slot ring variants of the grouped K-slab kernel (8- and 16-row units) in both work
+def test_kslab_ring_depth_grouped_equals_prev(monkeypatch, impl):
+    """Protects the 2-slot ring of the grouped K-slab kernel (the default for 8- and 16-row units) in both work
     orders: Qwen3 T = 1, 3, 16, 64, both projections, W4A16 and W4A4, K = 8448 (several slabs), one expert with 12
-    rows (a 16-row unit); the default's bits, with shared-memory and L2 segment slots."""
+    rows (a 16-row unit): the bits of the previous ring depth, with shared-memory and L2 segment slots."""
     gen = torch.Generator().manual_seed(37)
     E, k = 128, 8
     cases = []
@@ -1084,10 +1082,9 @@ def test_kslab_stages_grouped_equals_default(monkeypatch, impl):
                 a = ref.nvfp4_quantize(a)
             for seg in (True, False):
                 _seg_smem(monkeypatch, seg)
-                _stages_env(monkeypatch, None)
+                _prev_ring(monkeypatch, True)
                 y0 = O.fp4_grouped_linear(a, wp, offsets, backend="cuda").view(torch.int16)
-                for stages in (2, 3):
-                    _stages_env(monkeypatch, stages)
-                    y = O.fp4_grouped_linear(a, wp, offsets, backend="cuda").view(torch.int16)
-                    assert torch.equal(y, y0), f"stages={stages} {what} {mode} {impl} seg_smem={seg}"
-    _stages_env(monkeypatch, None)
+                _prev_ring(monkeypatch, False)
+                y = O.fp4_grouped_linear(a, wp, offsets, backend="cuda").view(torch.int16)
+                assert torch.equal(y, y0), f"{what} {mode} {impl} seg_smem={seg}"
+    monkeypatch.delenv("TRACE_EXT_KSLAB_SEG", raising=False)
