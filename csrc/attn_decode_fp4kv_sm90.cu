@@ -1276,7 +1276,7 @@ __device__ __forceinline__ void merge_warp_sets(uint8_t* smem, int warp, int set
   }
 }
 
-template <int D, int kSets>
+template <int D, int kSets, int kRing = kStages>
 __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads : kMinBlocksHeads8)
     fp4kv_decode_kernel_heads(const DecodeParams p) {
   using G = Geo<D>;
@@ -1328,7 +1328,7 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
                                     ttt * H::kScaleRow + (sub % H::kScaleChunks) * 16);
   const uint32_t smem_base = smem_addr(smem);
 
-  // Copies the next tile (tiles are issued in order, once each: tile j goes to stage j % kStages) and steps the
+  // Copies the next tile (tiles are issued in order, once each: tile j goes to stage j % kRing) and steps the
   // plan to the tile after it.
   auto issue = [&]() {
     const bool valid = tok < end;
@@ -1342,7 +1342,7 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
       cp_async_16(stage + H::kCodeTile + dst_code + 128 * j, p.v_codes + code_off + 128 * j, bytes);
     }
     if (has_scale) cp_async_16(stage + dst_scale, scale_src + (size_t)row * G::kScaleBytes, bytes);
-    issue_stage = issue_stage == (kStages - 1) * kSetStage ? 0u : issue_stage + kSetStage;
+    issue_stage = issue_stage == (kRing - 1) * kSetStage ? 0u : issue_stage + kSetStage;
     // next tile of this thread's token: same page unless the column moves (then one table load)
     tok += kSetTokens;
     slot += step_slot;
@@ -1353,7 +1353,7 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
   };
 
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
+  for (int s = 0; s < kRing - 1; ++s) {
     if (s < n_stages) issue();
     cp_async_commit();
   }
@@ -1437,12 +1437,12 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
   float l_run[2] = {0.0f, 0.0f};
 
   for (int i = 0; i < n_stages; ++i) {
-    cp_async_wait<kStages - 2>();
+    cp_async_wait<kRing - 2>();
     __syncthreads();  // stage i landed for all threads; every warp is done with stage i - 1
-    if (i + kStages - 1 < n_stages) issue();
+    if (i + kRing - 1 < n_stages) issue();
     cp_async_commit();
 
-    const uint8_t* st = smem + (i % kStages) * kSetStage;
+    const uint8_t* st = smem + (i % kRing) * kSetStage;
     const int tile = kSets * i + set;  // heads8: set 1's tile of the last stage may lie past the split
     if (kSets > 1 && tile >= n_tiles) continue;
     const int t0 = start + tile * kTile;
@@ -1830,6 +1830,27 @@ unsigned int* split_counters(int64_t n, const at::Tensor& like) {
   return reinterpret_cast<unsigned int*>(entries->back().buf.data_ptr<int32_t>());
 }
 
+// TRACE_EXT_KV_DECODE_RING (read per call; an A/B knob): "2" / "3" run heads8 with a 2- / 3-stage ring instead of
+// kStages = 4 (same split count, same arithmetic: bit-equal). The K-slab GEMM ran 1.02-1.14x faster with one tile in
+// flight per warp instead of three (H200 round 20); this asks the same of the decode attention's CTA ring.
+int heads_ring_selected() {
+  const char* env = std::getenv("TRACE_EXT_KV_DECODE_RING");
+  if (env == nullptr) return 0;
+  return std::strcmp(env, "2") == 0 ? 2 : std::strcmp(env, "3") == 0 ? 3 : 0;
+}
+
+template <int D, int kRing>
+DecodeKernelFn heads8_ring_kernel(int device) {
+  static bool attr_set[64] = {false};
+  const DecodeKernelFn kernel = fp4kv_decode_kernel_heads<D, 2, kRing>;
+  if (!attr_set[device & 63]) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 2 * kRing * HGeo<D>::kStageBytes);
+    attr_set[device & 63] = true;
+  }
+  return kernel;
+}
+
 template <int D, int kImpl>
 void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max_len, const at::Tensor& q,
             at::Tensor& out, at::Tensor& lse) {
@@ -1864,11 +1885,17 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
     wide = (kImpl == kImplHeads || kImpl == kImplHeads8) && (int64_t)splits * kHeadsPerCta * p.group * D > kHeadsFusedMax;
     p.split_counters = fused_combine() && !wide ? split_counters((int64_t)batch * p.heads_kv, q) : nullptr;
   }
-  const DecodeKernelFn kernel = decode_kernel<D, kImpl>();
+  DecodeKernelFn kernel = decode_kernel<D, kImpl>();
+  int smem = decode_smem<D, kImpl>();
+  if constexpr (kImpl == kImplHeads8) {  // TRACE_EXT_KV_DECODE_RING=2 / 3: a shallower stage ring, same splits
+    const int ring = heads_ring_selected();
+    if (ring == 2) kernel = heads8_ring_kernel<D, 2>(device), smem = 2 * 2 * HGeo<D>::kStageBytes;
+    if (ring == 3) kernel = heads8_ring_kernel<D, 3>(device), smem = 2 * 3 * HGeo<D>::kStageBytes;
+  }
   require_kernel_image(kernel, "fp4kv_decode_attention");
   auto stream = c10::cuda::getCurrentCUDAStream();
   dim3 grid(splits, head_ctas<kImpl>(p.heads_kv), batch);
-  kernel<<<grid, decode_threads<kImpl>(), decode_smem<D, kImpl>(), stream>>>(p);
+  kernel<<<grid, decode_threads<kImpl>(), smem, stream>>>(p);
   check_launch("fp4kv_decode_attention");
   if (splits > 1 && wide) {
     fp4kv_decode_combine_wide_kernel<D><<<batch * p.heads_q, kWideWarps * 32, 0, stream>>>(

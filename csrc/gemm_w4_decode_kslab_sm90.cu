@@ -827,6 +827,12 @@ bool kslab_prev_ring_selected() {
   const char* v = std::getenv("TRACE_EXT_KSLAB_STAGES");
   return v != nullptr && std::strcmp(v, "prev") == 0;
 }
+// TRACE_EXT_KSLAB_STAGES=2 (read per call; an A/B knob): the 32-row kernels (dense and grouped) with a 2-slot ring
+// instead of 3, same plan, same sums.
+bool kslab_ring2_at32_selected() {
+  const char* v = std::getenv("TRACE_EXT_KSLAB_STAGES");
+  return v != nullptr && std::strcmp(v, "2") == 0;
+}
 
 template <int MT8, bool kAFp4, bool kForm2>
 bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
@@ -836,8 +842,8 @@ bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream
   const int n_blocks = p.N / 16, KT = p.K / kKsSuperK;
   const KslabPlan plan = kslab_plan(n_blocks, KT, 8 * MT8, kMaxL, sm_count(dev));
   if (plan.S == 0) return false;
-  const bool prev = MT8 <= 2 && kslab_prev_ring_selected();
-  const int smem = kKsWarps * (prev ? kslab_prev_stages(MT8) : kslab_stages(MT8)) * kKsTileBytes +
+  const bool prev = MT8 <= 2 && kslab_prev_ring_selected(), ring2 = MT8 == 4 && kslab_ring2_at32_selected();
+  const int smem = kKsWarps * (prev ? kslab_prev_stages(MT8) : ring2 ? 2 : kslab_stages(MT8)) * kKsTileBytes +
                    8 * MT8 * (plan.L * kKsRowBytes + kKsRowPad);
   constexpr int64_t kFragFloats = MT8 * 4 * 32;
   const int64_t slab_floats = plan.S > 1 ? (int64_t)plan.S * n_blocks * kFragFloats : 0;
@@ -851,6 +857,8 @@ bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream
     constexpr int kPrev = kslab_prev_stages(MT8);
     if (prev) kernel = kslab_seg_smem_selected() ? dense_kernel_ready<MT8, kAFp4, kForm2, true, kPrev>(dev)
                                                  : dense_kernel_ready<MT8, kAFp4, kForm2, false, kPrev>(dev);
+  } else {
+    if (ring2) kernel = dense_kernel_ready<MT8, kAFp4, kForm2, false, 2>(dev);
   }
   kernel<<<dim3(plan.C, plan.S), kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L);
   check_launch("fp4_linear (decode kslab)");
@@ -949,8 +957,9 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   const int sms = sm_count(dev);
   const KslabPlan plan = kslab_grouped_plan(n_blocks, KT, R, kMaxL, sms, units_est);
   if (plan.S == 0 || max_units * plan.S * plan.C >= (int64_t{1} << 31)) return false;
-  const bool prev = MT8 <= 2 && kslab_prev_ring_selected();  // TRACE_EXT_KSLAB_STAGES=prev: the ring before
-  const int smem = kKsWarps * (prev ? kslab_prev_stages(MT8) : kslab_stages(MT8)) * kKsTileBytes +
+  // TRACE_EXT_KSLAB_STAGES=prev: the ring before (<= 16 rows); =2: 2 slots at 32 rows
+  const bool prev = MT8 <= 2 && kslab_prev_ring_selected(), ring2 = MT8 == 4 && kslab_ring2_at32_selected();
+  const int smem = kKsWarps * (prev ? kslab_prev_stages(MT8) : ring2 ? 2 : kslab_stages(MT8)) * kKsTileBytes +
                    R * (plan.L * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes;
   if (order < 0) {
     const bool flat = grouped_flat_pays((int64_t)std::ceil(units_est), plan.S, plan.C, n_blocks, plan.L, sms);
@@ -977,6 +986,11 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
                                              : grouped_kernel_ready<MT8, kAFp4, kGrpFlat, false, kPrev>(dev))
                                  : (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpJobs, true, kPrev>(dev)
                                              : grouped_kernel_ready<MT8, kAFp4, kGrpJobs, false, kPrev>(dev));
+  }
+  if constexpr (MT8 == 4) {
+    if (ring2)
+      kernel = order == kGrpFlat ? grouped_kernel_ready<MT8, kAFp4, kGrpFlat, false, 2>(dev)
+                                 : grouped_kernel_ready<MT8, kAFp4, kGrpJobs, false, 2>(dev);
   }
   kernel<<<ctas, kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L, plan.S, plan.C,
                                              (int)max_units);

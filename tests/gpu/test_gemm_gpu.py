@@ -1088,3 +1088,40 @@ def test_kslab_ring_depth_grouped_equals_prev(monkeypatch, impl):
                 y = O.fp4_grouped_linear(a, wp, offsets, backend="cuda").view(torch.int16)
                 assert torch.equal(y, y0), f"{what} {mode} {impl} seg_smem={seg}"
     monkeypatch.delenv("TRACE_EXT_KSLAB_SEG", raising=False)
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_kslab_ring2_at_32_rows_equals_default(monkeypatch, mode):
+    """Protects the 2-slot ring of the 32-row K-slab kernels (TRACE_EXT_KSLAB_STAGES=2, an A/B knob): dense, every
+    kslab shape at M = 17, 24, 32, both packed forms, and grouped (both work orders) at Qwen3 T = 256 and one expert
+    with 40 rows, W4A16 and W4A4: the default's (3 slots) bits."""
+    for N, K in KSLAB_SHAPES:
+        wp = O.prepare_fp4_weight(_quant_w(N, K), decode_form2=True)
+        for M in (17, 24, 32):
+            a = torch.randn(M, K, device=DEV).bfloat16()
+            if mode == "w4a4":
+                a = ref.nvfp4_quantize(a)
+            for impl in (None, "kslab2"):
+                _impl(monkeypatch, impl)
+                monkeypatch.delenv("TRACE_EXT_KSLAB_STAGES", raising=False)
+                y0 = O.fp4_linear(a, wp, backend="cuda").view(torch.int16)
+                monkeypatch.setenv("TRACE_EXT_KSLAB_STAGES", "2")
+                assert torch.equal(O.fp4_linear(a, wp, backend="cuda").view(torch.int16), y0), f"N={N} K={K} M={M}"
+    gen = torch.Generator().manual_seed(41)
+    cases = [(_quant_w(N, K, 128), _routed_counts(256, 128, 8, gen), f"qwen3 N={N} T=256")
+             for N, K in ((1536, 2048), (2048, 768))]
+    cases.append((_quant_w(1536, 2048, 16), [0] * 7 + [40] + [0] * 8, "one expert 40 rows"))
+    for impl in GROUPED_KSLAB_IMPLS:
+        _impl(monkeypatch, impl)
+        for w, counts, what in cases:
+            offsets = _offsets(counts)
+            wp = O.prepare_fp4_weight(w)
+            a = torch.randn(int(sum(counts)), w.shape[-1], device=DEV).bfloat16()
+            if mode == "w4a4":
+                a = ref.nvfp4_quantize(a)
+            monkeypatch.delenv("TRACE_EXT_KSLAB_STAGES", raising=False)
+            y0 = O.fp4_grouped_linear(a, wp, offsets, backend="cuda").view(torch.int16)
+            monkeypatch.setenv("TRACE_EXT_KSLAB_STAGES", "2")
+            y = O.fp4_grouped_linear(a, wp, offsets, backend="cuda").view(torch.int16)
+            assert torch.equal(y, y0), f"{what} {mode} {impl}"
+    monkeypatch.delenv("TRACE_EXT_KSLAB_STAGES", raising=False)
