@@ -2,14 +2,14 @@
 variants, interleaved in one process, on the four decode cases of bench/bench_kv.py.
 
 Impls: values of TRACE_EXT_KV_DECODE_IMPL ("default": unset), optionally with further switches as "@VAR=VALUE"
-(bench/common.impl_env), e.g. default@TRACE_EXT_KV_DECODE_RING=2 (heads8 with a 2-stage ring instead of 4).
+(bench/common.impl_env), e.g. default@TRACE_EXT_KV_DECODE_RING=4 (heads8 with the 4-stage ring before round 22).
 KV_DECODE_AB_IMPLS=a,b,... overrides the list (the first is the baseline of the ratios). Every impl's output and LSE
 are compared bit for bit with the first one's before timing (column "bits").
 
 Timing of record: bench.common.do_bench_cold (median, L2 flushed before every call), the compiled op called directly,
-automatic split count, REP_MS per call. Each case is timed in two passes of ROUNDS rounds, every round timing every impl once in turn;
-a pass reports the median over its rounds, so clock or thermal drift hits all impls alike and the two passes show
-the run-to-run spread. Bytes, GB/s and % of copy as in bench_kv.py (target 75%).
+automatic split count, REP_MS per call. Each case is timed in two passes of ROUNDS rounds, every round timing every
+impl once in turn; a pass reports the median over its rounds, so clock or thermal drift hits all impls alike and the
+two passes show the run-to-run spread. Bytes, GB/s and % of copy as in bench_kv.py (target 75%).
 
 Run from the repo root with the package installed:  python bench/bench_kv_decode_ab.py   (~35 s)
 """
@@ -32,7 +32,7 @@ import trace_ext  # noqa: E402, F401
 
 ENV = "TRACE_EXT_KV_DECODE_IMPL"
 IMPLS = tuple(os.environ.get(
-    "KV_DECODE_AB_IMPLS", "default,default@TRACE_EXT_KV_DECODE_RING=2,default@TRACE_EXT_KV_DECODE_RING=3").split(","))
+    "KV_DECODE_AB_IMPLS", "default,default@TRACE_EXT_KV_DECODE_RING=4,default@TRACE_EXT_KV_DECODE_RING=2").split(","))
 ROUNDS = 3
 PASSES = 2
 REP_MS = 120  # do_bench_cold's timing window per call (~1500 calls of ~70 us): keeps the script under a minute

@@ -100,6 +100,11 @@
 //   8, B64 S4K 4, B8 S32K 16, B1 S128K 126), i.e. all CTAs resident for both variants; bench/bench_kv_heads_ab.py
 //   sweeps the splits of heads8 to check it. Same split bounds as the 4-warp kernel, but a set sums every other tile
 //   and the two sets are merged at the end, so heads8 agrees with it to rounding, not bit for bit.
+// - Stage ring of heads8: 3 stages (of two 16-token tiles) since the H200 A/B of round 22 (notes/GPU_RESULTS.md):
+//   1.01-1.03x over the 4 stages above on all four bench_kv decode cases in both passes, 2 stages 0.98-0.99x; 59 KB
+//   of dynamic shared memory at D = 128; same split count and arithmetic, bit-equal (TRACE_EXT_KV_DECODE_RING=4 / 2,
+//   read per call, select the others). The K-slab GEMM's 2-slot finding (round 20) carried over only in part: this
+//   ring is CTA-wide with one barrier per stage, so 2 stages leave a stage's copies exposed behind every barrier.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
@@ -1119,7 +1124,11 @@ __device__ __forceinline__ const uint8_t* pinned_ptr(const uint8_t* x) {
 // Requirements (else the g8 / qsmem kernels run): G <= 8, H_kv % 4 == 0, 16-byte aligned cache bases.
 constexpr int kHeadsPerCta = kWarps;   // KV heads per CTA, one per warp
 constexpr int kMinBlocksHeads = 5;     // CTAs per SM (<= 102 registers, 5 x 38 KB shared at D = 128)
-constexpr int kMinBlocksHeads8 = 2;    // heads8 (8 warps): CTAs per SM (<= 128 registers, 2 x 78 KB shared at D = 128)
+constexpr int kMinBlocksHeads8 = 2;    // heads8 (8 warps): CTAs per SM (<= 128 registers, 2 x 59 KB shared at D = 128)
+// heads8's stage ring (stages of 2 tiles): 3 since the H200 A/B of round 22 (1.01-1.03x over 4 on the four bench_kv
+// decode cases in both passes, bit-equal; 2 stages 0.98-0.99x), TRACE_EXT_KV_DECODE_RING=4 / 2 (read per call) select
+// the others.
+constexpr int kHeads8Ring = 3;
 constexpr int64_t kHeadsFusedMax = 1 << 16;  // partial floats (splits x 4 G x D) the fused finish of one CTA reads
 
 template <int D>
@@ -1729,7 +1738,7 @@ DecodeKernelFn decode_kernel() {
   } else if constexpr (kImpl == kImplHeads) {
     return fp4kv_decode_kernel_heads<D, 1>;
   } else if constexpr (kImpl == kImplHeads8) {
-    return fp4kv_decode_kernel_heads<D, 2>;
+    return fp4kv_decode_kernel_heads<D, 2, kHeads8Ring>;
   } else {
     return fp4kv_decode_kernel<D, kImpl == kImplSmemQ>;
   }
@@ -1738,7 +1747,9 @@ DecodeKernelFn decode_kernel() {
 // Dynamic shared memory of a kernel variant.
 template <int D, int kImpl>
 constexpr int decode_smem() {
-  return kImpl == kImplHeads ? HGeo<D>::kSmem : kImpl == kImplHeads8 ? 2 * HGeo<D>::kSmem : Geo<D>::kSmem;
+  return kImpl == kImplHeads    ? HGeo<D>::kSmem
+         : kImpl == kImplHeads8 ? 2 * kHeads8Ring * HGeo<D>::kStageBytes
+                                : Geo<D>::kSmem;
 }
 
 // Threads per CTA of a kernel variant.
@@ -1830,13 +1841,12 @@ unsigned int* split_counters(int64_t n, const at::Tensor& like) {
   return reinterpret_cast<unsigned int*>(entries->back().buf.data_ptr<int32_t>());
 }
 
-// TRACE_EXT_KV_DECODE_RING (read per call; an A/B knob): "2" / "3" run heads8 with a 2- / 3-stage ring instead of
-// kStages = 4 (same split count, same arithmetic: bit-equal). The K-slab GEMM ran 1.02-1.14x faster with one tile in
-// flight per warp instead of three (H200 round 20); this asks the same of the decode attention's CTA ring.
+// TRACE_EXT_KV_DECODE_RING (read per call; an A/B knob): "4" runs heads8 with the 4-stage ring of the kernel before
+// round 22, "2" with a 2-stage ring (same split count, same arithmetic: bit-equal to the default's 3 stages).
 int heads_ring_selected() {
   const char* env = std::getenv("TRACE_EXT_KV_DECODE_RING");
   if (env == nullptr) return 0;
-  return std::strcmp(env, "2") == 0 ? 2 : std::strcmp(env, "3") == 0 ? 3 : 0;
+  return std::strcmp(env, "2") == 0 ? 2 : std::strcmp(env, "4") == 0 ? 4 : 0;
 }
 
 template <int D, int kRing>
@@ -1887,10 +1897,10 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
   }
   DecodeKernelFn kernel = decode_kernel<D, kImpl>();
   int smem = decode_smem<D, kImpl>();
-  if constexpr (kImpl == kImplHeads8) {  // TRACE_EXT_KV_DECODE_RING=2 / 3: a shallower stage ring, same splits
+  if constexpr (kImpl == kImplHeads8) {  // TRACE_EXT_KV_DECODE_RING=2 / 4: another stage ring, same splits
     const int ring = heads_ring_selected();
     if (ring == 2) kernel = heads8_ring_kernel<D, 2>(device), smem = 2 * 2 * HGeo<D>::kStageBytes;
-    if (ring == 3) kernel = heads8_ring_kernel<D, 3>(device), smem = 2 * 3 * HGeo<D>::kStageBytes;
+    if (ring == 4) kernel = heads8_ring_kernel<D, 4>(device), smem = 2 * 4 * HGeo<D>::kStageBytes;
   }
   require_kernel_image(kernel, "fp4kv_decode_attention");
   auto stream = c10::cuda::getCurrentCUDAStream();

@@ -414,18 +414,18 @@ def test_decode_heads8_merges_sets_with_far_apart_maxima(monkeypatch):
         assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
 
 
-# ---- heads8 stage ring depth (TRACE_EXT_KV_DECODE_RING=2 / 3, read per call; an A/B knob): the same split count and
-# arithmetic with a 2- or 3-stage ring instead of 4, so the same bits.
-@pytest.mark.parametrize("ring", ["2", "3"])
+# ---- heads8 stage ring depth (default 3 stages since round 22; TRACE_EXT_KV_DECODE_RING=4 / 2, read per call, select
+# the 4-stage ring before it and a 2-stage one): the same split count and arithmetic, so the same bits.
+@pytest.mark.parametrize("ring", ["4", "2"])
 @pytest.mark.parametrize("lens, Hkv, D, P, splits", [
     ([8192] * 4, 4, 128, 16, 0), ([4096] * 6, 4, 128, 16, 0), ([32768], 8, 128, 16, 0), ([131072], 8, 128, 16, 0),
     ([1, 16, 17, 31, 0, 4095, 4096, 777], 8, 128, 16, 0), ([5000, 3], 4, 64, 16, 0), ([2049, 100], 4, 128, 1, 0),
     ([3000, 4100], 8, 128, 64, 3), ([1000], 4, 128, 16, 1), ([65536], 4, 64, 16, 300)], ids=str)
 def test_decode_heads8_ring_depth_is_bit_equal(lens, Hkv, D, P, splits, ring, monkeypatch):
-    """Protects the shallower heads8 stage rings: output and LSE bit-equal to the default 4-stage ring on the bench
-    shapes (fewer sequences), lengths with empty / partial / odd tiles, head dims 64 and 128, page sizes 1 / 16 / 64,
-    explicit split counts (1, 3, 300: the wide combine) and automatic ones, with the fused finish and the combine
-    kernel, and NaN scale bytes in the cache."""
+    """Protects the heads8 stage rings: output and LSE of the default 3-stage ring bit-equal to the 4- and 2-stage
+    rings' on the bench shapes (fewer sequences), lengths with empty / partial / odd tiles, head dims 64 and 128, page
+    sizes 1 / 16 / 64, explicit split counts (1, 3, 300: the wide combine) and automatic ones, with the fused finish
+    and the combine kernel, and NaN scale bytes in the cache."""
     cache, table, seq_lens, *_ = make_cache(lens, Hkv, D, P, seed=len(lens) + D)
     if D == 128 and P == 16 and len(lens) == 8:
         cache.k_scales[int(table[0, 0]), 0, 0, 0] = 0x7F  # an E4M3 NaN scale on sequence 0's only token
