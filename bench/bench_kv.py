@@ -79,6 +79,16 @@ def random_cache(B, Hkv, S, gen, page=PAGE):
     return kc, ks, vc, vs, table, seq_lens
 
 
+def decode_case_inputs(gen):
+    """The A/B benches' inputs, per DECODE_CASES entry: (name, bytes moved (the byte model of decode_rows: codes and
+    scales of K and V, q, out, lse), the op's arguments up to the split count) on a random cache."""
+    for name, B, Hq, Hkv, S, _ in DECODE_CASES:
+        kc, ks, vc, vs, table, seq_lens = random_cache(B, Hkv, S, gen)
+        q = torch.randn(B, Hq, D, device="cuda", generator=gen).to(torch.bfloat16)
+        nbytes = 2 * B * S * Hkv * (D // 2 + D // 16) + 2 * B * Hq * D * 2 + 4 * B * Hq
+        yield name, nbytes, (q, kc, ks, vc, vs, table, seq_lens, 1.0 / math.sqrt(D), 0.01, 0.02)
+
+
 def _sweep_row(case, ms, nbytes, copy_gbs, ms_sdpa):
     """One row of a split / page-size sweep (no target of its own)."""
     gbs = nbytes / (ms * 1e-3) / 1e9

@@ -15,7 +15,6 @@ Run from the repo root with the package installed:  python bench/bench_kv_decode
 """
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import sys
@@ -23,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kv import BW_TARGET, D, DECODE_CASES, random_cache  # noqa: E402
+from bench_kv import BW_TARGET, D, decode_case_inputs  # noqa: E402
 from common import (  # noqa: E402
     copy_bandwidth_gbs, do_bench_cold, env_stamp, impl_env, print_table, require_kernels_usable, write_results,
 )
@@ -48,13 +47,8 @@ def main() -> None:
     print(f"copy bandwidth: {copy_gbs:.1f} GB/s")
     op = torch.ops.trace_ext.fp4kv_decode_attention
     rows = []
-    for name, B, Hq, Hkv, S, _ in DECODE_CASES:
-        kc, ks, vc, vs, table, seq_lens = random_cache(B, Hkv, S, gen)
-        q = torch.randn(B, Hq, D, device="cuda", generator=gen).to(torch.bfloat16)
-        scale = 1.0 / math.sqrt(D)
-        nbytes = 2 * B * S * Hkv * (D // 2 + D // 16) + 2 * B * Hq * D * 2 + 4 * B * Hq
-
-        args = (q, kc, ks, vc, vs, table, seq_lens, scale, 0.01, 0.02, 0)
+    for name, nbytes, head_args in decode_case_inputs(gen):
+        args = head_args + (0,)  # automatic split count
 
         def call():
             return op(*args)

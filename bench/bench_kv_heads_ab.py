@@ -13,7 +13,6 @@ Run from the repo root with the package installed:  python bench/bench_kv_heads_
 """
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import sys
@@ -21,7 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kv import D, DECODE_CASES, _impl_env, random_cache  # noqa: E402
+from bench_kv import D, _impl_env, decode_case_inputs  # noqa: E402
 from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, print_table, require_kernels_usable, write_results  # noqa: E402
 
 import trace_ext  # noqa: E402
@@ -47,14 +46,9 @@ def main() -> None:
     print(f"copy bandwidth: {copy_gbs:.1f} GB/s")
     op = torch.ops.trace_ext.fp4kv_decode_attention
     rows = []
-    for name, B, Hq, Hkv, S, _ in DECODE_CASES:
-        kc, ks, vc, vs, table, seq_lens = random_cache(B, Hkv, S, gen)
-        q = torch.randn(B, Hq, D, device="cuda", generator=gen).to(torch.bfloat16)
-        scale = 1.0 / math.sqrt(D)
-        nbytes = 2 * B * S * Hkv * (D // 2 + D // 16) + 2 * B * Hq * D * 2 + 4 * B * Hq
-
+    for name, nbytes, head_args in decode_case_inputs(gen):
         def call(splits=0):
-            return op(q, kc, ks, vc, vs, table, seq_lens, scale, 0.01, 0.02, splits)
+            return op(*head_args, splits)
 
         times = {BASE: [], NEW: []}
         for _ in range(ROUNDS):
@@ -85,8 +79,6 @@ def main() -> None:
                     "% copy": 100.0 * gbs / copy_gbs, "vs heads": ms_d / ms, "rounds ms": "",
                     "max |diff|": float("nan"),
                 })
-        del kc, ks, vc, vs
-        torch.cuda.empty_cache()
     print_table(rows)
     notes = (
         f"copy bandwidth {copy_gbs:.1f} GB/s; head_dim {D}; {BASE} = TRACE_EXT_KV_DECODE_IMPL={BASE} (4 warps/CTA), "

@@ -966,21 +966,19 @@ def test_decode_kslab_seg_smem_dense_equals_l2_slots(monkeypatch, mode):
                 assert torch.equal(O.fp4_linear(a, wp, backend="cuda"), y0), f"repeat N={N} K={K} M={M}"
 
 
-@pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
-def test_decode_kslab_seg_smem_grouped_equals_l2_slots(monkeypatch, impl):
-    """Protects the shared-memory segment slots of the grouped K-slab kernel (the default) in both work orders
-    (several jobs per CTA reuse the ring: the next job's barrier orders the finisher's reads before the ring refills):
-    Qwen3 T = 1, 3, 16, 64 (8- and 16-row units) and 256 (32-row units: L2 slots), both projections, W4A16 and W4A4,
-    K = 8448 (several slabs), one expert with 40 rows; equal to the L2 slots bit for bit."""
-    gen = torch.Generator().manual_seed(31)
+def _grouped_kslab_inputs(seed, Ts, one_expert_rows):
+    """The grouped K-slab tests' inputs: Qwen3 gate_up / down experts (E = 128, top-8) at T tokens for T in Ts,
+    K = 8448 (several slabs) over 8 experts, and all rows on one expert of 16; per case W4A16 and W4A4 activations:
+    yields (label, prepared weight, offsets, A)."""
+    gen = torch.Generator().manual_seed(seed)
     E, k = 128, 8
     cases = []
     for N, K in ((1536, 2048), (2048, 768)):
         w = _quant_w(N, K, E)
-        cases += [(w, _routed_counts(T, E, k, gen), f"qwen3 N={N} T={T}") for T in (1, 3, 16, 64, 256)]
+        cases += [(w, _routed_counts(T, E, k, gen), f"qwen3 N={N} T={T}") for T in Ts]
     cases.append((_quant_w(512, 8448, 8), _routed_counts(12, 8, 2, gen), "K=8448"))
-    cases.append((_quant_w(1536, 2048, 16), [0] * 7 + [40] + [0] * 8, "one expert 40 rows"))
-    _impl(monkeypatch, impl)
+    one = [0] * 7 + [one_expert_rows] + [0] * 8
+    cases.append((_quant_w(1536, 2048, 16), one, f"one expert {one_expert_rows} rows"))
     for w, counts, what in cases:
         offsets = _offsets(counts)
         wp = O.prepare_fp4_weight(w)
@@ -988,10 +986,21 @@ def test_decode_kslab_seg_smem_grouped_equals_l2_slots(monkeypatch, impl):
             a = torch.randn(int(sum(counts)), w.shape[-1], device=DEV).bfloat16()
             if mode == "w4a4":
                 a = ref.nvfp4_quantize(a)
-            _seg_smem(monkeypatch, False)
-            y0 = O.fp4_grouped_linear(a, wp, offsets, backend="cuda")
-            _seg_smem(monkeypatch, True)
-            assert torch.equal(O.fp4_grouped_linear(a, wp, offsets, backend="cuda"), y0), f"{what} {mode} {impl}"
+            yield f"{what} {mode}", wp, offsets, a
+
+
+@pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
+def test_decode_kslab_seg_smem_grouped_equals_l2_slots(monkeypatch, impl):
+    """Protects the shared-memory segment slots of the grouped K-slab kernel (the default) in both work orders
+    (several jobs per CTA reuse the ring: the next job's barrier orders the finisher's reads before the ring refills):
+    Qwen3 T = 1, 3, 16, 64 (8- and 16-row units) and 256 (32-row units: L2 slots), both projections, W4A16 and W4A4,
+    K = 8448 (several slabs), one expert with 40 rows; equal to the L2 slots bit for bit."""
+    _impl(monkeypatch, impl)
+    for what, wp, offsets, a in _grouped_kslab_inputs(31, (1, 3, 16, 64, 256), 40):
+        _seg_smem(monkeypatch, False)
+        y0 = O.fp4_grouped_linear(a, wp, offsets, backend="cuda")
+        _seg_smem(monkeypatch, True)
+        assert torch.equal(O.fp4_grouped_linear(a, wp, offsets, backend="cuda"), y0), f"{what} {impl}"
 
 
 @pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
@@ -1064,37 +1073,23 @@ def test_kslab_ring_depth_grouped_equals_prev(monkeypatch, impl):
     """Protects the 2-slot ring of the grouped K-slab kernel (the default for 8- and 16-row units) in both work
     orders: Qwen3 T = 1, 3, 16, 64, both projections, W4A16 and W4A4, K = 8448 (several slabs), one expert with 12
     rows (a 16-row unit): the bits of the previous ring depth, with shared-memory and L2 segment slots."""
-    gen = torch.Generator().manual_seed(37)
-    E, k = 128, 8
-    cases = []
-    for N, K in ((1536, 2048), (2048, 768)):
-        w = _quant_w(N, K, E)
-        cases += [(w, _routed_counts(T, E, k, gen), f"qwen3 N={N} T={T}") for T in (1, 3, 16, 64)]
-    cases.append((_quant_w(512, 8448, 8), _routed_counts(12, 8, 2, gen), "K=8448"))
-    cases.append((_quant_w(1536, 2048, 16), [0] * 7 + [12] + [0] * 8, "one expert 12 rows"))
     _impl(monkeypatch, impl)
-    for w, counts, what in cases:
-        offsets = _offsets(counts)
-        wp = O.prepare_fp4_weight(w)
-        for mode in ("w4a16", "w4a4"):
-            a = torch.randn(int(sum(counts)), w.shape[-1], device=DEV).bfloat16()
-            if mode == "w4a4":
-                a = ref.nvfp4_quantize(a)
-            for seg in (True, False):
-                _seg_smem(monkeypatch, seg)
-                _prev_ring(monkeypatch, True)
-                y0 = O.fp4_grouped_linear(a, wp, offsets, backend="cuda").view(torch.int16)
-                _prev_ring(monkeypatch, False)
-                y = O.fp4_grouped_linear(a, wp, offsets, backend="cuda").view(torch.int16)
-                assert torch.equal(y, y0), f"{what} {mode} {impl} seg_smem={seg}"
+    for what, wp, offsets, a in _grouped_kslab_inputs(37, (1, 3, 16, 64), 12):
+        for seg in (True, False):
+            _seg_smem(monkeypatch, seg)
+            _prev_ring(monkeypatch, True)
+            y0 = O.fp4_grouped_linear(a, wp, offsets, backend="cuda").view(torch.int16)
+            _prev_ring(monkeypatch, False)
+            y = O.fp4_grouped_linear(a, wp, offsets, backend="cuda").view(torch.int16)
+            assert torch.equal(y, y0), f"{what} {impl} seg_smem={seg}"
     monkeypatch.delenv("TRACE_EXT_KSLAB_SEG", raising=False)
 
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 def test_kslab_ring2_at_32_rows_equals_default(monkeypatch, mode):
     """Protects the 2-slot ring of the 32-row K-slab kernels (TRACE_EXT_KSLAB_STAGES=2, an A/B knob): dense, every
-    kslab shape at M = 17, 24, 32, both packed forms, and grouped (both work orders) at Qwen3 T = 256 and one expert
-    with 40 rows, W4A16 and W4A4: the default's (3 slots) bits."""
+    kslab shape at M = 17, 24, 32, both packed forms, and grouped (both work orders) at Qwen3 T = 256, K = 8448 and
+    one expert with 40 rows, W4A16 and W4A4: the default's (3 slots) bits."""
     for N, K in KSLAB_SHAPES:
         wp = O.prepare_fp4_weight(_quant_w(N, K), decode_form2=True)
         for M in (17, 24, 32):
@@ -1107,21 +1102,14 @@ def test_kslab_ring2_at_32_rows_equals_default(monkeypatch, mode):
                 y0 = O.fp4_linear(a, wp, backend="cuda").view(torch.int16)
                 monkeypatch.setenv("TRACE_EXT_KSLAB_STAGES", "2")
                 assert torch.equal(O.fp4_linear(a, wp, backend="cuda").view(torch.int16), y0), f"N={N} K={K} M={M}"
-    gen = torch.Generator().manual_seed(41)
-    cases = [(_quant_w(N, K, 128), _routed_counts(256, 128, 8, gen), f"qwen3 N={N} T=256")
-             for N, K in ((1536, 2048), (2048, 768))]
-    cases.append((_quant_w(1536, 2048, 16), [0] * 7 + [40] + [0] * 8, "one expert 40 rows"))
     for impl in GROUPED_KSLAB_IMPLS:
         _impl(monkeypatch, impl)
-        for w, counts, what in cases:
-            offsets = _offsets(counts)
-            wp = O.prepare_fp4_weight(w)
-            a = torch.randn(int(sum(counts)), w.shape[-1], device=DEV).bfloat16()
-            if mode == "w4a4":
-                a = ref.nvfp4_quantize(a)
+        for what, wp, offsets, a in _grouped_kslab_inputs(41, (256,), 40):
+            if not what.endswith(mode):
+                continue
             monkeypatch.delenv("TRACE_EXT_KSLAB_STAGES", raising=False)
             y0 = O.fp4_grouped_linear(a, wp, offsets, backend="cuda").view(torch.int16)
             monkeypatch.setenv("TRACE_EXT_KSLAB_STAGES", "2")
             y = O.fp4_grouped_linear(a, wp, offsets, backend="cuda").view(torch.int16)
-            assert torch.equal(y, y0), f"{what} {mode} {impl}"
+            assert torch.equal(y, y0), f"{what} {impl}"
     monkeypatch.delenv("TRACE_EXT_KSLAB_STAGES", raising=False)
