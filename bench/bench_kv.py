@@ -79,6 +79,18 @@ def random_cache(B, Hkv, S, gen, page=PAGE):
     return kc, ks, vc, vs, table, seq_lens
 
 
+def decode_ab_start(*switches):
+    """The KV decode A/B benches' start: kernels usable, `switches` unset (each impl sets its own), the case
+    generator, the copy bandwidth (printed) and the decode op."""
+    require_kernels_usable()
+    for name in switches:
+        os.environ.pop(name, None)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"copy bandwidth: {copy_gbs:.1f} GB/s")
+    return gen, copy_gbs, torch.ops.trace_ext.fp4kv_decode_attention
+
+
 def decode_case_inputs(gen):
     """The A/B benches' inputs, per DECODE_CASES entry: (name, bytes moved (the byte model of decode_rows: codes and
     scales of K and V, q, out, lse), the op's arguments up to the split count) on a random cache."""

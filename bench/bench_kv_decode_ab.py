@@ -22,10 +22,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kv import BW_TARGET, D, decode_case_inputs  # noqa: E402
-from common import (  # noqa: E402
-    copy_bandwidth_gbs, do_bench_cold, env_stamp, impl_env, print_table, require_kernels_usable, write_results,
-)
+from bench_kv import BW_TARGET, D, decode_ab_start, decode_case_inputs  # noqa: E402
+from common import do_bench_cold, env_stamp, impl_env, print_table, write_results  # noqa: E402
 
 import trace_ext  # noqa: E402, F401
 
@@ -38,14 +36,7 @@ REP_MS = 120  # do_bench_cold's timing window per call (~1500 calls of ~70 us): 
 
 
 def main() -> None:
-    require_kernels_usable()
-    os.environ.pop(ENV, None)
-    os.environ.pop("TRACE_EXT_KV_DECODE_COMBINE", None)
-    os.environ.pop("TRACE_EXT_KV_DECODE_RING", None)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    copy_gbs = copy_bandwidth_gbs()
-    print(f"copy bandwidth: {copy_gbs:.1f} GB/s")
-    op = torch.ops.trace_ext.fp4kv_decode_attention
+    gen, copy_gbs, op = decode_ab_start(ENV, "TRACE_EXT_KV_DECODE_COMBINE", "TRACE_EXT_KV_DECODE_RING")
     rows = []
     for name, nbytes, head_args in decode_case_inputs(gen):
         args = head_args + (0,)  # automatic split count

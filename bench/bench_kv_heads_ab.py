@@ -17,11 +17,9 @@ import os
 import statistics
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kv import D, _impl_env, decode_case_inputs  # noqa: E402
-from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, print_table, require_kernels_usable, write_results  # noqa: E402
+from bench_kv import D, _impl_env, decode_ab_start, decode_case_inputs  # noqa: E402
+from common import do_bench_cold, env_stamp, print_table, write_results  # noqa: E402
 
 import trace_ext  # noqa: E402
 
@@ -38,13 +36,7 @@ NEW_SPLIT_SWEEP = {
 
 
 def main() -> None:
-    require_kernels_usable()
-    os.environ.pop("TRACE_EXT_KV_DECODE_IMPL", None)
-    os.environ.pop("TRACE_EXT_KV_DECODE_COMBINE", None)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    copy_gbs = copy_bandwidth_gbs()
-    print(f"copy bandwidth: {copy_gbs:.1f} GB/s")
-    op = torch.ops.trace_ext.fp4kv_decode_attention
+    gen, copy_gbs, op = decode_ab_start("TRACE_EXT_KV_DECODE_IMPL", "TRACE_EXT_KV_DECODE_COMBINE")
     rows = []
     for name, nbytes, head_args in decode_case_inputs(gen):
         def call(splits=0):
