@@ -1849,13 +1849,19 @@ int heads_ring_selected() {
   return std::strcmp(env, "2") == 0 ? 2 : std::strcmp(env, "4") == 0 ? 4 : 0;
 }
 
+// The largest shared-memory carveout, so that the register limit (not the L1 / shared split) sets the CTAs per SM,
+// and the dynamic shared-memory limit where a kernel takes more than the 48 KB default (heads8: 59 KB at D = 128).
+void set_decode_kernel_attrs(DecodeKernelFn kernel, int smem) {
+  cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+  if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+}
+
 template <int D, int kRing>
 DecodeKernelFn heads8_ring_kernel(int device) {
   static bool attr_set[64] = {false};
   const DecodeKernelFn kernel = fp4kv_decode_kernel_heads<D, 2, kRing>;
   if (!attr_set[device & 63]) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 2 * kRing * HGeo<D>::kStageBytes);
+    set_decode_kernel_attrs(kernel, 2 * kRing * HGeo<D>::kStageBytes);
     attr_set[device & 63] = true;
   }
   return kernel;
@@ -1868,14 +1874,7 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
   const int device = q.get_device();
   static bool carveout_set[64] = {false};  // per device (the caller's guard made `device` current)
   if (!carveout_set[device & 63]) {
-    // the largest shared-memory carveout, so that the register limit (not the L1 / shared split) sets the CTAs
-    // per SM; set before choose_splits reads the occupancy
-    cudaFuncSetAttribute(decode_kernel<D, kImpl>(), cudaFuncAttributePreferredSharedMemoryCarveout,
-                         cudaSharedmemCarveoutMaxShared);
-    // heads8 at D = 128 takes 78 KB of dynamic shared memory (past the 48 KB default limit)
-    if constexpr (decode_smem<D, kImpl>() > 48 * 1024)
-      cudaFuncSetAttribute(decode_kernel<D, kImpl>(), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           decode_smem<D, kImpl>());
+    set_decode_kernel_attrs(decode_kernel<D, kImpl>(), decode_smem<D, kImpl>());  // before choose_splits' occupancy
     carveout_set[device & 63] = true;
   }
   const int splits = num_splits_arg > 0
@@ -1899,8 +1898,10 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
   int smem = decode_smem<D, kImpl>();
   if constexpr (kImpl == kImplHeads8) {  // TRACE_EXT_KV_DECODE_RING=2 / 4: another stage ring, same splits
     const int ring = heads_ring_selected();
-    if (ring == 2) kernel = heads8_ring_kernel<D, 2>(device), smem = 2 * 2 * HGeo<D>::kStageBytes;
-    if (ring == 4) kernel = heads8_ring_kernel<D, 4>(device), smem = 2 * 4 * HGeo<D>::kStageBytes;
+    if (ring != 0) {
+      kernel = ring == 2 ? heads8_ring_kernel<D, 2>(device) : heads8_ring_kernel<D, 4>(device);
+      smem = 2 * ring * HGeo<D>::kStageBytes;
+    }
   }
   require_kernel_image(kernel, "fp4kv_decode_attention");
   auto stream = c10::cuda::getCurrentCUDAStream();

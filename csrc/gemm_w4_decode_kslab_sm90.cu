@@ -821,17 +821,21 @@ auto dense_kernel_ready(int dev) {
                             kKsDenseSmemMax(MT8)>(dev, "fp4_linear (decode kslab)");
 }
 
-// TRACE_EXT_KSLAB_STAGES=prev (read per call; an A/B knob): the K-slab kernels at <= 16 rows (dense and grouped)
-// with the ring depth before round 20 (4 slots at <= 8 rows, 3 at 16), same plan, same sums (bit-equal).
-bool kslab_prev_ring_selected() {
-  const char* v = std::getenv("TRACE_EXT_KSLAB_STAGES");
-  return v != nullptr && std::strcmp(v, "prev") == 0;
+// The dense kernel of a launch: shared-memory segment slots up to 16 rows (unless TRACE_EXT_KSLAB_SEG=l2), kStages
+// ring slots.
+template <int MT8, bool kAFp4, bool kForm2, int kStages>
+auto dense_kernel_pick(int dev) {
+  return MT8 <= 2 && kslab_seg_smem_selected() ? dense_kernel_ready<MT8, kAFp4, kForm2, MT8 <= 2, kStages>(dev)
+                                               : dense_kernel_ready<MT8, kAFp4, kForm2, false, kStages>(dev);
 }
-// TRACE_EXT_KSLAB_STAGES=2 (read per call; an A/B knob): the 32-row kernels (dense and grouped) with a 2-slot ring
-// instead of 3, same plan, same sums.
-bool kslab_ring2_at32_selected() {
+
+// TRACE_EXT_KSLAB_STAGES (read per call; an A/B knob) selects the other ring of the K-slab kernels (dense and grouped),
+// kslab_alt_stages slots: "prev" at <= 16 rows (the depth before round 20: 4 slots at <= 8 rows, 3 at 16), "2" at 32
+// rows (instead of 3). Same plan, same sums (bit-equal).
+constexpr int kslab_alt_stages(int mt8) { return mt8 <= 2 ? kslab_prev_stages(mt8) : 2; }
+bool kslab_alt_ring_selected(int mt8) {
   const char* v = std::getenv("TRACE_EXT_KSLAB_STAGES");
-  return v != nullptr && std::strcmp(v, "2") == 0;
+  return v != nullptr && std::strcmp(v, mt8 <= 2 ? "prev" : "2") == 0;
 }
 
 template <int MT8, bool kAFp4, bool kForm2>
@@ -842,8 +846,8 @@ bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream
   const int n_blocks = p.N / 16, KT = p.K / kKsSuperK;
   const KslabPlan plan = kslab_plan(n_blocks, KT, 8 * MT8, kMaxL, sm_count(dev));
   if (plan.S == 0) return false;
-  const bool prev = MT8 <= 2 && kslab_prev_ring_selected(), ring2 = MT8 == 4 && kslab_ring2_at32_selected();
-  const int smem = kKsWarps * (prev ? kslab_prev_stages(MT8) : ring2 ? 2 : kslab_stages(MT8)) * kKsTileBytes +
+  const bool alt = kslab_alt_ring_selected(MT8);
+  const int smem = kKsWarps * (alt ? kslab_alt_stages(MT8) : kslab_stages(MT8)) * kKsTileBytes +
                    8 * MT8 * (plan.L * kKsRowBytes + kKsRowPad);
   constexpr int64_t kFragFloats = MT8 * 4 * 32;
   const int64_t slab_floats = plan.S > 1 ? (int64_t)plan.S * n_blocks * kFragFloats : 0;
@@ -851,15 +855,8 @@ bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream
   at::Tensor ws = at::empty({slab_floats + seg_floats}, like.options().dtype(at::kFloat));
   float* const ws_p = ws.data_ptr<float>();
   int* tickets = plan.S > 1 ? ticket_buffer(like, stream, n_blocks) : nullptr;
-  auto kernel = MT8 <= 2 && kslab_seg_smem_selected() ? dense_kernel_ready<MT8, kAFp4, kForm2, MT8 <= 2>(dev)
-                                                      : dense_kernel_ready<MT8, kAFp4, kForm2, false>(dev);
-  if constexpr (MT8 <= 2) {
-    constexpr int kPrev = kslab_prev_stages(MT8);
-    if (prev) kernel = kslab_seg_smem_selected() ? dense_kernel_ready<MT8, kAFp4, kForm2, true, kPrev>(dev)
-                                                 : dense_kernel_ready<MT8, kAFp4, kForm2, false, kPrev>(dev);
-  } else {
-    if (ring2) kernel = dense_kernel_ready<MT8, kAFp4, kForm2, false, 2>(dev);
-  }
+  auto kernel = alt ? dense_kernel_pick<MT8, kAFp4, kForm2, kslab_alt_stages(MT8)>(dev)
+                    : dense_kernel_pick<MT8, kAFp4, kForm2, kslab_stages(MT8)>(dev);
   kernel<<<dim3(plan.C, plan.S), kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L);
   check_launch("fp4_linear (decode kslab)");
   return true;
@@ -940,6 +937,16 @@ auto grouped_kernel_ready(int dev) {
                             kKsGrpSmemMax(MT8)>(dev, "fp4_grouped_linear (decode kslab-grouped)");
 }
 
+// The grouped kernel of a launch: work order `order`, shared-memory segment slots if seg_smem (<= 16 rows), kStages
+// ring slots.
+template <int MT8, bool kAFp4, int kStages>
+auto grouped_kernel_pick(int dev, int order, bool seg_smem) {
+  return order == kGrpFlat ? (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpFlat, MT8 <= 2, kStages>(dev)
+                                       : grouped_kernel_ready<MT8, kAFp4, kGrpFlat, false, kStages>(dev))
+                           : (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpJobs, MT8 <= 2, kStages>(dev)
+                                       : grouped_kernel_ready<MT8, kAFp4, kGrpJobs, false, kStages>(dev));
+}
+
 // order: kGrpJobs, kGrpFlat, or -1 (the default: grouped_flat_pays at the plan's unit estimate)
 template <int MT8, bool kAFp4>
 bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cudaStream_t stream, int order) {
@@ -957,9 +964,8 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   const int sms = sm_count(dev);
   const KslabPlan plan = kslab_grouped_plan(n_blocks, KT, R, kMaxL, sms, units_est);
   if (plan.S == 0 || max_units * plan.S * plan.C >= (int64_t{1} << 31)) return false;
-  // TRACE_EXT_KSLAB_STAGES=prev: the ring before (<= 16 rows); =2: 2 slots at 32 rows
-  const bool prev = MT8 <= 2 && kslab_prev_ring_selected(), ring2 = MT8 == 4 && kslab_ring2_at32_selected();
-  const int smem = kKsWarps * (prev ? kslab_prev_stages(MT8) : ring2 ? 2 : kslab_stages(MT8)) * kKsTileBytes +
+  const bool alt = kslab_alt_ring_selected(MT8);  // TRACE_EXT_KSLAB_STAGES: the other ring
+  const int smem = kKsWarps * (alt ? kslab_alt_stages(MT8) : kslab_stages(MT8)) * kKsTileBytes +
                    R * (plan.L * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes;
   if (order < 0) {
     const bool flat = grouped_flat_pays((int64_t)std::ceil(units_est), plan.S, plan.C, n_blocks, plan.L, sms);
@@ -975,23 +981,8 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   float* const ws_p = ws.data_ptr<float>();
   int* tickets = plan.S > 1 ? ticket_buffer(like, stream, (int)(max_units * n_blocks)) : nullptr;
   const bool seg_smem = MT8 <= 2 && kslab_seg_smem_selected();
-  auto kernel = order == kGrpFlat ? (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpFlat, MT8 <= 2>(dev)
-                                              : grouped_kernel_ready<MT8, kAFp4, kGrpFlat, false>(dev))
-                                  : (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpJobs, MT8 <= 2>(dev)
-                                              : grouped_kernel_ready<MT8, kAFp4, kGrpJobs, false>(dev));
-  if constexpr (MT8 <= 2) {
-    constexpr int kPrev = kslab_prev_stages(MT8);
-    if (prev)
-      kernel = order == kGrpFlat ? (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpFlat, true, kPrev>(dev)
-                                             : grouped_kernel_ready<MT8, kAFp4, kGrpFlat, false, kPrev>(dev))
-                                 : (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpJobs, true, kPrev>(dev)
-                                             : grouped_kernel_ready<MT8, kAFp4, kGrpJobs, false, kPrev>(dev));
-  }
-  if constexpr (MT8 == 4) {
-    if (ring2)
-      kernel = order == kGrpFlat ? grouped_kernel_ready<MT8, kAFp4, kGrpFlat, false, 2>(dev)
-                                 : grouped_kernel_ready<MT8, kAFp4, kGrpJobs, false, 2>(dev);
-  }
+  auto kernel = alt ? grouped_kernel_pick<MT8, kAFp4, kslab_alt_stages(MT8)>(dev, order, seg_smem)
+                    : grouped_kernel_pick<MT8, kAFp4, kslab_stages(MT8)>(dev, order, seg_smem);
   kernel<<<ctas, kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L, plan.S, plan.C,
                                              (int)max_units);
   check_launch("fp4_grouped_linear (decode kslab-grouped)");
