@@ -1,0 +1,164 @@
+// DRAM access-order probe (H200): does the order in which 2112 warps stream a weight matrix decide the bandwidth?
+// Standalone (no torch): nvcc -O3 -std=c++17 -arch=sm_90a tools/probes/dram_streams.cu -o /tmp/dram_streams
+// Every variant reads the same bytes: T tiles of 2304 B (one K-slab decode tile: 2048 code bytes + 256 scale bytes),
+// 14336 tiles = 33 MB (Mixtral 14336 x 4096 NVFP4 weights). One CTA of 16 warps per SM (as the K-slab kernel); each
+// warp streams its tiles through a cp.async ring of SLOTS slots in shared memory, each lane copying and reading back
+// its own 72 bytes (4 x 16 B + 8 B), then WORK dependent-free FMAs per lane per tile (the tile's MMA work stand-in).
+// Orders (tile index of warp g = 16 c + w, its j-th tile):
+//   warp   contiguous per warp: [g T / W, (g + 1) T / W)            (the K-slab kernel's order at S = 1)
+//   cta    contiguous per CTA, interleaved over its 16 warps: cta_lo + w + 16 j
+//   global interleaved over all warps: g + W j                    (at each step the GPU reads one contiguous range)
+// Also: a plain read kernel (16 B per thread, grid stride, 2 loads in flight) and cudaMemcpy of the same bytes.
+// Timing: cudaEvents around one launch after a 256 MB memset (L2 cold), median of 41.
+#include <cuda_runtime.h>
+#include <cstdio>
+#include <cstdint>
+#include <vector>
+#include <algorithm>
+
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1); } } while (0)
+
+constexpr int kTile = 2304, kWarps = 16;
+enum Order { kWarpOrder = 0, kCtaOrder = 1, kGlobalOrder = 2 };
+
+__device__ __forceinline__ void cp16(uint32_t s, const void* g) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(s), "l"(g));
+}
+__device__ __forceinline__ void cp8(uint32_t s, const void* g) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(s), "l"(g));
+}
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void wait_n() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
+
+template <int ORDER>
+__device__ __forceinline__ int64_t tile_of(int c, int w, int j, int64_t T, int W, int C, int& count) {
+  const int g = c * kWarps + w;
+  if (ORDER == kWarpOrder) {
+    const int64_t lo = T * g / W, hi = T * (g + 1) / W;
+    count = int(hi - lo);
+    return lo + j;
+  } else if (ORDER == kCtaOrder) {
+    const int64_t lo = T * c / C, hi = T * (c + 1) / C;
+    count = int((hi - lo - w + kWarps - 1) / kWarps);
+    return lo + w + int64_t(kWarps) * j;
+  } else {
+    count = int((T - g + W - 1) / W);
+    return g + int64_t(W) * j;
+  }
+}
+
+template <int ORDER, int SLOTS>
+__global__ void __launch_bounds__(512, 1) stream_kernel(const uint8_t* w_bytes, int64_t T, int work, float* out) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int W = gridDim.x * kWarps, C = gridDim.x;
+  uint8_t* ring = smem + warp * SLOTS * kTile;
+  const uint32_t ring_s = (uint32_t)__cvta_generic_to_shared(ring);
+  int count = 0;
+  tile_of<ORDER>(blockIdx.x, warp, 0, T, W, C, count);
+  auto issue = [&](int j) {
+    if (j < count) {
+      int dummy;
+      const uint8_t* src = w_bytes + tile_of<ORDER>(blockIdx.x, warp, j, T, W, C, dummy) * kTile + lane * 64;
+      const uint32_t dst = ring_s + (j % SLOTS) * kTile + lane * 64;
+#pragma unroll
+      for (int v = 0; v < 4; ++v) cp16(dst + 16 * v, src + 16 * v);
+      cp8(ring_s + (j % SLOTS) * kTile + 2048 + lane * 8,
+          w_bytes + tile_of<ORDER>(blockIdx.x, warp, j, T, W, C, dummy) * kTile + 2048 + lane * 8);
+    }
+    commit();
+  };
+  for (int j = 0; j < SLOTS - 1; ++j) issue(j);
+  float acc0 = 0.f, acc1 = 0.f, acc2 = 0.f, acc3 = 0.f;
+  for (int j = 0; j < count; ++j) {
+    issue(j + SLOTS - 1);
+    wait_n<SLOTS - 1>();
+    const uint4 v = *reinterpret_cast<const uint4*>(ring + (j % SLOTS) * kTile + lane * 64);
+    const uint2 s = *reinterpret_cast<const uint2*>(ring + (j % SLOTS) * kTile + 2048 + lane * 8);
+    float x = __uint_as_float((v.x ^ v.y ^ v.z ^ v.w ^ s.x ^ s.y) & 0x3FFFFFFFu) * 1e-30f;
+    for (int i = 0; i < work; ++i) {
+      acc0 = fmaf(acc0, 0.999f, x);
+      acc1 = fmaf(acc1, 0.998f, x);
+      acc2 = fmaf(acc2, 0.997f, x);
+      acc3 = fmaf(acc3, 0.996f, x);
+    }
+    acc0 += x;
+    __syncwarp();  // the slot is read by this lane only, but keep the warp together as the GEMM does (MMA)
+  }
+  const float r = acc0 + acc1 + acc2 + acc3;
+  if (r == 1234.5f) out[threadIdx.x] = r;  // never true; keeps the loads live
+}
+
+__global__ void plain_read(const uint4* p, int64_t n16, float* out) {
+  uint32_t acc = 0;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  for (; i + stride < n16; i += 2 * stride) {
+    const uint4 a = __ldcs(p + i), b = __ldcs(p + i + stride);
+    acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
+  }
+  if (i < n16) { const uint4 a = __ldcs(p + i); acc ^= a.x ^ a.w; }
+  if (acc == 0x12345678u) out[0] = 1.f;
+}
+
+int main() {
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int64_t T = 14336;
+  const size_t bytes = T * kTile;
+  const int sets = 4;  // rotate weight sets like the benches (cold L2 anyway after the flush)
+  uint8_t* w;
+  CK(cudaMalloc(&w, bytes * sets));
+  CK(cudaMemset(w, 0x5A, bytes * sets));
+  uint8_t* dst;
+  CK(cudaMalloc(&dst, bytes));
+  void* flush;
+  CK(cudaMalloc(&flush, 256 << 20));
+  float* out;
+  CK(cudaMalloc(&out, 4096));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  auto time_it = [&](auto launch) {
+    std::vector<float> ms;
+    for (int r = 0; r < 45; ++r) {
+      CK(cudaMemsetAsync(flush, r, 256 << 20));
+      CK(cudaEventRecord(e0));
+      launch(w + (r % sets) * bytes);
+      CK(cudaEventRecord(e1));
+      CK(cudaEventSynchronize(e1));
+      float t;
+      CK(cudaEventElapsedTime(&t, e0, e1));
+      if (r >= 4) ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2] * 1e3f;  // us
+  };
+  printf("# dram_streams: %lld tiles x %d B = %.1f MB, %d SMs, 16 warps per SM\n", (long long)T, kTile, bytes / 1e6, sms);
+  const float t_copy = time_it([&](uint8_t* src) { CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice)); });
+  printf("cudaMemcpy (read+write %.1f MB): %.2f us = %.0f GB/s (read+write)\n", 2 * bytes / 1e6, t_copy, 2 * bytes / t_copy / 1e3);
+  const float t_read = time_it([&](uint8_t* src) {
+    plain_read<<<sms * 4, 512>>>(reinterpret_cast<const uint4*>(src), bytes / 16, out);
+  });
+  printf("plain read kernel: %.2f us = %.0f GB/s\n", t_read, bytes / t_read / 1e3);
+  printf("| order | slots | work | us | GB/s |\n|---|---|---|---|---|\n");
+  const char* names[3] = {"warp", "cta", "global"};
+  auto run = [&](auto kernel, int order, int slots, int work) {
+    const int smem = slots * kTile * kWarps;
+    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+    const float t = time_it([&](uint8_t* src) { kernel<<<sms, 512, 160 * 1024>>>(src, T, work, out); });
+    (void)smem;
+    printf("| %s | %d | %d | %.2f | %.0f |\n", names[order], slots, work, t, bytes / t / 1e3);
+  };
+  for (int work : {0, 24, 64}) {
+    run(stream_kernel<kWarpOrder, 2>, 0, 2, work);
+    run(stream_kernel<kCtaOrder, 2>, 1, 2, work);
+    run(stream_kernel<kGlobalOrder, 2>, 2, 2, work);
+    run(stream_kernel<kWarpOrder, 4>, 0, 4, work);
+    run(stream_kernel<kCtaOrder, 4>, 1, 4, work);
+    run(stream_kernel<kGlobalOrder, 4>, 2, 4, work);
+  }
+  CK(cudaGetLastError());
+  CK(cudaDeviceSynchronize());
+  return 0;
+}
