@@ -101,6 +101,114 @@ __global__ void plain_read(const uint4* p, int64_t n16, float* out) {
   if (acc == 0x12345678u) out[0] = 1.f;
 }
 
+
+// The same warp streams, each tile fetched by one bulk copy (TMA engine: cp.async.bulk, one lane per warp, completion
+// on an mbarrier per slot) instead of 5 cp.async per lane.
+template <int ORDER, int SLOTS>
+__global__ void __launch_bounds__(512, 1) bulk_kernel(const uint8_t* w_bytes, int64_t T, int work, float* out) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ __align__(8) uint64_t bars[kWarps][SLOTS];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int W = gridDim.x * kWarps, C = gridDim.x;
+  uint8_t* ring = smem + warp * SLOTS * kTile;
+  const uint32_t ring_s = (uint32_t)__cvta_generic_to_shared(ring);
+  const uint32_t bar_s = (uint32_t)__cvta_generic_to_shared(&bars[warp][0]);
+  if (lane == 0) {
+    for (int s = 0; s < SLOTS; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar_s + 8 * s));
+    asm volatile("fence.mbarrier_init.release.cluster;");
+  }
+  __syncwarp();
+  int count = 0;
+  tile_of<ORDER>(blockIdx.x, warp, 0, T, W, C, count);
+  auto issue = [&](int j) {
+    if (lane == 0 && j < count) {
+      int dummy;
+      const uint8_t* src = w_bytes + tile_of<ORDER>(blockIdx.x, warp, j, T, W, C, dummy) * kTile;
+      const uint32_t bar = bar_s + 8 * (j % SLOTS);
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(kTile) : "memory");
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                   :: "r"(ring_s + (j % SLOTS) * kTile), "l"(src), "r"(kTile), "r"(bar) : "memory");
+    }
+  };
+  for (int j = 0; j < SLOTS - 1; ++j) issue(j);
+  float acc0 = 0.f, acc1 = 0.f, acc2 = 0.f, acc3 = 0.f;
+  for (int j = 0; j < count; ++j) {
+    issue(j + SLOTS - 1);
+    const uint32_t bar = bar_s + 8 * (j % SLOTS), parity = (j / SLOTS) & 1;
+    asm volatile("{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}"
+                 :: "r"(bar), "r"(parity) : "memory");
+    const uint4 v = *reinterpret_cast<const uint4*>(ring + (j % SLOTS) * kTile + lane * 64);
+    const uint2 s = *reinterpret_cast<const uint2*>(ring + (j % SLOTS) * kTile + 2048 + lane * 8);
+    float x = __uint_as_float((v.x ^ v.y ^ v.z ^ v.w ^ s.x ^ s.y) & 0x3FFFFFFFu) * 1e-30f;
+    for (int i = 0; i < work; ++i) {
+      acc0 = fmaf(acc0, 0.999f, x);
+      acc1 = fmaf(acc1, 0.998f, x);
+      acc2 = fmaf(acc2, 0.997f, x);
+      acc3 = fmaf(acc3, 0.996f, x);
+    }
+    acc0 += x;
+    __syncwarp();  // every lane has read the slot before lane 0 refills it
+  }
+  const float r = acc0 + acc1 + acc2 + acc3;
+  if (r == 1234.5f) out[threadIdx.x] = r;
+}
+
+// The same warp streams with plain loads into registers (the next tile's 72 bytes per lane in flight while this one
+// is used).
+template <int ORDER>
+__global__ void __launch_bounds__(512, 1) ldg_kernel(const uint8_t* w_bytes, int64_t T, int work, float* out) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int W = gridDim.x * kWarps, C = gridDim.x;
+  int count = 0;
+  tile_of<ORDER>(blockIdx.x, warp, 0, T, W, C, count);
+  auto load = [&](int j, uint4 (&v)[4], uint2& s) {
+    if (j < count) {
+      int dummy;
+      const uint8_t* src = w_bytes + tile_of<ORDER>(blockIdx.x, warp, j, T, W, C, dummy) * kTile;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) v[q] = __ldcs(reinterpret_cast<const uint4*>(src + lane * 64) + q);
+      s = __ldcs(reinterpret_cast<const uint2*>(src + 2048 + lane * 8));
+    }
+  };
+  uint4 a[4], b[4];
+  uint2 sa, sb;
+  load(0, a, sa);
+  float acc0 = 0.f, acc1 = 0.f, acc2 = 0.f, acc3 = 0.f;
+  for (int j = 0; j < count; ++j) {
+    load(j + 1, b, sb);
+    float x = __uint_as_float((a[0].x ^ a[1].y ^ a[2].z ^ a[3].w ^ sa.x ^ sa.y) & 0x3FFFFFFFu) * 1e-30f;
+    for (int i = 0; i < work; ++i) {
+      acc0 = fmaf(acc0, 0.999f, x);
+      acc1 = fmaf(acc1, 0.998f, x);
+      acc2 = fmaf(acc2, 0.997f, x);
+      acc3 = fmaf(acc3, 0.996f, x);
+    }
+    acc0 += x;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) a[q] = b[q];
+    sa = sb;
+  }
+  const float r = acc0 + acc1 + acc2 + acc3;
+  if (r == 1234.5f) out[threadIdx.x] = r;
+}
+
+// Plain read with U 16-byte loads in flight per thread.
+template <int U>
+__global__ void plain_read_u(const uint4* p, int64_t n16, float* out) {
+  uint32_t acc = 0;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  for (; i + (U - 1) * stride < n16; i += U * stride) {
+    uint4 a[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) a[u] = __ldcs(p + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < U; ++u) acc ^= a[u].x ^ a[u].w;
+  }
+  for (; i < n16; i += stride) { const uint4 a = __ldcs(p + i); acc ^= a.x ^ a.w; }
+  if (acc == 0x12345678u) out[0] = 1.f;
+}
+
 int main() {
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -150,14 +258,41 @@ int main() {
     (void)smem;
     printf("| %s | %d | %d | %.2f | %.0f |\n", names[order], slots, work, t, bytes / t / 1e3);
   };
-  for (int work : {0, 24, 64}) {
+  for (int work : {0, 64}) {
     run(stream_kernel<kWarpOrder, 2>, 0, 2, work);
-    run(stream_kernel<kCtaOrder, 2>, 1, 2, work);
     run(stream_kernel<kGlobalOrder, 2>, 2, 2, work);
-    run(stream_kernel<kWarpOrder, 4>, 0, 4, work);
-    run(stream_kernel<kCtaOrder, 4>, 1, 4, work);
-    run(stream_kernel<kGlobalOrder, 4>, 2, 4, work);
   }
+  auto run2 = [&](const char* what, auto kernel, int smem_kb, int work) {
+    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+    const float t = time_it([&](uint8_t* src) { kernel<<<sms, 512, smem_kb * 1024>>>(src, T, work, out); });
+    printf("| %s smem %d KB | work %d | %.2f | %.0f |\n", what, smem_kb, work, t, bytes / t / 1e3);
+  };
+  printf("\n| variant | work | us | GB/s |\n|---|---|---|---|\n");
+  for (int work : {0, 64}) {
+    run2("cp.async warp 2 slots", stream_kernel<kWarpOrder, 2>, 80, work);
+    run2("cp.async warp 3 slots", stream_kernel<kWarpOrder, 3>, 120, work);
+    run2("bulk warp 2 slots", bulk_kernel<kWarpOrder, 2>, 80, work);
+    run2("bulk warp 3 slots", bulk_kernel<kWarpOrder, 3>, 120, work);
+    run2("bulk warp 4 slots", bulk_kernel<kWarpOrder, 4>, 160, work);
+    run2("bulk global 2 slots", bulk_kernel<kGlobalOrder, 2>, 80, work);
+    run2("bulk global 4 slots", bulk_kernel<kGlobalOrder, 4>, 160, work);
+    run2("ldg warp (1 ahead)", ldg_kernel<kWarpOrder>, 0, work);
+    run2("ldg warp (1 ahead) 160KB", ldg_kernel<kWarpOrder>, 160, work);
+  }
+  printf("\n| plain read | grid | us | GB/s |\n|---|---|---|---|\n");
+  auto run3 = [&](const char* what, auto kernel, int ctas_per_sm, int threads) {
+    const float t = time_it([&](uint8_t* src) {
+      kernel<<<sms * ctas_per_sm, threads>>>(reinterpret_cast<const uint4*>(src), bytes / 16, out);
+    });
+    printf("| %s | %d x %d | %.2f | %.0f |\n", what, sms * ctas_per_sm, threads, t, bytes / t / 1e3);
+  };
+  run3("U=1", plain_read_u<1>, 4, 512);
+  run3("U=2", plain_read_u<2>, 4, 512);
+  run3("U=4", plain_read_u<4>, 4, 512);
+  run3("U=8", plain_read_u<8>, 4, 512);
+  run3("U=4", plain_read_u<4>, 1, 1024);
+  run3("U=8", plain_read_u<8>, 1, 512);
+  run3("U=4", plain_read_u<4>, 8, 256);
   CK(cudaGetLastError());
   CK(cudaDeviceSynchronize());
   return 0;
