@@ -134,14 +134,6 @@ static_assert(kKsRowBytes % 128 == 0 && kKsRowPad % 128 == 16, "A row stride mus
 
 // Ring slots per warp for MT8 8-row groups (see the design note): 2 (one tile ahead) up to 16 rows, 3 at 32 rows.
 constexpr int kslab_stages(int mt8) { return mt8 <= 2 ? 2 : 3; }
-// kStages == kKsRegRing: no shared-memory weight ring; each lane loads its own 72 bytes of the next item straight into
-// registers (ld.global.nc, L2 evict_first) while it works on the current one (TRACE_EXT_KSLAB_STAGES=reg, <= 16 rows).
-// The warp's ring bytes (one slot) still hold its segment slots (kSegSmem). A/B knob: the H200 probe
-// tools/probes/dram_streams.cu read 33 MB of 2304-byte warp tiles in 13.7 us this way against 16.0 us through a
-// 2-slot cp.async ring (1.17x), the plain-read floor of those bytes being 13.1 us.
-constexpr int kKsRegRing = 1;
-// cp.async groups a ring keeps in flight behind the one being read (the A slab's group is older than all of them)
-constexpr int ks_ring_groups(int stages) { return stages == kKsRegRing ? 0 : stages - 1; }
 // The depth before the H200 A/B of round 20 (4 at <= 8 rows, 3 at 16; TRACE_EXT_KSLAB_STAGES=prev selects it).
 constexpr int kslab_prev_stages(int mt8) { return mt8 == 1 ? 4 : 3; }
 // Shared memory the plans reserve for the rings: that of the previous depth, so the plans (slab length L, slabs S, N
@@ -168,19 +160,6 @@ __device__ __forceinline__ void ks_cp_async16(uint32_t dst, const void* src, uin
 }
 __device__ __forceinline__ void ks_cp_async8(uint32_t dst, const void* src, uint64_t pol) {
   asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 8, 8, %2;\n" ::"r"(dst), "l"(src), "l"(pol));
-}
-// register ring: read-once weight loads (no L1 allocation, L2 evict_first); volatile keeps them where issued
-__device__ __forceinline__ uint4 ks_ldg128(const void* src, uint64_t pol) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src), "l"(pol));
-  return v;
-}
-__device__ __forceinline__ uint2 ks_ldg64(const void* src, uint64_t pol) {
-  uint2 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v2.u32 {%0,%1}, [%2], %3;\n"
-               : "=r"(v.x), "=r"(v.y) : "l"(src), "l"(pol));
-  return v;
 }
 // volatile: kept after the cp.async.wait_group that completes the slot (both are volatile asm)
 __device__ __forceinline__ uint4 ks_lds128(uint32_t a) {
@@ -215,11 +194,9 @@ struct KsJob {
 };
 
 // A warp's weight ring for one job: item j -> slot (j - i0) % kStages; each lane copies and reads back only its own
-// 72 bytes (cp.async.wait_group orders copy before read, no barrier). kKsRegRing: the lane's 72 bytes of the next item
-// in registers (wn, sn) instead; take() hands them to the item being computed.
+// 72 bytes (cp.async.wait_group orders copy before read, no barrier).
 template <int kStages>
 struct KsRing {
-  static constexpr bool kReg = kStages == kKsRegRing;
   const uint8_t* src_issue;         // the lane's code chunk of item j_issue
   int j_issue, k_issue;             // next item to issue, its k tile in the slab
   int scale_src;                    // the lane's 8 scale bytes, from its code chunk
@@ -227,35 +204,19 @@ struct KsRing {
   uint32_t slot_issue;              // byte offset of the slot being filled
   uint64_t pol;                     // L2 evict_first policy of the weight copies (read once)
   int i1, Ls, KT;                   // end of the warp's items, slab length, super-tiles of K
-  uint4 wn[kReg ? 4 : 1];           // kReg: the next item's code chunks and scale bytes
-  uint2 sn;
-
-  __device__ __forceinline__ void take(uint4 (&w)[4], uint2& sc) const {
-    if constexpr (kReg) {
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) w[kk] = wn[kk];
-      sc = sn;
-    }
-  }
 
   __device__ __forceinline__ void issue_next() {
     if (j_issue < i1) {
-      if constexpr (kReg) {
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wn[kk] = ks_ldg128(src_issue + kk * 512, pol);
-        sn = ks_ldg64(src_issue + scale_src, pol);
-      } else {
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) ks_cp_async16(ring_lane + slot_issue + kk * 512, src_issue + kk * 512, pol);
-        ks_cp_async8(ring_lane_sc + slot_issue, src_issue + scale_src, pol);
-      }
+      for (int kk = 0; kk < 4; ++kk) ks_cp_async16(ring_lane + slot_issue + kk * 512, src_issue + kk * 512, pol);
+      ks_cp_async8(ring_lane_sc + slot_issue, src_issue + scale_src, pol);
       src_issue += kKsTileBytes;
       if (++k_issue == Ls) {  // next block: skip the other slabs' tiles
         k_issue = 0;
         src_issue += (int64_t)(KT - Ls) * kKsTileBytes;
       }
     }
-    if constexpr (!kReg) cp_async_commit();  // possibly empty: one group per item for wait_group
+    cp_async_commit();  // possibly empty: one group per item for wait_group
     ++j_issue;
     slot_issue = slot_issue + kKsTileBytes == kStages * kKsTileBytes ? 0 : slot_issue + kKsTileBytes;
   }
@@ -322,7 +283,7 @@ __device__ __forceinline__ void kslab_job_start(KsRing<kStages>& r, const GemmPa
   r.Ls = Ls;
   r.KT = KT;
 #pragma unroll
-  for (int i = 0; i < (KsRing<kStages>::kReg ? 1 : kStages - 1); ++i) r.issue_next();
+  for (int i = 0; i < kStages - 1; ++i) r.issue_next();
 }
 
 // Segment slots in shared memory (kSegSmem; the default up to 16 rows since the H200 A/B at 0c439e6, where they were
@@ -396,15 +357,12 @@ __device__ __forceinline__ void kslab_job_stream(const KsJob& jb, KsRing<kStages
   uint32_t slot_rd = 0;  // byte offset of the slot being read
   const uint32_t a_lane = smem_u32(a_s) + g * a_stride + 32 * t;  // row g, elements 16t .. 16t + 15 of a 64-K step
   for (int j = i0; j < i1; ++j) {
-    uint4 wreg[4];  // kReg: item j's code chunks and scale bytes, from registers
-    uint2 sreg;
-    r.take(wreg, sreg);
     asm volatile("" ::: "memory");  // the reads of the slot refilled here (previous item) stay before it
     r.issue_next();
-    if constexpr (!KsRing<kStages>::kReg) cp_async_wait<kStages - 1>();  // the group of item j is complete
+    cp_async_wait<kStages - 1>();   // the group of item j is complete
     asm volatile("" ::: "memory");  // and the reads below stay after the wait
     const uint32_t srd = ring_lane + slot_rd;
-    const uint2 sv = KsRing<kStages>::kReg ? sreg : ks_lds64(ring_lane_sc + slot_rd);
+    const uint2 sv = ks_lds64(ring_lane_sc + slot_rd);
     slot_rd = slot_rd + kKsTileBytes == kStages * kKsTileBytes ? 0 : slot_rd + kKsTileBytes;
     const uint32_t a_t = a_lane + kl * kKsRowBytes;
 
@@ -422,7 +380,7 @@ __device__ __forceinline__ void kslab_job_stream(const KsJob& jb, KsRing<kStages
       const uint32_t sw = kk < 2 ? sv.x : sv.y;
       const uint32_t s_lo = scale_bf16x2_folded((uint8_t)((sw >> (16 * (kk & 1))) & 0xFF));
       const uint32_t s_hi = scale_bf16x2_folded((uint8_t)((sw >> (16 * (kk & 1) + 8)) & 0xFF));
-      const uint4 wq = KsRing<kStages>::kReg ? wreg[kk] : ks_lds128(srd + kk * 512);
+      const uint4 wq = ks_lds128(srd + kk * 512);
       uint32_t rg[8], rh[8];  // rows g and g+8: pairs 0..7 of the 16-element block
       decode_word_form<kForm2>(wq.x, rg);
       decode_word_form<kForm2>(wq.y, rg + 4);
@@ -548,7 +506,7 @@ template <int MT8, bool kAFp4, int kStages, bool kForm2, bool kSegSmem>
 __global__ void __launch_bounds__(kKsThreads, 1)
     gemm_w4_decode_kslab_kernel(const GemmParams p, float* __restrict__ ws_slab, float* __restrict__ ws_seg,
                                 int* __restrict__ tickets, int L) {
-  static_assert(kStages >= 2 || kStages == kKsRegRing, "a cp.async ring needs at least 2 slots");
+  static_assert(kStages >= 2, "a cp.async ring needs at least 2 slots");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
   constexpr int kFrag = MT8 * 4;  // fp32 accumulators per lane
   extern __shared__ __align__(16) uint8_t ks_smem[];  // [warp][kStages][kKsTileBytes] rings, then A [8 MT8][a_stride]
@@ -576,7 +534,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   kslab_job_start<kAFp4, kStages>(wr, p, jb, p.w_packed, 0, M, ring, a_s, lane,
                                                        [] { return ks_evict_first_policy(); });
   if constexpr (kAFp4) kslab_stage_a_fp4(p, a_s, 0, M, kt0, Ls, a_stride);
-  if constexpr (!kAFp4) cp_async_wait<ks_ring_groups(kStages)>();  // this thread's A group (the oldest) is complete
+  if constexpr (!kAFp4) cp_async_wait<kStages - 1>();  // this thread's A group (the oldest) is complete
   __syncthreads();                                     // and every thread's A chunks are visible
 
   // y = bf16(sum * fold * g_a[m] * g_w[n]) for the lane's fragment of block nb (store_y of the stream kernel)
@@ -657,7 +615,7 @@ template <int MT8, bool kAFp4, int kStages, int kOrder, bool kSegSmem>
 __global__ void __launch_bounds__(kKsThreads, 1)
     gemm_w4_decode_kslab_grouped_kernel(const GemmParams p, float* __restrict__ ws_slab, float* __restrict__ ws_seg,
                                         int* __restrict__ tickets, int L, int S, int C, int max_units) {
-  static_assert(kStages >= 2 || kStages == kKsRegRing, "a cp.async ring needs at least 2 slots");
+  static_assert(kStages >= 2, "a cp.async ring needs at least 2 slots");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
   constexpr int kFrag = MT8 * 4;  // fp32 accumulators per lane
   constexpr int R = 8 * MT8;      // rows of a unit
@@ -721,7 +679,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
           dst[1] = make_uint4(v[4], v[5], v[6], v[7]);
         }
     }
-    if constexpr (!kAFp4) cp_async_wait<ks_ring_groups(kStages)>();
+    if constexpr (!kAFp4) cp_async_wait<kStages - 1>();
     __syncthreads();
 
     // y rows r_lo .. r_hi - 1 of the unit (store_y of the grouped stream kernel)
@@ -871,20 +829,13 @@ auto dense_kernel_pick(int dev) {
                                                : dense_kernel_ready<MT8, kAFp4, kForm2, false, kStages>(dev);
 }
 
-// TRACE_EXT_KSLAB_STAGES (read per call; an A/B knob) selects another weight ring of the K-slab kernels (dense and
-// grouped): kRingAlt = kslab_alt_stages slots, "prev" at <= 16 rows (the depth before round 20: 4 slots at <= 8 rows,
-// 3 at 16), "2" at 32 rows (instead of 3); kRingReg = "reg" at <= 16 rows (kKsRegRing: the next item in registers; at
-// 32 rows the registers would spill). Same plan, same sums (bit-equal).
+// TRACE_EXT_KSLAB_STAGES (read per call; an A/B knob) selects the other ring of the K-slab kernels (dense and grouped),
+// kslab_alt_stages slots: "prev" at <= 16 rows (the depth before round 20: 4 slots at <= 8 rows, 3 at 16), "2" at 32
+// rows (instead of 3). Same plan, same sums (bit-equal).
 constexpr int kslab_alt_stages(int mt8) { return mt8 <= 2 ? kslab_prev_stages(mt8) : 2; }
-enum KsRingPick { kRingDefault = 0, kRingAlt = 1, kRingReg = 2 };
-int kslab_ring_pick(int mt8) {
+bool kslab_alt_ring_selected(int mt8) {
   const char* v = std::getenv("TRACE_EXT_KSLAB_STAGES");
-  if (v == nullptr) return kRingDefault;
-  if (std::strcmp(v, mt8 <= 2 ? "prev" : "2") == 0) return kRingAlt;
-  return mt8 <= 2 && std::strcmp(v, "reg") == 0 ? kRingReg : kRingDefault;
-}
-int kslab_ring_stages(int mt8, int pick) {
-  return pick == kRingAlt ? kslab_alt_stages(mt8) : pick == kRingReg ? kKsRegRing : kslab_stages(mt8);
+  return v != nullptr && std::strcmp(v, mt8 <= 2 ? "prev" : "2") == 0;
 }
 
 template <int MT8, bool kAFp4, bool kForm2>
@@ -895,19 +846,17 @@ bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream
   const int n_blocks = p.N / 16, KT = p.K / kKsSuperK;
   const KslabPlan plan = kslab_plan(n_blocks, KT, 8 * MT8, kMaxL, sm_count(dev));
   if (plan.S == 0) return false;
-  const int ring = kslab_ring_pick(MT8);
-  const int smem = kKsWarps * kslab_ring_stages(MT8, ring) * kKsTileBytes + 8 * MT8 * (plan.L * kKsRowBytes + kKsRowPad);
+  const bool alt = kslab_alt_ring_selected(MT8);
+  const int smem = kKsWarps * (alt ? kslab_alt_stages(MT8) : kslab_stages(MT8)) * kKsTileBytes +
+                   8 * MT8 * (plan.L * kKsRowBytes + kKsRowPad);
   constexpr int64_t kFragFloats = MT8 * 4 * 32;
   const int64_t slab_floats = plan.S > 1 ? (int64_t)plan.S * n_blocks * kFragFloats : 0;
   const int64_t seg_floats = (int64_t)plan.C * plan.S * kKsWarps * 2 * kFragFloats;
   at::Tensor ws = at::empty({slab_floats + seg_floats}, like.options().dtype(at::kFloat));
   float* const ws_p = ws.data_ptr<float>();
   int* tickets = plan.S > 1 ? ticket_buffer(like, stream, n_blocks) : nullptr;
-  auto kernel = ring == kRingAlt ? dense_kernel_pick<MT8, kAFp4, kForm2, kslab_alt_stages(MT8)>(dev)
-                                 : dense_kernel_pick<MT8, kAFp4, kForm2, kslab_stages(MT8)>(dev);
-  if constexpr (MT8 <= 2) {
-    if (ring == kRingReg) kernel = dense_kernel_pick<MT8, kAFp4, kForm2, kKsRegRing>(dev);
-  }
+  auto kernel = alt ? dense_kernel_pick<MT8, kAFp4, kForm2, kslab_alt_stages(MT8)>(dev)
+                    : dense_kernel_pick<MT8, kAFp4, kForm2, kslab_stages(MT8)>(dev);
   kernel<<<dim3(plan.C, plan.S), kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L);
   check_launch("fp4_linear (decode kslab)");
   return true;
@@ -1015,9 +964,9 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   const int sms = sm_count(dev);
   const KslabPlan plan = kslab_grouped_plan(n_blocks, KT, R, kMaxL, sms, units_est);
   if (plan.S == 0 || max_units * plan.S * plan.C >= (int64_t{1} << 31)) return false;
-  const int ring = kslab_ring_pick(MT8);  // TRACE_EXT_KSLAB_STAGES: another ring
-  const int smem = kKsWarps * kslab_ring_stages(MT8, ring) * kKsTileBytes + R * (plan.L * kKsRowBytes + kKsRowPad) +
-                   kKsGrpPrefBytes;
+  const bool alt = kslab_alt_ring_selected(MT8);  // TRACE_EXT_KSLAB_STAGES: the other ring
+  const int smem = kKsWarps * (alt ? kslab_alt_stages(MT8) : kslab_stages(MT8)) * kKsTileBytes +
+                   R * (plan.L * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes;
   if (order < 0) {
     const bool flat = grouped_flat_pays((int64_t)std::ceil(units_est), plan.S, plan.C, n_blocks, plan.L, sms);
     order = flat ? kGrpFlat : kGrpJobs;
@@ -1032,11 +981,8 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   float* const ws_p = ws.data_ptr<float>();
   int* tickets = plan.S > 1 ? ticket_buffer(like, stream, (int)(max_units * n_blocks)) : nullptr;
   const bool seg_smem = MT8 <= 2 && kslab_seg_smem_selected();
-  auto kernel = ring == kRingAlt ? grouped_kernel_pick<MT8, kAFp4, kslab_alt_stages(MT8)>(dev, order, seg_smem)
-                                 : grouped_kernel_pick<MT8, kAFp4, kslab_stages(MT8)>(dev, order, seg_smem);
-  if constexpr (MT8 <= 2) {
-    if (ring == kRingReg) kernel = grouped_kernel_pick<MT8, kAFp4, kKsRegRing>(dev, order, seg_smem);
-  }
+  auto kernel = alt ? grouped_kernel_pick<MT8, kAFp4, kslab_alt_stages(MT8)>(dev, order, seg_smem)
+                    : grouped_kernel_pick<MT8, kAFp4, kslab_stages(MT8)>(dev, order, seg_smem);
   kernel<<<ctas, kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L, plan.S, plan.C,
                                              (int)max_units);
   check_launch("fp4_grouped_linear (decode kslab-grouped)");

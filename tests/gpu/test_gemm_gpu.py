@@ -1030,27 +1030,22 @@ def test_decode_kslab_grouped_nan_scale_and_dense_default(monkeypatch, impl):
     assert torch.equal(O.fp4_linear(ad, wdp, backend="cuda"), y0)
 
 
-# ---- K-slab weight rings (TRACE_EXT_KSLAB_STAGES=prev / reg, read per call; A/B knobs) -----------------------------
+# ---- K-slab ring depth (TRACE_EXT_KSLAB_STAGES=prev, read per call; an A/B knob) -----------------------------------
 # At <= 16 rows the K-slab kernels run a 2-slot cp.async ring per warp since round 20; =prev runs the depth before (4
-# slots at <= 8 rows, 3 at 16), =reg loads each lane's next 72 bytes into registers instead (no shared-memory ring);
-# same plan, same sums: the outputs must be the same bits.
-RINGS = ["prev", "reg"]
-
-
-def _alt_ring(monkeypatch, ring):
-    if ring:
-        monkeypatch.setenv("TRACE_EXT_KSLAB_STAGES", ring)
+# slots at <= 8 rows, 3 at 16), same plan, same sums: the outputs must be the same bits.
+def _prev_ring(monkeypatch, on):
+    if on:
+        monkeypatch.setenv("TRACE_EXT_KSLAB_STAGES", "prev")
     else:
         monkeypatch.delenv("TRACE_EXT_KSLAB_STAGES", raising=False)
 
 
-@pytest.mark.parametrize("ring", RINGS)
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
-def test_kslab_ring_depth_equals_prev(monkeypatch, mode, ring):
-    """Protects the weight rings of the dense K-slab kernel at <= 16 rows (the default 2-slot ring against the
-    previous depth and the register ring): every kslab shape (one slab, several, a partial last one) at M = 1, 2, 3,
-    5, 8 (8-row groups) and 9, 16 (16-row groups), both packed forms, W4A16 and W4A4, with the shared-memory and the
-    L2 segment slots: the same bits, also on a repeated call after a call of the other kernel."""
+def test_kslab_ring_depth_equals_prev(monkeypatch, mode):
+    """Protects the 2-slot ring of the dense K-slab kernel (the default at <= 16 rows): every kslab shape (one slab,
+    several, a partial last one) at M = 1, 2, 3, 5, 8 (8-row groups) and 9, 16 (16-row groups), both packed forms,
+    W4A16 and W4A4, with the shared-memory and the L2 segment slots: the bits of the previous ring depth, also on a
+    repeated call after a call of the other kernel."""
     for N, K in KSLAB_SHAPES:
         wp = O.prepare_fp4_weight(_quant_w(N, K), decode_form2=True)
         for M in (1, 2, 3, 5, 8, 9, 16):
@@ -1062,31 +1057,29 @@ def test_kslab_ring_depth_equals_prev(monkeypatch, mode, ring):
                     tag = f"N={N} K={K} M={M} {mode} {impl} seg_smem={seg}"
                     _impl(monkeypatch, impl)
                     _seg_smem(monkeypatch, seg)
-                    _alt_ring(monkeypatch, ring)
+                    _prev_ring(monkeypatch, True)
                     y0 = O.fp4_linear(a, wp, backend="cuda").view(torch.int16)
-                    _alt_ring(monkeypatch, None)
+                    _prev_ring(monkeypatch, False)
                     assert torch.equal(O.fp4_linear(a, wp, backend="cuda").view(torch.int16), y0), tag
-                    _alt_ring(monkeypatch, ring)
+                    _prev_ring(monkeypatch, True)
                     O.fp4_linear(a, wp, backend="cuda")
-                    _alt_ring(monkeypatch, None)
+                    _prev_ring(monkeypatch, False)
                     assert torch.equal(O.fp4_linear(a, wp, backend="cuda").view(torch.int16), y0), tag
     monkeypatch.delenv("TRACE_EXT_KSLAB_SEG", raising=False)
 
 
-@pytest.mark.parametrize("ring", RINGS)
 @pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
-def test_kslab_ring_depth_grouped_equals_prev(monkeypatch, impl, ring):
-    """Protects the weight rings of the grouped K-slab kernel for 8- and 16-row units (the default 2-slot ring
-    against the previous depth and the register ring) in both work orders: Qwen3 T = 1, 3, 16, 64, both projections,
-    W4A16 and W4A4, K = 8448 (several slabs), one expert with 12 rows (a 16-row unit): the same bits, with
-    shared-memory and L2 segment slots."""
+def test_kslab_ring_depth_grouped_equals_prev(monkeypatch, impl):
+    """Protects the 2-slot ring of the grouped K-slab kernel (the default for 8- and 16-row units) in both work
+    orders: Qwen3 T = 1, 3, 16, 64, both projections, W4A16 and W4A4, K = 8448 (several slabs), one expert with 12
+    rows (a 16-row unit): the bits of the previous ring depth, with shared-memory and L2 segment slots."""
     _impl(monkeypatch, impl)
     for what, wp, offsets, a in _grouped_kslab_inputs(37, (1, 3, 16, 64), 12):
         for seg in (True, False):
             _seg_smem(monkeypatch, seg)
-            _alt_ring(monkeypatch, ring)
+            _prev_ring(monkeypatch, True)
             y0 = O.fp4_grouped_linear(a, wp, offsets, backend="cuda").view(torch.int16)
-            _alt_ring(monkeypatch, None)
+            _prev_ring(monkeypatch, False)
             y = O.fp4_grouped_linear(a, wp, offsets, backend="cuda").view(torch.int16)
             assert torch.equal(y, y0), f"{what} {impl} seg_smem={seg}"
     monkeypatch.delenv("TRACE_EXT_KSLAB_SEG", raising=False)
