@@ -10,13 +10,9 @@
 //   global interleaved over all warps: g + W j                    (at each step the GPU reads one contiguous range)
 // Also: a plain read kernel (16 B per thread, grid stride, 2 loads in flight) and cudaMemcpy of the same bytes.
 // Timing: cudaEvents around one launch after a 256 MB memset (L2 cold), median of 41.
-#include <cuda_runtime.h>
-#include <cstdio>
 #include <cstdint>
-#include <vector>
-#include <algorithm>
 
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1); } } while (0)
+#include "probe_common.h"
 
 constexpr int kTile = 2304, kWarps = 16;
 enum Order { kWarpOrder = 0, kCtaOrder = 1, kGlobalOrder = 2 };
@@ -209,7 +205,8 @@ __global__ void plain_read_u(const uint4* p, int64_t n16, float* out) {
   if (acc == 0x12345678u) out[0] = 1.f;
 }
 
-int main() {
+int main(int argc, char** argv) {
+  print_probe_header("dram_streams: 33 MB of 2304-byte warp tiles, by access order and load mechanism", argc, argv);
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const int64_t T = 14336;
@@ -220,29 +217,10 @@ int main() {
   CK(cudaMemset(w, 0x5A, bytes * sets));
   uint8_t* dst;
   CK(cudaMalloc(&dst, bytes));
-  void* flush;
-  CK(cudaMalloc(&flush, 256 << 20));
   float* out;
   CK(cudaMalloc(&out, 4096));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  auto time_it = [&](auto launch) {
-    std::vector<float> ms;
-    for (int r = 0; r < 45; ++r) {
-      CK(cudaMemsetAsync(flush, r, 256 << 20));
-      CK(cudaEventRecord(e0));
-      launch(w + (r % sets) * bytes);
-      CK(cudaEventRecord(e1));
-      CK(cudaEventSynchronize(e1));
-      float t;
-      CK(cudaEventElapsedTime(&t, e0, e1));
-      if (r >= 4) ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2] * 1e3f;  // us
-  };
-  printf("# dram_streams: %lld tiles x %d B = %.1f MB, %d SMs, 16 warps per SM\n", (long long)T, kTile, bytes / 1e6, sms);
+  auto time_it = [&](auto launch) { return probe_time_us([&](int r) { launch(w + (r % sets) * bytes); }); };
+  printf("%lld tiles x %d B = %.1f MB, %d SMs, 16 warps per SM\n", (long long)T, kTile, bytes / 1e6, sms);
   const float t_copy = time_it([&](uint8_t* src) { CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice)); });
   printf("cudaMemcpy (read+write %.1f MB): %.2f us = %.0f GB/s (read+write)\n", 2 * bytes / 1e6, t_copy, 2 * bytes / t_copy / 1e3);
   const float t_read = time_it([&](uint8_t* src) {
