@@ -31,7 +31,7 @@ inline void print_probe_header(const char* title, int argc, char** argv) {
   std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
   const char* commit = std::getenv("TRACE_EXT_COMMIT");
   printf("# %s\n\n| gpu: %s | capability: [%d, %d] | SMs: %d | CUDA runtime: %d.%d | driver: %d.%d | commit: %s | date: %s | "
-         "command: %s |\n\n",
+         "command: tools/probes/run_all.sh (%s) |\n\n",
          title, prop.name, prop.major, prop.minor, prop.multiProcessorCount, rt / 1000, rt % 1000 / 10, drv / 1000,
          drv % 1000 / 10, commit ? commit : "?", date, argc > 0 ? argv[0] : "?");
 }
