@@ -309,14 +309,7 @@ __device__ __forceinline__ float ks_lds32(uint32_t a) {
 // slots lie in the warps' rings (warp w's ring at ring0 + w * kStages * kKsTileBytes). The kernel-specific parts:
 // store_y(nb, v) (Y of block nb from its fp32 sums), slab_partial(ss, nb) (the lane's slab ss partial of block nb),
 // arrive(nb) (lane 0: adds 1 to block nb's self-resetting ticket, ks_ticket_add; 1 for the last of the S slabs).
-// kDefer (TRACE_EXT_KSLAB_DEFER=1, an A/B knob; <= 16 rows with shared-memory segment slots): a block that ends
-// mid-stream is stored (finish_block, or its first segment held in registers) at the top of the next item, after that
-// item's copies are issued and waited for, instead of right behind its last MMAs. Nsight source counters at 53b50d9
-// (Qwen3 down T = 64, K = 768: a block end every 3 items) put ~10% of the grouped kernel's stall samples on the first
-// FMUL of the block store waiting for those MMAs; the wait for the next item's weights now covers them. Same sums,
-// same stores: bit-equal.
-template <int MT8, int kStages, bool kForm2, bool kSegSmem = false, bool kDefer = false, class StoreY,
-          class SlabPartial, class Arrive>
+template <int MT8, int kStages, bool kForm2, bool kSegSmem = false, class StoreY, class SlabPartial, class Arrive>
 __device__ __forceinline__ void kslab_job_stream(const KsJob& jb, KsRing<kStages>& r, uint8_t* a_s, float* seg_base,
                                                  int warp_id, int lane, StoreY&& store_y, SlabPartial&& slab_partial,
                                                  Arrive&& arrive) {
@@ -339,8 +332,6 @@ __device__ __forceinline__ void kslab_job_stream(const KsJob& jb, KsRing<kStages
   };
   float seg0[kSegSmem ? MT8 : 1][4];  // kSegSmem: the first segment, held until the stream is done
   bool seg0_held = false;
-  static_assert(!kDefer || kSegSmem, "kDefer holds the first segment in registers (shared-memory segment slots)");
-  int pend = -1, pend_nb = 0;  // kDefer: the previous item ended block pend_nb: 0 = finish it, 1 = hold segment 0
 
   // a block's sums over this slab: Y (one slab) or its slab partial (arrival after the stream)
   auto finish_block = [&](int nb, const float (&v)[MT8][4]) {
@@ -370,24 +361,6 @@ __device__ __forceinline__ void kslab_job_stream(const KsJob& jb, KsRing<kStages
     r.issue_next();
     cp_async_wait<kStages - 1>();   // the group of item j is complete
     asm volatile("" ::: "memory");  // and the reads below stay after the wait
-    if constexpr (kDefer) {
-      if (pend >= 0) {  // warp-uniform: the block the previous item ended, its MMAs complete by now
-        if (pend == 0) {
-          finish_block(pend_nb, acc);
-        } else {
-#pragma unroll
-          for (int i = 0; i < MT8; ++i)
-#pragma unroll
-            for (int cc = 0; cc < 4; ++cc) seg0[i][cc] = acc[i][cc];
-          seg0_held = true;
-        }
-#pragma unroll
-        for (int i = 0; i < MT8; ++i)
-#pragma unroll
-          for (int cc = 0; cc < 4; ++cc) acc[i][cc] = 0.f;
-        pend = -1;
-      }
-    }
     const uint32_t srd = ring_lane + slot_rd;
     const uint2 sv = ks_lds64(ring_lane_sc + slot_rd);
     slot_rd = slot_rd + kKsTileBytes == kStages * kKsTileBytes ? 0 : slot_rd + kKsTileBytes;
@@ -430,12 +403,7 @@ __device__ __forceinline__ void kslab_job_stream(const KsJob& jb, KsRing<kStages
     }
 
     // ---- end of a block segment: the whole slab of the block -> finish; part of it -> segment slot
-    if (kDefer && j < i1 - 1 && kl == Ls - 1) {  // mid-stream block end: stored at the top of the next item
-      pend = x * Ls >= i0 ? 0 : 1;
-      pend_nb = nb0 + x;
-      ++x;
-      kl = 0;
-    } else if (kl == Ls - 1 || j == i1 - 1) {
+    if (kl == Ls - 1 || j == i1 - 1) {
       if (kl == Ls - 1 && x * Ls >= i0) {
         finish_block(nb0 + x, acc);
       } else if constexpr (kSegSmem) {
@@ -534,7 +502,7 @@ __device__ __forceinline__ void kslab_job_stream(const KsJob& jb, KsRing<kStages
 
 // ws_slab: [S][N / 16][kFrag][32] fp32 slab partials (S > 1); ws_seg: [C * S][kKsWarps][2][kFrag][32] fp32 partials
 // of the blocks split between warps of a CTA. Grid (C, S).
-template <int MT8, bool kAFp4, int kStages, bool kForm2, bool kSegSmem, bool kDefer = false>
+template <int MT8, bool kAFp4, int kStages, bool kForm2, bool kSegSmem>
 __global__ void __launch_bounds__(kKsThreads, 1)
     gemm_w4_decode_kslab_kernel(const GemmParams p, float* __restrict__ ws_slab, float* __restrict__ ws_seg,
                                 int* __restrict__ tickets, int L) {
@@ -592,8 +560,8 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     return last;
   };
   float* const seg_base = ws_seg + ((int64_t)(s * C + c) * kKsWarps) * 2 * (kFrag * 32) + lane;
-  kslab_job_stream<MT8, kStages, kForm2, kSegSmem, kDefer>(jb, wr, a_s, seg_base, warp_id, lane, store_y,
-                                                            slab_partial, arrive);
+  kslab_job_stream<MT8, kStages, kForm2, kSegSmem>(jb, wr, a_s, seg_base, warp_id, lane, store_y, slab_partial,
+                                                    arrive);
 #endif
 }
 
@@ -643,7 +611,7 @@ bool grouped_flat_pays(int64_t n_units, int S, int C, int n_blocks, int L, int c
   return flat_cost < job_cost;
 }
 
-template <int MT8, bool kAFp4, int kStages, int kOrder, bool kSegSmem, bool kDefer = false>
+template <int MT8, bool kAFp4, int kStages, int kOrder, bool kSegSmem>
 __global__ void __launch_bounds__(kKsThreads, 1)
     gemm_w4_decode_kslab_grouped_kernel(const GemmParams p, float* __restrict__ ws_slab, float* __restrict__ ws_seg,
                                         int* __restrict__ tickets, int L, int S, int C, int max_units) {
@@ -738,8 +706,8 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       }
       return last;
     };
-    kslab_job_stream<MT8, kStages, false, kSegSmem, kDefer>(jb, wr, a_s, seg_base, warp_id, lane, store_y,
-                                                            slab_partial, arrive);
+    kslab_job_stream<MT8, kStages, false, kSegSmem>(jb, wr, a_s, seg_base, warp_id, lane, store_y, slab_partial,
+                                                    arrive);
   };
 
   if constexpr (kOrder == kGrpFlat) {
@@ -847,9 +815,9 @@ auto kslab_kernel_ready(int dev, const char* op) {
 }
 
 // The dense kernel (rings + A slab).
-template <int MT8, bool kAFp4, bool kForm2, bool kSegSmem, int kStages = kslab_stages(MT8), bool kDefer = false>
+template <int MT8, bool kAFp4, bool kForm2, bool kSegSmem, int kStages = kslab_stages(MT8)>
 auto dense_kernel_ready(int dev) {
-  return kslab_kernel_ready<gemm_w4_decode_kslab_kernel<MT8, kAFp4, kStages, kForm2, kSegSmem, kDefer>,
+  return kslab_kernel_ready<gemm_w4_decode_kslab_kernel<MT8, kAFp4, kStages, kForm2, kSegSmem>,
                             kKsDenseSmemMax(MT8)>(dev, "fp4_linear (decode kslab)");
 }
 
@@ -868,13 +836,6 @@ constexpr int kslab_alt_stages(int mt8) { return mt8 <= 2 ? kslab_prev_stages(mt
 bool kslab_alt_ring_selected(int mt8) {
   const char* v = std::getenv("TRACE_EXT_KSLAB_STAGES");
   return v != nullptr && std::strcmp(v, mt8 <= 2 ? "prev" : "2") == 0;
-}
-
-// TRACE_EXT_KSLAB_DEFER=1 (read per call; an A/B knob): the K-slab kernels with deferred block stores (kDefer of
-// kslab_job_stream) where they exist: <= 16 rows, the default ring, shared-memory segment slots. Same bits.
-bool kslab_defer_selected(int mt8, bool alt_ring, bool seg_smem) {
-  const char* v = std::getenv("TRACE_EXT_KSLAB_DEFER");
-  return mt8 <= 2 && !alt_ring && seg_smem && v != nullptr && std::strcmp(v, "1") == 0;
 }
 
 template <int MT8, bool kAFp4, bool kForm2>
@@ -896,10 +857,6 @@ bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream
   int* tickets = plan.S > 1 ? ticket_buffer(like, stream, n_blocks) : nullptr;
   auto kernel = alt ? dense_kernel_pick<MT8, kAFp4, kForm2, kslab_alt_stages(MT8)>(dev)
                     : dense_kernel_pick<MT8, kAFp4, kForm2, kslab_stages(MT8)>(dev);
-  if constexpr (MT8 <= 2) {
-    if (kslab_defer_selected(MT8, alt, kslab_seg_smem_selected()))
-      kernel = dense_kernel_ready<MT8, kAFp4, kForm2, true, kslab_stages(MT8), true>(dev);
-  }
   kernel<<<dim3(plan.C, plan.S), kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L);
   check_launch("fp4_linear (decode kslab)");
   return true;
@@ -974,9 +931,9 @@ constexpr int kKsGrpSmemMax(int mt8) {
 }
 
 // The grouped kernel of one work order (rings + A slab + unit prefix).
-template <int MT8, bool kAFp4, int kOrder, bool kSegSmem, int kStages = kslab_stages(MT8), bool kDefer = false>
+template <int MT8, bool kAFp4, int kOrder, bool kSegSmem, int kStages = kslab_stages(MT8)>
 auto grouped_kernel_ready(int dev) {
-  return kslab_kernel_ready<gemm_w4_decode_kslab_grouped_kernel<MT8, kAFp4, kStages, kOrder, kSegSmem, kDefer>,
+  return kslab_kernel_ready<gemm_w4_decode_kslab_grouped_kernel<MT8, kAFp4, kStages, kOrder, kSegSmem>,
                             kKsGrpSmemMax(MT8)>(dev, "fp4_grouped_linear (decode kslab-grouped)");
 }
 
@@ -1026,11 +983,6 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   const bool seg_smem = MT8 <= 2 && kslab_seg_smem_selected();
   auto kernel = alt ? grouped_kernel_pick<MT8, kAFp4, kslab_alt_stages(MT8)>(dev, order, seg_smem)
                     : grouped_kernel_pick<MT8, kAFp4, kslab_stages(MT8)>(dev, order, seg_smem);
-  if constexpr (MT8 <= 2) {
-    if (kslab_defer_selected(MT8, alt, seg_smem))
-      kernel = order == kGrpFlat ? grouped_kernel_ready<MT8, kAFp4, kGrpFlat, true, kslab_stages(MT8), true>(dev)
-                                 : grouped_kernel_ready<MT8, kAFp4, kGrpJobs, true, kslab_stages(MT8), true>(dev);
-  }
   kernel<<<ctas, kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L, plan.S, plan.C,
                                              (int)max_units);
   check_launch("fp4_grouped_linear (decode kslab-grouped)");

@@ -1085,56 +1085,6 @@ def test_kslab_ring_depth_grouped_equals_prev(monkeypatch, impl):
     monkeypatch.delenv("TRACE_EXT_KSLAB_SEG", raising=False)
 
 
-# ---- K-slab deferred block stores (TRACE_EXT_KSLAB_DEFER=1, read per call; an A/B knob) ------------------------------
-# A block ending mid-stream is stored at the top of the next item instead of behind its last MMAs: same sums, same
-# stores, so the same bits as the default, dense and grouped, whatever the block / slab / warp split.
-def _defer(monkeypatch, on):
-    if on:
-        monkeypatch.setenv("TRACE_EXT_KSLAB_DEFER", "1")
-    else:
-        monkeypatch.delenv("TRACE_EXT_KSLAB_DEFER", raising=False)
-
-
-@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
-def test_kslab_defer_equals_default(monkeypatch, mode):
-    """Protects TRACE_EXT_KSLAB_DEFER=1 on the dense K-slab kernel: every kslab shape (one slab, several, a partial
-    last one) at M = 1, 3, 8, 9, 16, both packed forms, W4A16 and W4A4: the default's bits, also when called again
-    after a default call (and at 32 rows, where the switch names no kernel, unchanged)."""
-    for N, K in KSLAB_SHAPES:
-        wp = O.prepare_fp4_weight(_quant_w(N, K), decode_form2=True)
-        for M in (1, 3, 8, 9, 16, 32):
-            a = torch.randn(M, K, device=DEV).bfloat16()
-            if mode == "w4a4":
-                a = ref.nvfp4_quantize(a)
-            for impl in (None, "kslab2"):
-                tag = f"N={N} K={K} M={M} {mode} {impl}"
-                _impl(monkeypatch, impl)
-                _defer(monkeypatch, False)
-                y0 = O.fp4_linear(a, wp, backend="cuda").view(torch.int16)
-                _defer(monkeypatch, True)
-                assert torch.equal(O.fp4_linear(a, wp, backend="cuda").view(torch.int16), y0), tag
-                _defer(monkeypatch, False)
-                O.fp4_linear(a, wp, backend="cuda")
-                _defer(monkeypatch, True)
-                assert torch.equal(O.fp4_linear(a, wp, backend="cuda").view(torch.int16), y0), tag
-    _defer(monkeypatch, False)
-
-
-@pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
-def test_kslab_defer_grouped_equals_default(monkeypatch, impl):
-    """Protects TRACE_EXT_KSLAB_DEFER=1 on the grouped K-slab kernel in both work orders: Qwen3 T = 1, 3, 16, 64,
-    both projections (down: K = 768, a block end every 3 items), W4A16 and W4A4, K = 8448 (several slabs), one expert
-    with 12 rows: the default's bits."""
-    _impl(monkeypatch, impl)
-    for what, wp, offsets, a in _grouped_kslab_inputs(43, (1, 3, 16, 64), 12):
-        _defer(monkeypatch, False)
-        y0 = O.fp4_grouped_linear(a, wp, offsets, backend="cuda").view(torch.int16)
-        _defer(monkeypatch, True)
-        y = O.fp4_grouped_linear(a, wp, offsets, backend="cuda").view(torch.int16)
-        assert torch.equal(y, y0), f"{what} {impl}"
-    _defer(monkeypatch, False)
-
-
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 def test_kslab_ring2_at_32_rows_equals_default(monkeypatch, mode):
     """Protects the 2-slot ring of the 32-row K-slab kernels (TRACE_EXT_KSLAB_STAGES=2, an A/B knob): dense, every
