@@ -37,6 +37,22 @@ __device__ __forceinline__ uint2 work_block(uint4 a, uint4 b, int W) {
   return make_uint2(c0, c1 ^ __float_as_uint(amax));
 }
 
+// Load flavours of the register kernel: 0 = __ldcs (ld.global.cs, streaming), 1 = __ldg (ld.global.nc, what the
+// quantize and KV-append kernels use), 2 = ld.global.nc.L1::no_allocate, 3 = plain ld.global.
+template <int LD>
+__device__ __forceinline__ uint4 ld16(const uint4* p) {
+  if constexpr (LD == 0) return __ldcs(p);
+  if constexpr (LD == 1) return __ldg(p);
+  if constexpr (LD == 2) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+  }
+  return *p;
+}
+
+template <int LD = 0>
 __global__ void __launch_bounds__(256, 4) reg_kernel(const uint4* __restrict__ x, uint2* __restrict__ codes,
                                                      uint8_t* __restrict__ scales, uint32_t n_blocks, int W) {
   const uint32_t lane = threadIdx.x % 32;
@@ -48,8 +64,8 @@ __global__ void __launch_bounds__(256, 4) reg_kernel(const uint4* __restrict__ x
     for (int q = 0; q < 2; ++q) {
       const uint32_t b = b0 + 32 * q;
       if (b < n_blocks) {
-        v[q][0] = __ldcs(x + 2 * (size_t)b);
-        v[q][1] = __ldcs(x + 2 * (size_t)b + 1);
+        v[q][0] = ld16<LD>(x + 2 * (size_t)b);
+        v[q][1] = ld16<LD>(x + 2 * (size_t)b + 1);
       }
     }
 #pragma unroll
@@ -139,8 +155,18 @@ int main(int argc, char** argv) {
     const double bytes = n * 2.5625;
     for (int W : {0, 2, 4, 8, 12}) {
       const int tiles = (int)((n_blocks + 64 * 8 - 1) / (64 * 8));
-      const float t = time_it([&] { reg_kernel<<<(tiles + 3) / 4, 256>>>(reinterpret_cast<const uint4*>(x), codes, scales, n_blocks, W); });
-      printf("| 2^%d | reg (4 tiles per warp) | %d | %.2f | %.0f | - |\n", lg, W, t, bytes / t / 1e3);
+      const char* ld_names[4] = {"ld.global.cs", "ld.global.nc (__ldg)", "ld.global.nc.L1::no_allocate", "ld.global"};
+      auto reg = [&](auto kernel, int ld) {
+        const float t = time_it([&] { kernel<<<(tiles + 3) / 4, 256>>>(reinterpret_cast<const uint4*>(x), codes, scales, n_blocks, W); });
+        printf("| 2^%d | reg (4 tiles per warp), %s | %d | %.2f | %.0f | - |\n", lg, ld_names[ld], W, t, bytes / t / 1e3);
+      };
+      reg(reg_kernel<0>, 0);
+      if (W == 0 || W == 8) {
+        reg(reg_kernel<1>, 1);
+        reg(reg_kernel<2>, 2);
+        reg(reg_kernel<3>, 3);
+        reg(reg_kernel<0>, 0);
+      }
       auto staged = [&](const char* name, auto kernel, int S, int cps) {
         CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S * kStageBytes));
         const float t2 = time_it([&] { kernel<<<sms * cps, 256, S * kStageBytes>>>(x, codes2, scales, n_blocks, W); });
