@@ -43,6 +43,28 @@ __device__ __forceinline__ int64_t tile_of(int c, int w, int j, int64_t T, int W
   }
 }
 
+// The stand-in for a tile's MMA work: `work` rounds of four independent FMAs per lane on one value of the tile (the
+// value depends on every loaded word, so the loads stay live); keep() stores nothing unless the sum is 1234.5.
+__device__ __forceinline__ float tile_value(uint4 v, uint2 s) {
+  return __uint_as_float((v.x ^ v.y ^ v.z ^ v.w ^ s.x ^ s.y) & 0x3FFFFFFFu) * 1e-30f;
+}
+struct StandInWork {
+  float acc0 = 0.0f, acc1 = 0.0f, acc2 = 0.0f, acc3 = 0.0f;
+  __device__ __forceinline__ void tile(float x, int work) {
+    for (int i = 0; i < work; ++i) {
+      acc0 = fmaf(acc0, 0.999f, x);
+      acc1 = fmaf(acc1, 0.998f, x);
+      acc2 = fmaf(acc2, 0.997f, x);
+      acc3 = fmaf(acc3, 0.996f, x);
+    }
+    acc0 += x;
+  }
+  __device__ __forceinline__ void keep(float* out) const {
+    const float r = acc0 + acc1 + acc2 + acc3;
+    if (r == 1234.5f) out[threadIdx.x] = r;  // never true
+  }
+};
+
 template <int ORDER, int SLOTS>
 __global__ void __launch_bounds__(512, 1) stream_kernel(const uint8_t* w_bytes, int64_t T, int work, float* out) {
   extern __shared__ __align__(16) uint8_t smem[];
@@ -65,24 +87,16 @@ __global__ void __launch_bounds__(512, 1) stream_kernel(const uint8_t* w_bytes, 
     commit();
   };
   for (int j = 0; j < SLOTS - 1; ++j) issue(j);
-  float acc0 = 0.f, acc1 = 0.f, acc2 = 0.f, acc3 = 0.f;
+  StandInWork sw;
   for (int j = 0; j < count; ++j) {
     issue(j + SLOTS - 1);
     wait_n<SLOTS - 1>();
     const uint4 v = *reinterpret_cast<const uint4*>(ring + (j % SLOTS) * kTile + lane * 64);
     const uint2 s = *reinterpret_cast<const uint2*>(ring + (j % SLOTS) * kTile + 2048 + lane * 8);
-    float x = __uint_as_float((v.x ^ v.y ^ v.z ^ v.w ^ s.x ^ s.y) & 0x3FFFFFFFu) * 1e-30f;
-    for (int i = 0; i < work; ++i) {
-      acc0 = fmaf(acc0, 0.999f, x);
-      acc1 = fmaf(acc1, 0.998f, x);
-      acc2 = fmaf(acc2, 0.997f, x);
-      acc3 = fmaf(acc3, 0.996f, x);
-    }
-    acc0 += x;
+    sw.tile(tile_value(v, s), work);
     __syncwarp();  // the slot is read by this lane only, but keep the warp together as the GEMM does (MMA)
   }
-  const float r = acc0 + acc1 + acc2 + acc3;
-  if (r == 1234.5f) out[threadIdx.x] = r;  // never true; keeps the loads live
+  sw.keep(out);
 }
 
 __global__ void plain_read(const uint4* p, int64_t n16, float* out) {
@@ -127,7 +141,7 @@ __global__ void __launch_bounds__(512, 1) bulk_kernel(const uint8_t* w_bytes, in
     }
   };
   for (int j = 0; j < SLOTS - 1; ++j) issue(j);
-  float acc0 = 0.f, acc1 = 0.f, acc2 = 0.f, acc3 = 0.f;
+  StandInWork sw;
   for (int j = 0; j < count; ++j) {
     issue(j + SLOTS - 1);
     const uint32_t bar = bar_s + 8 * (j % SLOTS), parity = (j / SLOTS) & 1;
@@ -135,18 +149,10 @@ __global__ void __launch_bounds__(512, 1) bulk_kernel(const uint8_t* w_bytes, in
                  :: "r"(bar), "r"(parity) : "memory");
     const uint4 v = *reinterpret_cast<const uint4*>(ring + (j % SLOTS) * kTile + lane * 64);
     const uint2 s = *reinterpret_cast<const uint2*>(ring + (j % SLOTS) * kTile + 2048 + lane * 8);
-    float x = __uint_as_float((v.x ^ v.y ^ v.z ^ v.w ^ s.x ^ s.y) & 0x3FFFFFFFu) * 1e-30f;
-    for (int i = 0; i < work; ++i) {
-      acc0 = fmaf(acc0, 0.999f, x);
-      acc1 = fmaf(acc1, 0.998f, x);
-      acc2 = fmaf(acc2, 0.997f, x);
-      acc3 = fmaf(acc3, 0.996f, x);
-    }
-    acc0 += x;
+    sw.tile(tile_value(v, s), work);
     __syncwarp();  // every lane has read the slot before lane 0 refills it
   }
-  const float r = acc0 + acc1 + acc2 + acc3;
-  if (r == 1234.5f) out[threadIdx.x] = r;
+  sw.keep(out);
 }
 
 // The same warp streams with plain loads into registers (the next tile's 72 bytes per lane in flight while this one
@@ -169,23 +175,15 @@ __global__ void __launch_bounds__(512, 1) ldg_kernel(const uint8_t* w_bytes, int
   uint4 a[4], b[4];
   uint2 sa, sb;
   load(0, a, sa);
-  float acc0 = 0.f, acc1 = 0.f, acc2 = 0.f, acc3 = 0.f;
+  StandInWork sw;
   for (int j = 0; j < count; ++j) {
     load(j + 1, b, sb);
-    float x = __uint_as_float((a[0].x ^ a[1].y ^ a[2].z ^ a[3].w ^ sa.x ^ sa.y) & 0x3FFFFFFFu) * 1e-30f;
-    for (int i = 0; i < work; ++i) {
-      acc0 = fmaf(acc0, 0.999f, x);
-      acc1 = fmaf(acc1, 0.998f, x);
-      acc2 = fmaf(acc2, 0.997f, x);
-      acc3 = fmaf(acc3, 0.996f, x);
-    }
-    acc0 += x;
+    sw.tile(tile_value(make_uint4(a[0].x, a[1].y, a[2].z, a[3].w), sa), work);
 #pragma unroll
     for (int q = 0; q < 4; ++q) a[q] = b[q];
     sa = sb;
   }
-  const float r = acc0 + acc1 + acc2 + acc3;
-  if (r == 1234.5f) out[threadIdx.x] = r;
+  sw.keep(out);
 }
 
 // Plain read with U 16-byte loads in flight per thread.
