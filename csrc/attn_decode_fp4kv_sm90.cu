@@ -1744,12 +1744,16 @@ DecodeKernelFn decode_kernel() {
   }
 }
 
+// Dynamic shared memory of heads8 with a ring of `ring` stages (a stage: two 16-token tiles).
+template <int D>
+constexpr int heads8_smem(int ring) {
+  return 2 * ring * HGeo<D>::kStageBytes;
+}
+
 // Dynamic shared memory of a kernel variant.
 template <int D, int kImpl>
 constexpr int decode_smem() {
-  return kImpl == kImplHeads    ? HGeo<D>::kSmem
-         : kImpl == kImplHeads8 ? 2 * kHeads8Ring * HGeo<D>::kStageBytes
-                                : Geo<D>::kSmem;
+  return kImpl == kImplHeads ? HGeo<D>::kSmem : kImpl == kImplHeads8 ? heads8_smem<D>(kHeads8Ring) : Geo<D>::kSmem;
 }
 
 // Threads per CTA of a kernel variant.
@@ -1861,7 +1865,7 @@ DecodeKernelFn heads8_ring_kernel(int device) {
   static bool attr_set[64] = {false};
   const DecodeKernelFn kernel = fp4kv_decode_kernel_heads<D, 2, kRing>;
   if (!attr_set[device & 63]) {
-    set_decode_kernel_attrs(kernel, 2 * kRing * HGeo<D>::kStageBytes);
+    set_decode_kernel_attrs(kernel, heads8_smem<D>(kRing));
     attr_set[device & 63] = true;
   }
   return kernel;
@@ -1900,7 +1904,7 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
     const int ring = heads_ring_selected();
     if (ring != 0) {
       kernel = ring == 2 ? heads8_ring_kernel<D, 2>(device) : heads8_ring_kernel<D, 4>(device);
-      smem = 2 * ring * HGeo<D>::kStageBytes;
+      smem = heads8_smem<D>(ring);
     }
   }
   require_kernel_image(kernel, "fp4kv_decode_attention");

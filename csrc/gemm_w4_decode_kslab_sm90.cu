@@ -837,6 +837,10 @@ bool kslab_alt_ring_selected(int mt8) {
   const char* v = std::getenv("TRACE_EXT_KSLAB_STAGES");
   return v != nullptr && std::strcmp(v, mt8 <= 2 ? "prev" : "2") == 0;
 }
+// Shared-memory bytes of the weight rings a launch takes (the default depth or, alt, kslab_alt_stages).
+constexpr int kslab_ring_smem(int mt8, bool alt) {
+  return kKsWarps * (alt ? kslab_alt_stages(mt8) : kslab_stages(mt8)) * kKsTileBytes;
+}
 
 template <int MT8, bool kAFp4, bool kForm2>
 bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
@@ -847,8 +851,7 @@ bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream
   const KslabPlan plan = kslab_plan(n_blocks, KT, 8 * MT8, kMaxL, sm_count(dev));
   if (plan.S == 0) return false;
   const bool alt = kslab_alt_ring_selected(MT8);
-  const int smem = kKsWarps * (alt ? kslab_alt_stages(MT8) : kslab_stages(MT8)) * kKsTileBytes +
-                   8 * MT8 * (plan.L * kKsRowBytes + kKsRowPad);
+  const int smem = kslab_ring_smem(MT8, alt) + 8 * MT8 * (plan.L * kKsRowBytes + kKsRowPad);
   constexpr int64_t kFragFloats = MT8 * 4 * 32;
   const int64_t slab_floats = plan.S > 1 ? (int64_t)plan.S * n_blocks * kFragFloats : 0;
   const int64_t seg_floats = (int64_t)plan.C * plan.S * kKsWarps * 2 * kFragFloats;
@@ -965,8 +968,7 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   const KslabPlan plan = kslab_grouped_plan(n_blocks, KT, R, kMaxL, sms, units_est);
   if (plan.S == 0 || max_units * plan.S * plan.C >= (int64_t{1} << 31)) return false;
   const bool alt = kslab_alt_ring_selected(MT8);  // TRACE_EXT_KSLAB_STAGES: the other ring
-  const int smem = kKsWarps * (alt ? kslab_alt_stages(MT8) : kslab_stages(MT8)) * kKsTileBytes +
-                   R * (plan.L * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes;
+  const int smem = kslab_ring_smem(MT8, alt) + R * (plan.L * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes;
   if (order < 0) {
     const bool flat = grouped_flat_pays((int64_t)std::ceil(units_est), plan.S, plan.C, n_blocks, plan.L, sms);
     order = flat ? kGrpFlat : kGrpJobs;

@@ -1033,9 +1033,10 @@ def test_decode_kslab_grouped_nan_scale_and_dense_default(monkeypatch, impl):
 # ---- K-slab ring depth (TRACE_EXT_KSLAB_STAGES=prev, read per call; an A/B knob) -----------------------------------
 # At <= 16 rows the K-slab kernels run a 2-slot cp.async ring per warp since round 20; =prev runs the depth before (4
 # slots at <= 8 rows, 3 at 16), same plan, same sums: the outputs must be the same bits.
-def _prev_ring(monkeypatch, on):
-    if on:
-        monkeypatch.setenv("TRACE_EXT_KSLAB_STAGES", "prev")
+def _ring(monkeypatch, value):
+    """TRACE_EXT_KSLAB_STAGES=value ("prev" / "2"), or unset (None: the default ring)."""
+    if value:
+        monkeypatch.setenv("TRACE_EXT_KSLAB_STAGES", value)
     else:
         monkeypatch.delenv("TRACE_EXT_KSLAB_STAGES", raising=False)
 
@@ -1057,13 +1058,13 @@ def test_kslab_ring_depth_equals_prev(monkeypatch, mode):
                     tag = f"N={N} K={K} M={M} {mode} {impl} seg_smem={seg}"
                     _impl(monkeypatch, impl)
                     _seg_smem(monkeypatch, seg)
-                    _prev_ring(monkeypatch, True)
+                    _ring(monkeypatch, "prev")
                     y0 = O.fp4_linear(a, wp, backend="cuda").view(torch.int16)
-                    _prev_ring(monkeypatch, False)
+                    _ring(monkeypatch, None)
                     assert torch.equal(O.fp4_linear(a, wp, backend="cuda").view(torch.int16), y0), tag
-                    _prev_ring(monkeypatch, True)
+                    _ring(monkeypatch, "prev")
                     O.fp4_linear(a, wp, backend="cuda")
-                    _prev_ring(monkeypatch, False)
+                    _ring(monkeypatch, None)
                     assert torch.equal(O.fp4_linear(a, wp, backend="cuda").view(torch.int16), y0), tag
     monkeypatch.delenv("TRACE_EXT_KSLAB_SEG", raising=False)
 
@@ -1077,9 +1078,9 @@ def test_kslab_ring_depth_grouped_equals_prev(monkeypatch, impl):
     for what, wp, offsets, a in _grouped_kslab_inputs(37, (1, 3, 16, 64), 12):
         for seg in (True, False):
             _seg_smem(monkeypatch, seg)
-            _prev_ring(monkeypatch, True)
+            _ring(monkeypatch, "prev")
             y0 = O.fp4_grouped_linear(a, wp, offsets, backend="cuda").view(torch.int16)
-            _prev_ring(monkeypatch, False)
+            _ring(monkeypatch, None)
             y = O.fp4_grouped_linear(a, wp, offsets, backend="cuda").view(torch.int16)
             assert torch.equal(y, y0), f"{what} {impl} seg_smem={seg}"
     monkeypatch.delenv("TRACE_EXT_KSLAB_SEG", raising=False)
@@ -1098,18 +1099,18 @@ def test_kslab_ring2_at_32_rows_equals_default(monkeypatch, mode):
                 a = ref.nvfp4_quantize(a)
             for impl in (None, "kslab2"):
                 _impl(monkeypatch, impl)
-                monkeypatch.delenv("TRACE_EXT_KSLAB_STAGES", raising=False)
+                _ring(monkeypatch, None)
                 y0 = O.fp4_linear(a, wp, backend="cuda").view(torch.int16)
-                monkeypatch.setenv("TRACE_EXT_KSLAB_STAGES", "2")
+                _ring(monkeypatch, "2")
                 assert torch.equal(O.fp4_linear(a, wp, backend="cuda").view(torch.int16), y0), f"N={N} K={K} M={M}"
     for impl in GROUPED_KSLAB_IMPLS:
         _impl(monkeypatch, impl)
         for what, wp, offsets, a in _grouped_kslab_inputs(41, (256,), 40):
             if not what.endswith(mode):
                 continue
-            monkeypatch.delenv("TRACE_EXT_KSLAB_STAGES", raising=False)
+            _ring(monkeypatch, None)
             y0 = O.fp4_grouped_linear(a, wp, offsets, backend="cuda").view(torch.int16)
-            monkeypatch.setenv("TRACE_EXT_KSLAB_STAGES", "2")
+            _ring(monkeypatch, "2")
             y = O.fp4_grouped_linear(a, wp, offsets, backend="cuda").view(torch.int16)
             assert torch.equal(y, y0), f"{what} {impl}"
-    monkeypatch.delenv("TRACE_EXT_KSLAB_STAGES", raising=False)
+    _ring(monkeypatch, None)
