@@ -991,6 +991,18 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   return true;
 }
 
+// TRACE_EXT_KSLAB_GRP_ROWS=8 / 16 / 32 (read per call; an A/B knob): the grouped K-slab kernel's rows per unit instead
+// of the rows_hint rule (8 up to 2 rows per expert on average, 16 up to 8, else 32). At Qwen3 T = 64 (~4 rows per
+// expert) the rule takes 16-row units, so half of every MMA's columns are padding; 8-row units halve the MMAs but split
+// the few experts with more than 8 rows into two units (their weights read twice). Any value is correct (units of any
+// size cover every expert's rows); only the speed differs. 0: not set (or another value).
+int kslab_grp_rows_forced() {
+  const char* v = std::getenv("TRACE_EXT_KSLAB_GRP_ROWS");
+  if (v == nullptr) return 0;
+  const std::string sel = v;
+  return sel == "8" ? 8 : sel == "16" ? 16 : sel == "32" ? 32 : 0;
+}
+
 bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream,
                               int selected) {
   const bool named = selected > 0;
@@ -1006,7 +1018,10 @@ bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::
   if ((int64_t)(p.N / 16) * (p.K / kKsSuperK) >= (int64_t{1} << 31)) return false;
   const int order = selected == 1 ? kGrpJobs : selected == 2 ? kGrpFlat : -1;
   const bool a4 = p.a_scales != nullptr;
-  // rows per unit as the grouped stream kernel: a little above the average rows per expert (rows_hint)
+  // rows per unit as the grouped stream kernel: a little above the average rows per expert (rows_hint), unless
+  // TRACE_EXT_KSLAB_GRP_ROWS names them
+  const int forced = kslab_grp_rows_forced();
+  if (forced != 0) rows_hint = forced == 8 ? 1 : forced == 16 ? 8 : 9;
   if (rows_hint <= 2) return a4 ? launch_decode_kslab_grouped<1, true>(p, like, stream, order)
                                 : launch_decode_kslab_grouped<1, false>(p, like, stream, order);
   if (rows_hint <= 8) return a4 ? launch_decode_kslab_grouped<2, true>(p, like, stream, order)

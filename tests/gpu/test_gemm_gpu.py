@@ -902,6 +902,25 @@ def test_decode_kslab_grouped_previous_plan(monkeypatch, impl):
                                 f"plan v1 qwen3 {name} T={T}", impl)
 
 
+@pytest.mark.parametrize("rows", ["8", "16", "32"])
+@pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
+def test_decode_kslab_grouped_forced_unit_rows(monkeypatch, impl, rows):
+    """Protects TRACE_EXT_KSLAB_GRP_ROWS (an A/B knob: rows per unit of the grouped K-slab kernel instead of the
+    rows_hint rule) in both work orders: Qwen3 T = 16 / 64 (8-row units split the experts with more than 8 rows), W4A16
+    and W4A4, and all 40 rows on one expert: f64 contract, repeatable bits, the default one of the two orders."""
+    monkeypatch.setenv("TRACE_EXT_KSLAB_GRP_ROWS", rows)
+    gen = torch.Generator().manual_seed(17)
+    E, k = 128, 8
+    for name, (N, K) in (("gate_up", (1536, 2048)), ("down", (2048, 768))):
+        w = _quant_w(N, K, E)
+        for T, mode in ((16, "w4a16"), (64, "w4a4"), (64, "w4a16")):
+            _kslab_grouped_case(monkeypatch, E, N, K, _routed_counts(T, E, k, gen), mode, w,
+                                f"rows={rows} qwen3 {name} T={T}", impl)
+    one = [0] * 5 + [40] + [0] * 10
+    _kslab_grouped_case(monkeypatch, 16, 1536, 2048, one, "w4a16", _quant_w(1536, 2048, 16),
+                        f"rows={rows} one expert 40 rows", impl)
+
+
 @pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 def test_decode_kslab_grouped_other_models_and_edges(monkeypatch, mode, impl):
