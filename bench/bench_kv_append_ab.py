@@ -5,6 +5,8 @@ items per resident warp, else the grid kernel), "grid" (the grid-stride kernel, 
 reciprocal-quotient element path; the default before), "old" (the same kernel with the previous per-element path),
 "warp" (warp-stream kernel: contiguous warp chunks, incremental token / sequence / page walk, four blocks per item,
 exponent-magic RTN, scale-byte table) and "warp2" (the same with two blocks per item: fewer registers).
+APPEND_AB_IMPLS=a,b,... overrides the list (the first is the "vs" baseline); "@VAR=VALUE" sets a further switch, e.g.
+default@TRACE_EXT_KV_APPEND_WAVES=2 (common.impl_env).
 
 Timing of record: bench.common.do_bench_cold (median, L2 flushed before every call), the compiled op called
 directly. Each case is timed in ROUNDS rounds, every round timing every impl once in turn; the table reports the
@@ -24,13 +26,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kv import D, append_inputs  # noqa: E402
-from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, print_table, require_kernels_usable, write_results  # noqa: E402
+from common import (  # noqa: E402
+    copy_bandwidth_gbs, do_bench_cold, env_stamp, impl_env, print_table, require_kernels_usable, write_results)
 
 import trace_ext  # noqa: E402
 
 ENV = "TRACE_EXT_KV_APPEND_IMPL"
-IMPLS = ("default", "grid", "old", "warp", "warp2")
-ROUNDS = 3
+IMPLS = tuple(os.environ.get("APPEND_AB_IMPLS", "default,grid,old,warp,warp2").split(","))
+ROUNDS = int(os.environ.get("APPEND_AB_ROUNDS", "3"))
 TARGET = 70.0
 # (name, B, Hkv, tokens per sequence); the first is bench_kv.py's append row
 CASES = [
@@ -56,64 +59,50 @@ def decode_inputs(gen, B, Hkv, max_start=500):
     return (kc, ks, torch.zeros_like(kc), torch.zeros_like(ks), k, v, table, cu, start, 0.01, 0.02)
 
 
-def set_impl(impl: str) -> None:
-    if impl == "default":
-        os.environ.pop(ENV, None)
-    else:
-        os.environ[ENV] = impl
-
-
 def main() -> None:
     require_kernels_usable()
     op = torch.ops.trace_ext.fp4kv_append
-    saved = os.environ.get(ENV)
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_gbs = copy_bandwidth_gbs()
     print(f"copy bandwidth: {copy_gbs:.1f} GB/s")
     rows = []
-    try:
-        for ci, (name, B, Hkv, chunk) in enumerate(CASES):
-            args = append_inputs(gen, B, Hkv, chunk) if chunk > 1 else decode_inputs(gen, B, Hkv)
-            T = B * chunk
-            nbytes = 2 * T * Hkv * D * 2 + 2 * T * Hkv * (D // 2 + D // 16)
-            # same bytes from every impl
-            ref = None
-            for impl in IMPLS:
-                for t in args[:4]:
-                    t.zero_()
-                set_impl(impl)
+    for ci, (name, B, Hkv, chunk) in enumerate(CASES):
+        args = append_inputs(gen, B, Hkv, chunk) if chunk > 1 else decode_inputs(gen, B, Hkv)
+        T = B * chunk
+        nbytes = 2 * T * Hkv * D * 2 + 2 * T * Hkv * (D // 2 + D // 16)
+        # same bytes from every impl
+        ref = None
+        for impl in IMPLS:
+            for t in args[:4]:
+                t.zero_()
+            with impl_env(ENV, impl):
                 op(*args)
-                out = [t.clone() for t in args[:4]]
-                if ref is None:
-                    ref = out
-                elif not all(torch.equal(x, y) for x, y in zip(out, ref)):
-                    raise SystemExit(f"{name}: impl={impl} writes different cache bytes than default")
-            del ref, out
-            ms = {impl: [] for impl in IMPLS}
-            for _ in range(ROUNDS):
-                for impl in IMPLS:
-                    set_impl(impl)
-                    ms[impl].append(do_bench_cold(lambda: op(*args)))
-            base = statistics.median(ms["default"])
+            out = [t.clone() for t in args[:4]]
+            if ref is None:
+                ref = out
+            elif not all(torch.equal(x, y) for x, y in zip(out, ref)):
+                raise SystemExit(f"{name}: impl={impl} writes different cache bytes than {IMPLS[0]}")
+        del ref, out
+        ms = {impl: [] for impl in IMPLS}
+        for _ in range(ROUNDS):
             for impl in IMPLS:
-                m = statistics.median(ms[impl])
-                gbs = nbytes / (m * 1e-3) / 1e9
-                pct = 100.0 * gbs / copy_gbs
-                rows.append({
-                    "case": name, "impl": impl, "ms": m, "ms min": min(ms[impl]), "MB": nbytes / 1e6, "GB/s": gbs,
-                    "% copy": pct, "vs default": base / m,
-                    "target": f">={TARGET:.0f}%" if ci == 0 else "-",
-                    "status": ("PASS" if pct >= TARGET else "MISS") if ci == 0 else "-",
-                })
-            del args
-    finally:
-        if saved is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = saved
+                with impl_env(ENV, impl):
+                    ms[impl].append(do_bench_cold(lambda: op(*args)))
+        base = statistics.median(ms[IMPLS[0]])
+        for impl in IMPLS:
+            m = statistics.median(ms[impl])
+            gbs = nbytes / (m * 1e-3) / 1e9
+            pct = 100.0 * gbs / copy_gbs
+            rows.append({
+                "case": name, "impl": impl, "ms": m, "ms min": min(ms[impl]), "MB": nbytes / 1e6, "GB/s": gbs,
+                "% copy": pct, "vs default": base / m,
+                "target": f">={TARGET:.0f}%" if ci == 0 else "-",
+                "status": ("PASS" if pct >= TARGET else "MISS") if ci == 0 else "-",
+            })
+        del args
     print_table(rows)
     notes = (f"copy bandwidth {copy_gbs:.1f} GB/s; head_dim {D}, page 16; bytes = bf16 K/V read + codes and scales "
-             f"written; median of {ROUNDS} interleaved rounds of do_bench_cold; vs default = default ms / impl ms")
+             f"written; median of {ROUNDS} interleaved rounds of do_bench_cold; vs default = first impl ms / impl ms")
     path = write_results("kv_append_ab_h200", rows, env_stamp(), notes)
     print(f"wrote {path}")
 

@@ -456,6 +456,13 @@ __global__ void __launch_bounds__(kAppendThreads) fp4kv_append_warp_kernel(const
   }
 }
 
+// TRACE_EXT_KV_APPEND_WAVES (read per call): waves of warp-stream chunks, 1 (unset, the default) .. 64.
+int kv_append_waves() {
+  const char* v = std::getenv("TRACE_EXT_KV_APPEND_WAVES");
+  const int n = v == nullptr ? 1 : std::atoi(v);
+  return n >= 1 && n <= 64 ? n : 1;
+}
+
 void check_cache_tensor(const at::Tensor& t, const char* name, int64_t width, const at::Tensor& ref_codes) {
   check_dtype(t, at::kByte, name);
   check_contiguous(t, name);
@@ -590,9 +597,13 @@ void fp4kv_append_cuda(at::Tensor& k_codes, at::Tensor& k_scales, at::Tensor& v_
     p.rg_v = 1.0f / p.g_v;
     // one full wave: every warp a contiguous chunk of one tensor, chunks equal to within one item (not rounded to
     // 32 items: that would leave part of the wave empty, up to 6% of the SMs' issue slots at the bench shape), and at
-    // least 32 items (small appends: fewer warps, each with all lanes busy)
-    const int64_t want_per_tensor = std::max<int64_t>(1, resident_warps / 2);
-    const int64_t chunk = std::max<int64_t>(32, (per_tensor + want_per_tensor - 1) / want_per_tensor);
+    // least 32 items (small appends: fewer warps, each with all lanes busy). TRACE_EXT_KV_APPEND_WAVES=n (2..64, read
+    // per call; an A/B knob): n waves of chunks rounded up to whole warp steps, CTAs of later waves starting as
+    // earlier ones finish (the hardware balances the tail; each warp pays its setup n times as often).
+    const int waves = kv_append_waves();
+    const int64_t want_per_tensor = std::max<int64_t>(1, resident_warps / 2) * waves;
+    int64_t chunk = std::max<int64_t>(32, (per_tensor + want_per_tensor - 1) / want_per_tensor);
+    if (waves > 1) chunk = (chunk + 31) / 32 * 32;
     p.chunk = (int)chunk;
     p.warps_per_tensor = (int)((per_tensor + chunk - 1) / chunk);
     const int wgrid = (int)((2 * (int64_t)p.warps_per_tensor + kWarpsPerCta - 1) / kWarpsPerCta);

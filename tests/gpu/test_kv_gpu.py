@@ -544,6 +544,30 @@ def test_append_warp_kernel_every_bf16_value(impl, g, shuffle, monkeypatch):
     _assert_same_cache(a, b, f"impl={impl} g={g} shuffle={shuffle}")
 
 
+@pytest.mark.parametrize("waves", [2, 3, 64])
+@pytest.mark.parametrize("impl", APPEND_WARP_IMPLS)
+def test_append_warp_kernel_in_waves_is_bit_exact(impl, waves, monkeypatch):
+    """TRACE_EXT_KV_APPEND_WAVES=n (an A/B knob): n waves of warp chunks rounded up to whole warp steps (64: most
+    warps get one step or none) on prefill chunks, decode tokens, an empty sequence and odd page offsets."""
+    gen = torch.Generator(device=DEV).manual_seed(77 + waves)
+    H, D, P = 3, 128, 7
+    counts = [700, 1, 0, 33, 2048, 1, 129]
+    start = [5, 4000, 3, 0, 40, 7, 1]
+    B = len(counts)
+    max_pages = math.ceil((max(s + c for s, c in zip(start, counts)) + 1) / P)
+    pages = B * max_pages
+    table = torch.randperm(pages, generator=gen, device=DEV).reshape(B, max_pages).to(torch.int32)
+    T = sum(counts)
+    k = adversarial_rows(T, H, D, gen)
+    v = (torch.randn(T, H, D, generator=gen, device=DEV) * 3.0).to(torch.bfloat16)
+    cu = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    sp = torch.tensor(start, dtype=torch.int32, device=DEV)
+    monkeypatch.setenv("TRACE_EXT_KV_APPEND_WAVES", str(waves))
+    a, b = _append_both(impl, monkeypatch, (pages, P, H, D, dict(g_k=0.05, g_v=1.0)), k, v, table, cu, sp)
+    monkeypatch.delenv("TRACE_EXT_KV_APPEND_WAVES")
+    _assert_same_cache(a, b, f"impl={impl} waves={waves}")
+
+
 @pytest.mark.parametrize("impl", APPEND_WARP_IMPLS)
 def test_append_warp_kernel_matches_default_kernel_on_the_bench_shape(impl, monkeypatch):
     """The bench's prefill chunk (8 sequences x 4096 tokens, H_kv 8, D 128, written at token 1000 of shuffled pages)
