@@ -13,6 +13,7 @@ N_SETS rotated weight sets (cold L2); the row reports the median over the rounds
 checked against the float64 reference bound of the GPU tests (1 bf16 ulp + the fp32 accumulation bound) on every
 active expert, so a broken variant never reports a time. %copyBW is on the active experts' bytes (codes + scales) + A +
 Y; speedups are against the first kernel and against grouped_mm.
+GROUPED_AB_TS=a,b,... overrides the token batches.
 Run: python bench/bench_decode_grouped_ab.py (~45-60 s on an H200; results in decode_grouped_ab_h200.{json,md} under
 $BENCH_OUT or bench/results/).
 """
@@ -38,7 +39,7 @@ ROUNDS = 2
 REP_MS = 100
 E, TOPK = 128, 8
 PROJ = (("gate_up", 1536, 2048), ("down", 2048, 768))
-TS = (1, 16, 64, 256)
+TS = tuple(int(t) for t in os.environ.get("GROUPED_AB_TS", "1,16,64,256").split(","))  # GROUPED_AB_TS overrides
 ENV = "TRACE_EXT_DECODE_IMPL"
 # TRACE_EXT_DECODE_IMPL values ("default": unset; "@VAR=VALUE" sets a further switch, common.impl_env): the grouped
 # stream kernel (the default before f062b32), the K-slab kernel's whole jobs under the previous plan (the default before

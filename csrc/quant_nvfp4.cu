@@ -125,8 +125,6 @@ constexpr int kImplSrLean = 7;  // TRACE_EXT_QUANT_IMPL=sr-lean: kImplGuidedLean
                                 // on the fast path: sr_elems_lean_x2m14 (quant_sr_elems.cuh; same codes)
 constexpr int kImplSrRow = 8;   // default (TRACE_EXT_QUANT_IMPL=sr-row): kImplSrLean, except SR quantize with g None
                                 // through nvfp4_quant_rowg_lean_kernel<..., kSR> (two blocks per lane, as rowg-lean2)
-constexpr int kImplRowgLean4 = 9;  // TRACE_EXT_QUANT_IMPL=rowg-lean4: kImplSrRow, except RTN quantize with g None
-                                   // at four blocks per lane (16-bit x, kb >= 8; 2 CTAs per SM)
 static_assert(kChunkElems % 8 == 0, "a chunk must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kNvfp4Block % 8 == 0, "a block must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 2 blocks x 16 elements");
@@ -972,11 +970,6 @@ __global__ void __launch_bounds__(kMaxTeam) nvfp4_quant_rowg_kernel(const QuantP
 constexpr int kRowLeanThreads = 256;  // CTA of the lean per-row kernel (4 resident per SM at <= 64 registers)
 constexpr int kRowLeanCtasPerSm = 4;
 constexpr int kRowLeanSrCtasPerSm = 3;  // SR: > 64 registers without spills (4 CTAs at 64 spilled: 0.93-0.95x)
-constexpr int kRowLean4CtasPerSm = 2;   // four blocks per lane (=rowg-lean4): two rows of 64 elements in registers
-// CTAs per SM the lean per-row kernel is built for (its __launch_bounds__ and its grid)
-constexpr int rowg_lean_ctas_per_sm(int bpl, int mode) {
-  return bpl == 4 ? kRowLean4CtasPerSm : mode == kRTN ? kRowLeanCtasPerSm : kRowLeanSrCtasPerSm;
-}
 static_assert(kRowLeanThreads % 32 == 0 && kRowLeanThreads <= kMaxTeam, "lean per-row CTA: whole warps, <= kMaxTeam");
 
 struct RowLeanWalk {
@@ -1001,7 +994,7 @@ __device__ __forceinline__ void load_row_blocks(const T* xp, const RowLeanWalk& 
 }
 
 template <typename T, int BPL, bool SWIZZLE, int MODE = kRTN>
-__global__ void __launch_bounds__(kRowLeanThreads, rowg_lean_ctas_per_sm(BPL, MODE))
+__global__ void __launch_bounds__(kRowLeanThreads, MODE == kRTN ? kRowLeanCtasPerSm : kRowLeanSrCtasPerSm)
     nvfp4_quant_rowg_lean_kernel(const QuantParams p, const RowLeanWalk w) {
   static_assert(MODE == kRTN || MODE == kSR, "guided rounding never recomputes g");
   __shared__ uint32_t warp_max[2][kRowLeanThreads / 32];
@@ -1090,7 +1083,7 @@ __global__ void __launch_bounds__(kRowLeanThreads, rowg_lean_ctas_per_sm(BPL, MO
   };
   BlockRaw<T> buf0[BPL], buf1[BPL];
   load_row_blocks<T, BPL>(xp, w, row, lane_in_team, buf0);
-  if constexpr (BPL != 2) {  // one block per lane at 64 registers, four at 128: alternate the two buffers
+  if constexpr (BPL == 1) {
     while (base < w.rows) {
       step(buf0, buf1);
       if (base >= w.rows) break;
@@ -1286,25 +1279,19 @@ void launch_rowg(const QuantParams& p, cudaStream_t stream, const char* op) {
 
 // nvfp4_quant_rowg_lean_kernel where it applies (TRACE_EXT_QUANT_IMPL=rowg-lean; RTN quantize with g None, rows of
 // <= kRowLeanThreads * BPL blocks, 32-bit indices); false if not (the caller then runs the default's kernels).
-// prefer_bpl 2 (=rowg-lean2, 16-bit x): two blocks per lane for every kb >= 2 (half the team, half the per-row work per
-// element, twice the bytes in flight per thread), else only where one block per lane would need more than 256 threads;
-// 4 (=rowg-lean4, RTN, 16-bit x): four blocks per lane for kb >= 8 (a quarter of the per-row work per element of one
-// block per lane; 2 CTAs per SM at <= 128 registers), also the only lean form for rows of 513..1024 blocks.
+// prefer_two (=rowg-lean2, 16-bit x): two blocks per lane for every kb >= 2 (half the team, half the per-row work per
+// element, twice the bytes in flight per thread), else only where one block per lane would need more than 256 threads.
 template <typename T, int MODE = kRTN>
-bool launch_rowg_lean(const QuantParams& p, cudaStream_t stream, const char* op, int prefer_bpl) {
+bool launch_rowg_lean(const QuantParams& p, cudaStream_t stream, const char* op, bool prefer_two) {
   if (p.y != nullptr || p.codes == nullptr || p.scales == nullptr || p.g_out == nullptr) return false;
-  constexpr bool kWide = sizeof(T) == 2;  // fp32: two rows of 2 blocks in flight would exceed 64 registers
-  constexpr bool kFour = kWide && MODE == kRTN;
-  const int64_t max_bpl = kFour && prefer_bpl == 4 ? 4 : kWide ? 2 : 1;
-  if (p.kb > kRowLeanThreads * max_bpl) return false;
-  const int bpl = max_bpl == 4 && (p.kb >= 8 || p.kb > 2 * kRowLeanThreads)                      ? 4
-                  : max_bpl >= 2 && (p.kb > kRowLeanThreads || (prefer_bpl >= 2 && p.kb >= 2)) ? 2
-                                                                                                 : 1;
+  constexpr int64_t kMaxBpl = sizeof(T) == 2 ? 2 : 1;  // fp32: two rows of 2 blocks in flight would exceed 64 registers
+  if (p.kb > kRowLeanThreads * kMaxBpl) return false;
+  const int bpl = p.kb > kRowLeanThreads || (prefer_two && kMaxBpl == 2 && p.kb >= 2) ? 2 : 1;
   uint32_t shift = 0;
   while ((int64_t(1) << shift) * bpl < p.kb) ++shift;
   const int64_t rows_per_cta = kRowLeanThreads >> shift;
   const int64_t groups = div_up(p.rows, rows_per_cta);
-  const int64_t max_ctas = int64_t(current_sm_count()) * rowg_lean_ctas_per_sm(bpl, MODE);
+  const int64_t max_ctas = int64_t(current_sm_count()) * (MODE == kRTN ? kRowLeanCtasPerSm : kRowLeanSrCtasPerSm);
   const int64_t iters = div_up(groups, max_ctas);
   const int64_t grid = div_up(groups, iters);  // balanced: every CTA walks iters or iters - 1 row groups
   const int64_t row_stride = grid * rows_per_cta;
@@ -1320,14 +1307,9 @@ bool launch_rowg_lean(const QuantParams& p, cudaStream_t stream, const char* op,
   if (bpl == 1) {
     p.swizzle ? go(nvfp4_quant_rowg_lean_kernel<T, 1, true, MODE>)
               : go(nvfp4_quant_rowg_lean_kernel<T, 1, false, MODE>);
-  } else if constexpr (kWide) {
-    if (bpl == 2) {
-      p.swizzle ? go(nvfp4_quant_rowg_lean_kernel<T, 2, true, MODE>)
-                : go(nvfp4_quant_rowg_lean_kernel<T, 2, false, MODE>);
-    } else if constexpr (kFour) {
-      p.swizzle ? go(nvfp4_quant_rowg_lean_kernel<T, 4, true, MODE>)
-                : go(nvfp4_quant_rowg_lean_kernel<T, 4, false, MODE>);
-    }
+  } else if constexpr (kMaxBpl == 2) {
+    p.swizzle ? go(nvfp4_quant_rowg_lean_kernel<T, 2, true, MODE>)
+              : go(nvfp4_quant_rowg_lean_kernel<T, 2, false, MODE>);
   }
   return true;
 }
@@ -1373,7 +1355,6 @@ int quant_impl() {
   if (v != nullptr && std::strcmp(v, "rowg-lean2") == 0) return kImplRowgLean2;
   if (v != nullptr && std::strcmp(v, "guided-lean") == 0) return kImplGuidedLean;
   if (v != nullptr && std::strcmp(v, "sr-lean") == 0) return kImplSrLean;
-  if (v != nullptr && std::strcmp(v, "rowg-lean4") == 0) return kImplRowgLean4;
   return kImplSrRow;
 }
 
@@ -1390,10 +1371,9 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
     case kImplLean:
       launch_quant_impl<FAKE, T, kImplLean>(p, rounding, rowg, stream, op);
       break;
-    case kImplRowgLean4:  // the default, except RTN quantize with g None at four blocks per lane
     case kImplSrRow:  // sr-lean, except SR quantize with g None through the persistent per-row kernel
       if (!FAKE && rowg && rounding == kSR && p.K <= kFusedMaxK &&
-          launch_rowg_lean<T, kSR>(p, stream, op, 2))
+          launch_rowg_lean<T, kSR>(p, stream, op, true))
         break;
       [[fallthrough]];
     case kImplSrLean:  // the default's kernels, SR with the lean element code (same kernels, other instantiations)
@@ -1410,7 +1390,7 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
     case kImplRowgLean:  // the default's kernels except RTN quantize with g None (no duplicate instantiations)
     case kImplRowgLean2:
       if (!(!FAKE && rowg && rounding == kRTN && p.K <= kFusedMaxK &&
-            launch_rowg_lean<T>(p, stream, op, impl == kImplRowgLean ? 1 : impl == kImplRowgLean4 ? 4 : 2))) {
+            launch_rowg_lean<T>(p, stream, op, impl != kImplRowgLean))) {  // two blocks per lane but =rowg-lean
         launch_quant_impl<FAKE, T, kImplLean>(p, rounding, rowg, stream, op);
       }
       break;

@@ -26,7 +26,7 @@ TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 @pytest.fixture(params=("default", "bits", "rtn-fminf", "rtn-sat", "lean", "rowg-lean", "rowg-lean2", "guided-lean",
-                        "sr-lean", "sr-row", "rowg-lean4"))
+                        "sr-lean", "sr-row"))
 def impl(request, monkeypatch):
     if request.param == "default":
         monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
@@ -139,7 +139,7 @@ def test_impls_agree_on_random_activations(monkeypatch):
         monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
         a = ops.nvfp4_quantize(x, backend="cuda", **kw)
         for variant in ("bits", "rtn-fminf", "rtn-sat", "lean", "rowg-lean", "rowg-lean2", "guided-lean", "sr-lean",
-                        "sr-row", "rowg-lean4"):
+                        "sr-row"):
             monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", variant)
             b = ops.nvfp4_quantize(x, backend="cuda", **kw)
             assert torch.equal(a.codes, b.codes), (variant, list(kw))
@@ -216,8 +216,7 @@ def test_lean_capture_and_swizzle_match_rtn_sat(monkeypatch, R, K):
 # Shapes cover every team size and both blocks-per-lane cases (kb <= 256: one block per lane, team = kb rounded up to a
 # power of two, several rows per CTA below 256; 256 < kb <= 512: two, 16-bit inputs only), block counts that are not
 # powers of two (lanes past the row), more row groups than CTAs (the grid-stride walk and the prefetch of the next row,
-# uneven last iteration), and the fallbacks (fp32 with kb > 256, kb > 512, K > 16384: the default's kernels; =rowg-lean4
-# takes four blocks per lane for 16-bit x with kb >= 8, up to kb = 1024, team = kb / 4 rounded up). Rows get
+# uneven last iteration), and the fallbacks (fp32 with kb > 256, kb > 512, K > 16384: the default's kernels). Rows get
 # amaxes 2^-20 .. 2^20 apart (a wrong row's g changes the codes); some rows carry NaN / +-Inf blocks or are all zero /
 # all non-finite (g = 1).
 
@@ -244,13 +243,13 @@ def rowg_input(R, K, dtype, seed):
 @pytest.mark.parametrize("R,K", ROWG_SHAPES)
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
 def test_rowg_lean_against_reference(monkeypatch, R, K, dtype):
-    """codes, scales, g (linear), capture mbits and swizzled scales of =rowg-lean, =rowg-lean2 (two blocks per lane
-    for every K of 16-bit x) and =rowg-lean4 (four) equal the reference's."""
+    """codes, scales, g (linear), capture mbits and swizzled scales of =rowg-lean and =rowg-lean2 (two blocks per
+    lane for every K of 16-bit x) equal the reference's."""
     x = rowg_input(R, K, dtype, R + 3 * K)
     qr = ops.nvfp4_quantize(x, backend="reference")
     mbits = ref.guidance_from_quantized(qr, "compact").payload
     qsr = ops.nvfp4_quantize(x, swizzle=True, backend="reference")
-    for variant in ("rowg-lean", "rowg-lean2", "rowg-lean4"):
+    for variant in ("rowg-lean", "rowg-lean2"):
         monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", variant)
         what = f"{variant} {R}x{K} {dtype}"
         assert_same(ops.nvfp4_quantize(x, backend="cuda"), qr, what)
