@@ -13,7 +13,7 @@ N_SETS rotated weight sets (cold L2); the row reports the median over the rounds
 checked against the float64 reference bound of the GPU tests (1 bf16 ulp + the fp32 accumulation bound) on every
 active expert, so a broken variant never reports a time. %copyBW is on the active experts' bytes (codes + scales) + A +
 Y; speedups are against the first kernel and against grouped_mm.
-GROUPED_AB_TS=a,b,... overrides the token batches.
+GROUPED_AB_TS=a,b,... overrides the token batches; GROUPED_AB_SKEW=s skews the routing (routed_offsets).
 Run: python bench/bench_decode_grouped_ab.py (~45-60 s on an H200; results in decode_grouped_ab_h200.{json,md} under
 $BENCH_OUT or bench/results/).
 """
@@ -40,6 +40,7 @@ REP_MS = 100
 E, TOPK = 128, 8
 PROJ = (("gate_up", 1536, 2048), ("down", 2048, 768))
 TS = tuple(int(t) for t in os.environ.get("GROUPED_AB_TS", "1,16,64,256").split(","))  # GROUPED_AB_TS overrides
+SKEW = float(os.environ.get("GROUPED_AB_SKEW", "0"))  # router skew (bench_gemm.routed_offsets); 0: uniform routing
 ENV = "TRACE_EXT_DECODE_IMPL"
 # TRACE_EXT_DECODE_IMPL values ("default": unset; "@VAR=VALUE" sets a further switch, common.impl_env): the grouped
 # stream kernel (the default before f062b32), the K-slab kernel's whole jobs under the previous plan (the default before
@@ -84,7 +85,7 @@ def main():
             del x
             sets.append((q, O.prepare_fp4_weight(q), ref.nvfp4_dequantize(q, torch.bfloat16).transpose(-2, -1)))
         for T in TS:
-            offsets = routed_offsets(T, E, TOPK, gen)
+            offsets = routed_offsets(T, E, TOPK, gen, SKEW)
             active = int((offsets[1:] > offsets[:-1]).sum())
             M = T * TOPK
             a = torch.randn(M, K, device=DEV).bfloat16()
@@ -102,7 +103,8 @@ def main():
             ms = {k: statistics.median(v) for k, v in t.items()}
             nbytes = active * (N * K // 2 + N * K // 16) + M * K * 2 + M * N * 2
             bw = lambda m: 100 * nbytes / (m * 1e-3) / 1e9 / copy_bw  # noqa: E731
-            row = {"shape": f"qwen3 {name} T={T} top{TOPK}", "active": active, "M": M}
+            row = {"shape": f"qwen3 {name} T={T} top{TOPK}" + (f" skew {SKEW:g}" if SKEW else ""), "active": active,
+                   "M": M, "max rows": int((offsets[1:] - offsets[:-1]).max())}
             row.update({f"{k}_us": 1e3 * ms[k] for k in (*IMPLS, "grouped_mm")})
             row.update({f"{k}_%BW": bw(ms[k]) for k in IMPLS})
             row.update({f"{k}_speedup": ms[IMPLS[0]] / ms[k] for k in IMPLS[1:]})

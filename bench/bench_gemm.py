@@ -131,9 +131,13 @@ def bench_dense_decode(copy_bw, rows):
         torch.cuda.empty_cache()
 
 
-def routed_offsets(T, E, k, gen):
-    """offsets[E + 1] (int32, on the GPU) of T tokens routed top-k over E experts by random router scores."""
-    ids = torch.topk(torch.randn(T, E, device=DEV, generator=gen), k, dim=-1).indices
+def routed_offsets(T, E, k, gen, skew=0.0):
+    """offsets[E + 1] (int32, on the GPU) of T tokens routed top-k over E experts by random router scores; skew > 0
+    adds skew * b_e to expert e's scores (b ~ N(0, 1) per call): popular and unpopular experts, as real routers have."""
+    scores = torch.randn(T, E, device=DEV, generator=gen)
+    if skew:
+        scores += skew * torch.randn(E, device=DEV, generator=gen)
+    ids = torch.topk(scores, k, dim=-1).indices
     counts = torch.bincount(ids.reshape(-1), minlength=E)
     offsets = torch.zeros(E + 1, dtype=torch.int32, device=DEV)
     offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)

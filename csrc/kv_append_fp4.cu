@@ -41,8 +41,8 @@
 // thread instructions per element, issue slots 75% busy, DRAM 55%: issue-bound. The warp-stream kernel cuts the
 // instructions per element:
 // - Work: each warp appends a contiguous chunk of one tensor's items (four blocks of a (token, head) row where
-//   D % 64 == 0, else two), lanes taking items l, l + 32, ...; one full wave of warps (occupancy API), chunks equal
-//   to within an item. A warp step reads 32 consecutive items (4 KB at H_kv * D = 1024, kPer 4) with 16-byte loads
+//   D % 64 == 0, else two), lanes taking items l, l + 32, ...; two waves of warps (occupancy API), chunks of whole
+//   warp steps (TRACE_EXT_KV_APPEND_WAVES=1: one wave, chunks equal to within an item). A warp step reads 32 consecutive items (4 KB at H_kv * D = 1024, kPer 4) with 16-byte loads
 //   issued before any math, and writes 16-byte code stores and one 4-byte (2-byte) scale store per lane, contiguous
 //   per token. The token, (head, block), sequence and page advance incrementally (a binary search only when a lane
 //   enters another sequence, one block-table load per page per lane) instead of two divisions, a binary search and a
@@ -456,11 +456,12 @@ __global__ void __launch_bounds__(kAppendThreads) fp4kv_append_warp_kernel(const
   }
 }
 
-// TRACE_EXT_KV_APPEND_WAVES (read per call): waves of warp-stream chunks, 1 (unset, the default) .. 64.
+// TRACE_EXT_KV_APPEND_WAVES (read per call): waves of warp-stream chunks, 1 .. 64; unset (or out of range): 2.
+constexpr int kAppendWaves = 2;
 int kv_append_waves() {
   const char* v = std::getenv("TRACE_EXT_KV_APPEND_WAVES");
-  const int n = v == nullptr ? 1 : std::atoi(v);
-  return n >= 1 && n <= 64 ? n : 1;
+  const int n = v == nullptr ? kAppendWaves : std::atoi(v);
+  return n >= 1 && n <= 64 ? n : kAppendWaves;
 }
 
 void check_cache_tensor(const at::Tensor& t, const char* name, int64_t width, const at::Tensor& ref_codes) {
@@ -595,11 +596,11 @@ void fp4kv_append_cuda(at::Tensor& k_codes, at::Tensor& k_scales, at::Tensor& v_
     p.step_items = 32 % p.items_per_token;
     p.rg_k = 1.0f / p.g_k;  // IEEE single division on the host: fl(1 / g)
     p.rg_v = 1.0f / p.g_v;
-    // one full wave: every warp a contiguous chunk of one tensor, chunks equal to within one item (not rounded to
-    // 32 items: that would leave part of the wave empty, up to 6% of the SMs' issue slots at the bench shape), and at
-    // least 32 items (small appends: fewer warps, each with all lanes busy). TRACE_EXT_KV_APPEND_WAVES=n (2..64, read
-    // per call; an A/B knob): n waves of chunks rounded up to whole warp steps, CTAs of later waves starting as
-    // earlier ones finish (the hardware balances the tail; each warp pays its setup n times as often).
+    // Two waves of warps (default since the H200 A/B of rounds 30 / 31: 1.01-1.03x on the prefill cases, two
+    // timings), every warp a contiguous chunk of one tensor rounded up to whole warp steps (no partly idle last step),
+    // at least 32 items (small appends: fewer warps, each with all lanes busy); CTAs of the second wave start as
+    // those of the first finish, so the hardware balances the tail. TRACE_EXT_KV_APPEND_WAVES=n (1..64, read per
+    // call): n waves; 1 is the previous plan (one full wave, chunks equal to within one item, not rounded).
     const int waves = kv_append_waves();
     const int64_t want_per_tensor = std::max<int64_t>(1, resident_warps / 2) * waves;
     int64_t chunk = std::max<int64_t>(32, (per_tensor + want_per_tensor - 1) / want_per_tensor);
