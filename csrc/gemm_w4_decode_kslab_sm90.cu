@@ -69,8 +69,8 @@
 // other archs: RuntimeError; =stream / =auto: the stream kernel):
 //  - Why: the grouped stream kernel re-reads every tile's activation fragments from L2 (Qwen3 T = 256, ~16 rows per
 //    expert: ~3.5x the weight bytes); it reached 10-49 % of copy on the Qwen3 expert shapes.
-//  - Work order: units = (expert with rows, chunk of R = 8 / 16 / 32 rows; R by rows_hint as the stream kernel),
-//    numbered on the device by the stream kernel's block-wide scan of offsets (decode_number_units /
+//  - Work order: units = (expert with rows, chunk of R = 8 / 16 / 32 rows; R by rows_hint: 8 up to 4 rows per
+//    expert on average, 16 up to 8, else 32), numbered on the device by the stream kernel's block-wide scan of offsets (decode_number_units /
 //    decode_unit_expert / decode_unit_rows of gemm_w4_decode_units.cuh: s_pref in shared memory, unit -> expert by
 //    binary search; empty experts cost nothing). Jobs (unit u, slab s, N chunk c), job = (u S + s) C + c; one
 //    resident CTA of 16 warps per SM loops over jobs blockIdx-strided. Per job: a CTA barrier (the previous job's A /
@@ -992,10 +992,9 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
 }
 
 // TRACE_EXT_KSLAB_GRP_ROWS=8 / 16 / 32 (read per call; an A/B knob): the grouped K-slab kernel's rows per unit instead
-// of the rows_hint rule (8 up to 2 rows per expert on average, 16 up to 8, else 32). At Qwen3 T = 64 (~4 rows per
-// expert) the rule takes 16-row units, so half of every MMA's columns are padding; 8-row units halve the MMAs but split
-// the few experts with more than 8 rows into two units (their weights read twice). Any value is correct (units of any
-// size cover every expert's rows); only the speed differs. 0: not set (or another value).
+// of the rows_hint rule (8 up to kKsGrp8RowsMaxHint rows per expert on average, 16 up to 8, else 32). Any value is
+// correct (units of any size cover every expert's rows); only the speed differs. 0: not set (or another value).
+constexpr int kKsGrp8RowsMaxHint = 4;  // 2 before the H200 rounds 30-32
 int kslab_grp_rows_forced() {
   const char* v = std::getenv("TRACE_EXT_KSLAB_GRP_ROWS");
   if (v == nullptr) return 0;
@@ -1018,11 +1017,15 @@ bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::
   if ((int64_t)(p.N / 16) * (p.K / kKsSuperK) >= (int64_t{1} << 31)) return false;
   const int order = selected == 1 ? kGrpJobs : selected == 2 ? kGrpFlat : -1;
   const bool a4 = p.a_scales != nullptr;
-  // rows per unit as the grouped stream kernel: a little above the average rows per expert (rows_hint), unless
-  // TRACE_EXT_KSLAB_GRP_ROWS names them
+  // rows per unit: 8 up to 4 rows per expert on average (rows_hint), 16 up to 8, else 32, unless
+  // TRACE_EXT_KSLAB_GRP_ROWS names them. 8-row units up to 4 (the grouped stream kernel's rule stops at 2): H200 rounds
+  // 30-32, Qwen3 T = 48 / 64 (3 / 4 rows per expert) 1.12-1.15x over 16-row units (half the MMA columns are padding
+  // there), uniform and skewed routing. At 5 rows per expert they lose 0.62-0.64x: the experts above 8 rows add units
+  // beyond the plan's estimate (experts with rows, units_est) and whole jobs spill into a second round. At 4 that
+  // happens in ~1-3% of uniformly routed calls (host emulation of the plan; tools/ab/round32.steps' notes).
   const int forced = kslab_grp_rows_forced();
   if (forced != 0) rows_hint = forced == 8 ? 1 : forced == 16 ? 8 : 9;
-  if (rows_hint <= 2) return a4 ? launch_decode_kslab_grouped<1, true>(p, like, stream, order)
+  if (rows_hint <= kKsGrp8RowsMaxHint) return a4 ? launch_decode_kslab_grouped<1, true>(p, like, stream, order)
                                 : launch_decode_kslab_grouped<1, false>(p, like, stream, order);
   if (rows_hint <= 8) return a4 ? launch_decode_kslab_grouped<2, true>(p, like, stream, order)
                                 : launch_decode_kslab_grouped<2, false>(p, like, stream, order);
