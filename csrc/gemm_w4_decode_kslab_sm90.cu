@@ -733,12 +733,15 @@ __global__ void __launch_bounds__(kKsThreads, 1)
 #endif
 }
 
-// The segment slots in shared memory (kSegSmem) for up to 16 rows: the default; TRACE_EXT_KSLAB_SEG=l2 (read per
-// call) keeps them in L2 (the kernels before 0c439e6).
-bool kslab_seg_smem_selected() {
+// The segment slots in shared memory (kSegSmem) for up to 16 rows: the default (but for the grouped whole-job order at
+// 3..4 rows per expert, below); TRACE_EXT_KSLAB_SEG (read per call) =l2 keeps them in L2 everywhere (the kernels
+// before 0c439e6), =smem in shared memory everywhere they fit. 0: unset (the defaults), 1: smem, 2: l2.
+int kslab_seg_choice() {
   const char* v = std::getenv("TRACE_EXT_KSLAB_SEG");
-  return v == nullptr || std::strcmp(v, "l2") != 0;
+  if (v == nullptr) return 0;
+  return std::strcmp(v, "l2") == 0 ? 2 : std::strcmp(v, "smem") == 0 ? 1 : 0;
 }
+bool kslab_seg_smem_selected() { return kslab_seg_choice() != 2; }
 
 int decode_kslab_selected() {
   const char* v = std::getenv("TRACE_EXT_DECODE_IMPL");
@@ -950,9 +953,13 @@ auto grouped_kernel_pick(int dev, int order, bool seg_smem) {
                                        : grouped_kernel_ready<MT8, kAFp4, kGrpJobs, false, kStages>(dev));
 }
 
-// order: kGrpJobs, kGrpFlat, or -1 (the default: grouped_flat_pays at the plan's unit estimate)
+// order: kGrpJobs, kGrpFlat, or -1 (the default: grouped_flat_pays at the plan's unit estimate); seg_l2_jobs: the
+// whole-job order keeps its segment slots in L2 unless TRACE_EXT_KSLAB_SEG=smem (H200 round 34, 8-row units at 3..4
+// rows per expert: 1.03-1.05x over the shared-memory slots at Qwen3 T = 48 / 64, two timings; the flat order at
+// T = 16 lost 0.98-0.99x with L2 slots, so it keeps shared memory).
 template <int MT8, bool kAFp4>
-bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cudaStream_t stream, int order) {
+bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cudaStream_t stream, int order,
+                                 bool seg_l2_jobs) {
   constexpr int kMaxL = kslab_grp_max_l(MT8);
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
@@ -982,7 +989,8 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   at::Tensor ws = at::empty({slab_floats + seg_floats}, like.options().dtype(at::kFloat));
   float* const ws_p = ws.data_ptr<float>();
   int* tickets = plan.S > 1 ? ticket_buffer(like, stream, (int)(max_units * n_blocks)) : nullptr;
-  const bool seg_smem = MT8 <= 2 && kslab_seg_smem_selected();
+  const int seg = kslab_seg_choice();
+  const bool seg_smem = MT8 <= 2 && (seg == 1 || (seg == 0 && !(seg_l2_jobs && order == kGrpJobs)));
   auto kernel = alt ? grouped_kernel_pick<MT8, kAFp4, kslab_alt_stages(MT8)>(dev, order, seg_smem)
                     : grouped_kernel_pick<MT8, kAFp4, kslab_stages(MT8)>(dev, order, seg_smem);
   kernel<<<ctas, kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L, plan.S, plan.C,
@@ -1025,12 +1033,14 @@ bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::
   // happens in ~1-3% of uniformly routed calls (host emulation of the plan; tools/ab/round32.steps' notes).
   const int forced = kslab_grp_rows_forced();
   if (forced != 0) rows_hint = forced == 8 ? 1 : forced == 16 ? 8 : 9;
-  if (rows_hint <= kKsGrp8RowsMaxHint) return a4 ? launch_decode_kslab_grouped<1, true>(p, like, stream, order)
-                                : launch_decode_kslab_grouped<1, false>(p, like, stream, order);
-  if (rows_hint <= 8) return a4 ? launch_decode_kslab_grouped<2, true>(p, like, stream, order)
-                                : launch_decode_kslab_grouped<2, false>(p, like, stream, order);
-  return a4 ? launch_decode_kslab_grouped<4, true>(p, like, stream, order)
-            : launch_decode_kslab_grouped<4, false>(p, like, stream, order);
+  const bool seg_l2_jobs = rows_hint > 2 && rows_hint <= kKsGrp8RowsMaxHint;  // the 8-row units added in round 30-32
+  if (rows_hint <= kKsGrp8RowsMaxHint)
+    return a4 ? launch_decode_kslab_grouped<1, true>(p, like, stream, order, seg_l2_jobs)
+              : launch_decode_kslab_grouped<1, false>(p, like, stream, order, seg_l2_jobs);
+  if (rows_hint <= 8) return a4 ? launch_decode_kslab_grouped<2, true>(p, like, stream, order, false)
+                                : launch_decode_kslab_grouped<2, false>(p, like, stream, order, false);
+  return a4 ? launch_decode_kslab_grouped<4, true>(p, like, stream, order, false)
+            : launch_decode_kslab_grouped<4, false>(p, like, stream, order, false);
 }
 
 }  // namespace gemm_w4

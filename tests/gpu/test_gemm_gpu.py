@@ -947,15 +947,17 @@ def test_decode_kslab_grouped_other_models_and_edges(monkeypatch, mode, impl):
     assert y.shape == (0, N)
 
 
-# ---- K-slab segment slots in shared memory (the default up to 16 rows; TRACE_EXT_KSLAB_SEG=l2 keeps the L2 slots) ---
+# ---- K-slab segment slots in shared memory (the default up to 16 rows, but for the grouped whole-job order at 3..4
+# rows per expert; TRACE_EXT_KSLAB_SEG=l2 / =smem forces the L2 / shared-memory slots) ----------------------------------
 # The same partial sums added in the same order as the L2 slots, so the outputs must be the same bits.
 
 
 def _seg_smem(monkeypatch, on):
-    if on:
-        monkeypatch.delenv("TRACE_EXT_KSLAB_SEG", raising=False)  # the default
+    """on: shared-memory slots (TRACE_EXT_KSLAB_SEG=smem), off: L2 slots (=l2), None: unset (the defaults)."""
+    if on is None:
+        monkeypatch.delenv("TRACE_EXT_KSLAB_SEG", raising=False)
     else:
-        monkeypatch.setenv("TRACE_EXT_KSLAB_SEG", "l2")
+        monkeypatch.setenv("TRACE_EXT_KSLAB_SEG", "smem" if on else "l2")
 
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
@@ -981,7 +983,7 @@ def test_decode_kslab_seg_smem_dense_equals_l2_slots(monkeypatch, mode):
                 assert torch.equal(y1, y0), f"seg smem N={N} K={K} M={M} {mode} {impl}"
                 _seg_smem(monkeypatch, False)
                 O.fp4_linear(a, wp, backend="cuda")
-                _seg_smem(monkeypatch, True)
+                _seg_smem(monkeypatch, None)
                 assert torch.equal(O.fp4_linear(a, wp, backend="cuda"), y0), f"repeat N={N} K={K} M={M}"
 
 
@@ -1012,14 +1014,17 @@ def _grouped_kslab_inputs(seed, Ts, one_expert_rows):
 def test_decode_kslab_seg_smem_grouped_equals_l2_slots(monkeypatch, impl):
     """Protects the shared-memory segment slots of the grouped K-slab kernel (the default) in both work orders
     (several jobs per CTA reuse the ring: the next job's barrier orders the finisher's reads before the ring refills):
-    Qwen3 T = 1, 3, 16, 64 (8- and 16-row units) and 256 (32-row units: L2 slots), both projections, W4A16 and W4A4,
-    K = 8448 (several slabs), one expert with 40 rows; equal to the L2 slots bit for bit."""
+    Qwen3 T = 1, 3, 16, 48, 64, 96 (8- and 16-row units) and 256 (32-row units: L2 slots), both projections, W4A16 and
+    W4A4, K = 8448 (several slabs), one expert with 40 rows; forced shared-memory slots and the default's choice
+    (L2 for whole jobs at 3..4 rows per expert) equal the L2 slots bit for bit."""
     _impl(monkeypatch, impl)
-    for what, wp, offsets, a in _grouped_kslab_inputs(31, (1, 3, 16, 64, 256), 40):
+    for what, wp, offsets, a in _grouped_kslab_inputs(31, (1, 3, 16, 48, 64, 96, 256), 40):
         _seg_smem(monkeypatch, False)
         y0 = O.fp4_grouped_linear(a, wp, offsets, backend="cuda")
         _seg_smem(monkeypatch, True)
         assert torch.equal(O.fp4_grouped_linear(a, wp, offsets, backend="cuda"), y0), f"{what} {impl}"
+        _seg_smem(monkeypatch, None)
+        assert torch.equal(O.fp4_grouped_linear(a, wp, offsets, backend="cuda"), y0), f"{what} {impl} default"
 
 
 @pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
