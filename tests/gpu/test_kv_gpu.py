@@ -470,6 +470,21 @@ def _assert_same_cache(a, b, what):
         assert not bad.any(), f"{what} {name}: {int(bad.sum())} bytes differ, first at {bad.nonzero()[0].tolist()}"
 
 
+def _paged_append_inputs(counts, start, H, D, P, gen, v_scale):
+    """A shuffled block table with room for every sequence's start + count tokens, adversarial K rows and Gaussian V
+    rows (times v_scale) for sum(counts) new tokens, cu_seqlens and start positions: (pages, table, k, v, cu, sp)."""
+    B = len(counts)
+    max_pages = math.ceil((max(s + c for s, c in zip(start, counts)) + 1) / P)
+    pages = B * max_pages
+    table = torch.randperm(pages, generator=gen, device=DEV).reshape(B, max_pages).to(torch.int32)
+    T = sum(counts)
+    k = adversarial_rows(T, H, D, gen)
+    v = (torch.randn(T, H, D, generator=gen, device=DEV) * v_scale).to(torch.bfloat16)
+    cu = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    sp = torch.tensor(start, dtype=torch.int32, device=DEV)
+    return pages, table, k, v, cu, sp
+
+
 @pytest.mark.parametrize("impl", APPEND_WARP_IMPLS)
 @pytest.mark.parametrize("D", [128, 64, 96, 48])
 @pytest.mark.parametrize("g", [1.0, 0.0123])
@@ -506,15 +521,7 @@ def test_append_warp_kernel_page_sizes_and_head_counts(impl, P, H, monkeypatch):
     D = 64
     counts = [97, 33, 0, 250] + [1] * 40
     start = [3, 0, 11, 6] + torch.randint(0, 300, (40,), generator=gen, device=DEV).tolist()  # CUDA gen
-    B = len(counts)
-    max_pages = math.ceil((max(s + c for s, c in zip(start, counts)) + 1) / P)
-    pages = B * max_pages
-    table = torch.randperm(pages, generator=gen, device=DEV).reshape(B, max_pages).to(torch.int32)
-    T = sum(counts)
-    k = adversarial_rows(T, H, D, gen)
-    v = (torch.randn(T, H, D, generator=gen, device=DEV) * 7.0).to(torch.bfloat16)
-    cu = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-    sp = torch.tensor(start, dtype=torch.int32, device=DEV)
+    pages, table, k, v, cu, sp = _paged_append_inputs(counts, start, H, D, P, gen, v_scale=7.0)
     a, b = _append_both(impl, monkeypatch, (pages, P, H, D, dict(g_k=0.37, g_v=1.0)), k, v, table, cu, sp)
     _assert_same_cache(a, b, f"impl={impl} P={P} H={H}")
 
@@ -553,15 +560,7 @@ def test_append_warp_kernel_in_waves_is_bit_exact(impl, waves, monkeypatch):
     H, D, P = 3, 128, 7
     counts = [700, 1, 0, 33, 2048, 1, 129]
     start = [5, 4000, 3, 0, 40, 7, 1]
-    B = len(counts)
-    max_pages = math.ceil((max(s + c for s, c in zip(start, counts)) + 1) / P)
-    pages = B * max_pages
-    table = torch.randperm(pages, generator=gen, device=DEV).reshape(B, max_pages).to(torch.int32)
-    T = sum(counts)
-    k = adversarial_rows(T, H, D, gen)
-    v = (torch.randn(T, H, D, generator=gen, device=DEV) * 3.0).to(torch.bfloat16)
-    cu = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-    sp = torch.tensor(start, dtype=torch.int32, device=DEV)
+    pages, table, k, v, cu, sp = _paged_append_inputs(counts, start, H, D, P, gen, v_scale=3.0)
     monkeypatch.setenv("TRACE_EXT_KV_APPEND_WAVES", str(waves))
     a, b = _append_both(impl, monkeypatch, (pages, P, H, D, dict(g_k=0.05, g_v=1.0)), k, v, table, cu, sp)
     monkeypatch.delenv("TRACE_EXT_KV_APPEND_WAVES")
