@@ -69,15 +69,15 @@
 // other archs: RuntimeError; =stream / =auto: the stream kernel):
 //  - Why: the grouped stream kernel re-reads every tile's activation fragments from L2 (Qwen3 T = 256, ~16 rows per
 //    expert: ~3.5x the weight bytes); it reached 10-49 % of copy on the Qwen3 expert shapes.
-//  - Work order: units = (expert with rows, chunk of R = 8 / 16 / 32 rows; R by rows_hint: 8 up to 4 rows per
-//    expert on average, 16 up to 8, else 32), numbered on the device by the stream kernel's block-wide scan of offsets (decode_number_units /
-//    decode_unit_expert / decode_unit_rows of gemm_w4_decode_units.cuh: s_pref in shared memory, unit -> expert by
-//    binary search; empty experts cost nothing). Jobs (unit u, slab s, N chunk c), job = (u S + s) C + c; one
-//    resident CTA of 16 warps per SM loops over jobs blockIdx-strided. Per job: a CTA barrier (the previous job's A /
-//    segment reads are done), the unit's rows r_lo .. r_hi - 1 of A[:, slab] staged in shared memory, then the dense
-//    kernel's job body (the same functions, kslab_job_start / kslab_job_stream) on the expert's weights (w_packed +
-//    e * N/16 * K/256 * 2304): per-warp cp.async rings, warp segments + warp-order sums, slab partials per (unit,
-//    block) + self-resetting tickets [max_units][N / 16] (last slab sums in slab order: deterministic). Y rows
+//  - Work order: units = (expert with rows, chunk of R = 8 / 16 / 32 rows; R by rows_hint: 8 up to 4 rows per expert on
+//    average, 16 up to 8, else 32), numbered on the device by the stream kernel's block-wide scan of offsets
+//    (decode_number_units / decode_unit_expert / decode_unit_rows of gemm_w4_decode_units.cuh: s_pref in shared memory,
+//    unit -> expert by binary search; empty experts cost nothing). Jobs (unit u, slab s, N chunk c), job = (u S + s) C
+//    + c; one resident CTA of 16 warps per SM loops over jobs blockIdx-strided. Per job: a CTA barrier (the previous
+//    job's A / segment reads are done), the unit's rows r_lo .. r_hi - 1 of A[:, slab] staged in shared memory, then
+//    the dense kernel's job body (the same functions, kslab_job_start / kslab_job_stream) on the expert's weights
+//    (w_packed + e * N/16 * K/256 * 2304): per-warp cp.async rings, warp segments + warp-order sums, slab partials per
+//    (unit, block) + self-resetting tickets [max_units][N / 16] (last slab sums in slab order: deterministic). Y rows
 //    r_lo .. r_hi - 1, g_w of expert e.
 //  - Plan (host, kslab_grouped_plan): S and C minimizing max(all job bytes without the ramp / SMs, busiest CTA's job
 //    bytes / 1.5), a job = its weight tiles + half its A bytes + 32 KB of ramp + its slab partials, from an estimate

@@ -948,7 +948,7 @@ def test_decode_kslab_grouped_other_models_and_edges(monkeypatch, mode, impl):
 
 
 # ---- K-slab segment slots in shared memory (the default up to 16 rows, but for the grouped whole-job order at 3..4
-# rows per expert; TRACE_EXT_KSLAB_SEG=l2 / =smem forces the L2 / shared-memory slots) ----------------------------------
+# rows per expert; TRACE_EXT_KSLAB_SEG=l2 / =smem forces the L2 / shared-memory slots) -----------------------------
 # The same partial sums added in the same order as the L2 slots, so the outputs must be the same bits.
 
 
