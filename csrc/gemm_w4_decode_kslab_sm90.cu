@@ -733,15 +733,14 @@ __global__ void __launch_bounds__(kKsThreads, 1)
 #endif
 }
 
-// The segment slots in shared memory (kSegSmem) for up to 16 rows: the default (but for the grouped whole-job order at
-// 3..4 rows per expert, below); TRACE_EXT_KSLAB_SEG (read per call) =l2 keeps them in L2 everywhere (the kernels
-// before 0c439e6), =smem in shared memory everywhere they fit. 0: unset (the defaults), 1: smem, 2: l2.
-int kslab_seg_choice() {
+// Whether a launch keeps its segment slots in shared memory (kSegSmem; they fit up to 16 rows). Default: yes, unless
+// l2_by_default (the grouped whole-job order at 3..4 rows per expert). TRACE_EXT_KSLAB_SEG (read per call): =l2 keeps
+// them in L2 everywhere (the kernels before 0c439e6), =smem in shared memory wherever they fit.
+bool kslab_seg_in_smem(int mt8, bool l2_by_default) {
   const char* v = std::getenv("TRACE_EXT_KSLAB_SEG");
-  if (v == nullptr) return 0;
-  return std::strcmp(v, "l2") == 0 ? 2 : std::strcmp(v, "smem") == 0 ? 1 : 0;
+  if (mt8 > 2 || (v != nullptr && std::strcmp(v, "l2") == 0)) return false;
+  return (v != nullptr && std::strcmp(v, "smem") == 0) || !l2_by_default;
 }
-bool kslab_seg_smem_selected() { return kslab_seg_choice() != 2; }
 
 int decode_kslab_selected() {
   const char* v = std::getenv("TRACE_EXT_DECODE_IMPL");
@@ -824,12 +823,11 @@ auto dense_kernel_ready(int dev) {
                             kKsDenseSmemMax(MT8)>(dev, "fp4_linear (decode kslab)");
 }
 
-// The dense kernel of a launch: shared-memory segment slots up to 16 rows (unless TRACE_EXT_KSLAB_SEG=l2), kStages
-// ring slots.
+// The dense kernel of a launch: shared-memory segment slots if seg_smem (<= 16 rows), kStages ring slots.
 template <int MT8, bool kAFp4, bool kForm2, int kStages>
-auto dense_kernel_pick(int dev) {
-  return MT8 <= 2 && kslab_seg_smem_selected() ? dense_kernel_ready<MT8, kAFp4, kForm2, MT8 <= 2, kStages>(dev)
-                                               : dense_kernel_ready<MT8, kAFp4, kForm2, false, kStages>(dev);
+auto dense_kernel_pick(int dev, bool seg_smem) {
+  return seg_smem ? dense_kernel_ready<MT8, kAFp4, kForm2, MT8 <= 2, kStages>(dev)
+                  : dense_kernel_ready<MT8, kAFp4, kForm2, false, kStages>(dev);
 }
 
 // TRACE_EXT_KSLAB_STAGES (read per call; an A/B knob) selects the other ring of the K-slab kernels (dense and grouped),
@@ -861,8 +859,9 @@ bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream
   at::Tensor ws = at::empty({slab_floats + seg_floats}, like.options().dtype(at::kFloat));
   float* const ws_p = ws.data_ptr<float>();
   int* tickets = plan.S > 1 ? ticket_buffer(like, stream, n_blocks) : nullptr;
-  auto kernel = alt ? dense_kernel_pick<MT8, kAFp4, kForm2, kslab_alt_stages(MT8)>(dev)
-                    : dense_kernel_pick<MT8, kAFp4, kForm2, kslab_stages(MT8)>(dev);
+  const bool seg_smem = kslab_seg_in_smem(MT8, false);
+  auto kernel = alt ? dense_kernel_pick<MT8, kAFp4, kForm2, kslab_alt_stages(MT8)>(dev, seg_smem)
+                    : dense_kernel_pick<MT8, kAFp4, kForm2, kslab_stages(MT8)>(dev, seg_smem);
   kernel<<<dim3(plan.C, plan.S), kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L);
   check_launch("fp4_linear (decode kslab)");
   return true;
@@ -989,8 +988,7 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   at::Tensor ws = at::empty({slab_floats + seg_floats}, like.options().dtype(at::kFloat));
   float* const ws_p = ws.data_ptr<float>();
   int* tickets = plan.S > 1 ? ticket_buffer(like, stream, (int)(max_units * n_blocks)) : nullptr;
-  const int seg = kslab_seg_choice();
-  const bool seg_smem = MT8 <= 2 && (seg == 1 || (seg == 0 && !(seg_l2_jobs && order == kGrpJobs)));
+  const bool seg_smem = kslab_seg_in_smem(MT8, seg_l2_jobs && order == kGrpJobs);
   auto kernel = alt ? grouped_kernel_pick<MT8, kAFp4, kslab_alt_stages(MT8)>(dev, order, seg_smem)
                     : grouped_kernel_pick<MT8, kAFp4, kslab_stages(MT8)>(dev, order, seg_smem);
   kernel<<<ctas, kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L, plan.S, plan.C,
@@ -1030,7 +1028,7 @@ bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::
   // 30-32, Qwen3 T = 48 / 64 (3 / 4 rows per expert) 1.12-1.15x over 16-row units (half the MMA columns are padding
   // there), uniform and skewed routing. At 5 rows per expert they lose 0.62-0.64x: the experts above 8 rows add units
   // beyond the plan's estimate (experts with rows, units_est) and whole jobs spill into a second round. At 4 that
-  // happens in ~1-3% of uniformly routed calls (host emulation of the plan; tools/ab/round32.steps' notes).
+  // happens in ~1-3% of uniformly routed calls (host emulation of the plan: tools/emulate_grouped_plan.py).
   const int forced = kslab_grp_rows_forced();
   if (forced != 0) rows_hint = forced == 8 ? 1 : forced == 16 ? 8 : 9;
   const bool seg_l2_jobs = rows_hint > 2 && rows_hint <= kKsGrp8RowsMaxHint;  // the 8-row units added in round 30-32

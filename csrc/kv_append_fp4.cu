@@ -40,13 +40,13 @@
 // blocks per item) force it, =grid the grid kernel. Nsight on the grid kernel at B8 x 4096, H_kv 8, D 128: 22.9
 // thread instructions per element, issue slots 75% busy, DRAM 55%: issue-bound. The warp-stream kernel cuts the
 // instructions per element:
-// - Work: each warp appends a contiguous chunk of one tensor's items (four blocks of a (token, head) row where D % 64
-//   == 0, else two), lanes taking items l, l + 32, ...; two waves of warps (occupancy API), chunks of whole warp steps
-//   (TRACE_EXT_KV_APPEND_WAVES=1: one wave, chunks equal to within an item). A warp step reads 32 consecutive items (4
-//   KB at H_kv * D = 1024, kPer 4) with 16-byte loads issued before any math, and writes 16-byte code stores and one
-//   4-byte (2-byte) scale store per lane, contiguous per token. The token, (head, block), sequence and page advance
-//   incrementally (a binary search only when a lane enters another sequence, one block-table load per page per lane)
-//   instead of two divisions, a binary search and a table load per item.
+// - Work: each warp appends a contiguous chunk of one tensor's items (four blocks of a (token, head) row where
+//   D % 64 == 0, else two), lanes taking items l, l + 32, ...; two waves of warps (occupancy API), chunks of whole
+//   warp steps (TRACE_EXT_KV_APPEND_WAVES=1: one wave, chunks equal to within an item). A warp step reads 32
+//   consecutive items (4 KB at H_kv * D = 1024, kPer 4) with 16-byte loads issued before any math, and writes 16-byte
+//   code stores and one 4-byte (2-byte) scale store per lane, contiguous per token. The token, (head, block),
+//   sequence and page advance incrementally (a binary search only when a lane enters another sequence, one
+//   block-table load per page per lane) instead of two divisions, a binary search and a table load per item.
 // - Scale byte: fl(amax / 6) and fl(. / g) by the exact reciprocal division (fl(1/6) and the host's fl(1/g), as
 //   quant_nvfp4.cu's nvfp4_scale_byte_rcp, amax in [2^-47, 2^50], g in [2^-50, 2^50]: other g take the default
 //   kernel); t * 2^14 and fl(1 / t) * 2^-14 come from a 2 x 128-entry shared table indexed by the scale byte (filled
