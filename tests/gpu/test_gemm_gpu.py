@@ -960,6 +960,17 @@ def _seg_smem(monkeypatch, on):
         monkeypatch.setenv("TRACE_EXT_KSLAB_SEG", "smem" if on else "l2")
 
 
+def _dense_kslab_inputs(mode, Ms):
+    """The dense K-slab tests' inputs: every kslab test shape (whole K in one slab, several slabs, a partial last one),
+    its weight prepared in both packed forms, and for each M in Ms a bf16 A (mode "w4a16") or its NVFP4 quantization
+    ("w4a4"): yields (N, K, M, prepared weight, A)."""
+    for N, K in KSLAB_SHAPES:
+        wp = O.prepare_fp4_weight(_quant_w(N, K), decode_form2=True)
+        for M in Ms:
+            a = torch.randn(M, K, device=DEV).bfloat16()
+            yield N, K, M, wp, ref.nvfp4_quantize(a) if mode == "w4a4" else a
+
+
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 def test_decode_kslab_seg_smem_dense_equals_l2_slots(monkeypatch, mode):
     """Protects the shared-memory segment slots of the dense K-slab kernel (the default): on every kslab test shape
@@ -967,24 +978,18 @@ def test_decode_kslab_seg_smem_dense_equals_l2_slots(monkeypatch, mode):
     slots; 32: L2 slots whatever the switch), kslab and kslab2, W4A16 and W4A4, the output equals the L2 slots'
     (TRACE_EXT_KSLAB_SEG=l2) bit for bit, and again after L2-slot calls in between (the ring slots are rewritten by
     every call)."""
-    for N, K in KSLAB_SHAPES:
-        w = _quant_w(N, K)
-        wp = O.prepare_fp4_weight(w, decode_form2=True)
-        for M in (1, 5, 8, 9, 13, 16, 32):
-            a = torch.randn(M, K, device=DEV).bfloat16()
-            if mode == "w4a4":
-                a = ref.nvfp4_quantize(a)
-            for impl in (None, "kslab2"):
-                _impl(monkeypatch, impl)
-                _seg_smem(monkeypatch, False)
-                y0 = O.fp4_linear(a, wp, backend="cuda")
-                _seg_smem(monkeypatch, True)
-                y1 = O.fp4_linear(a, wp, backend="cuda")
-                assert torch.equal(y1, y0), f"seg smem N={N} K={K} M={M} {mode} {impl}"
-                _seg_smem(monkeypatch, False)
-                O.fp4_linear(a, wp, backend="cuda")
-                _seg_smem(monkeypatch, None)
-                assert torch.equal(O.fp4_linear(a, wp, backend="cuda"), y0), f"repeat N={N} K={K} M={M}"
+    for N, K, M, wp, a in _dense_kslab_inputs(mode, (1, 5, 8, 9, 13, 16, 32)):
+        for impl in (None, "kslab2"):
+            _impl(monkeypatch, impl)
+            _seg_smem(monkeypatch, False)
+            y0 = O.fp4_linear(a, wp, backend="cuda")
+            _seg_smem(monkeypatch, True)
+            y1 = O.fp4_linear(a, wp, backend="cuda")
+            assert torch.equal(y1, y0), f"seg smem N={N} K={K} M={M} {mode} {impl}"
+            _seg_smem(monkeypatch, False)
+            O.fp4_linear(a, wp, backend="cuda")
+            _seg_smem(monkeypatch, None)
+            assert torch.equal(O.fp4_linear(a, wp, backend="cuda"), y0), f"repeat N={N} K={K} M={M}"
 
 
 def _grouped_kslab_inputs(seed, Ts, one_expert_rows):
@@ -1071,25 +1076,20 @@ def test_kslab_ring_depth_equals_prev(monkeypatch, mode):
     several, a partial last one) at M = 1, 2, 3, 5, 8 (8-row groups) and 9, 16 (16-row groups), both packed forms,
     W4A16 and W4A4, with the shared-memory and the L2 segment slots: the bits of the previous ring depth, also on a
     repeated call after a call of the other kernel."""
-    for N, K in KSLAB_SHAPES:
-        wp = O.prepare_fp4_weight(_quant_w(N, K), decode_form2=True)
-        for M in (1, 2, 3, 5, 8, 9, 16):
-            a = torch.randn(M, K, device=DEV).bfloat16()
-            if mode == "w4a4":
-                a = ref.nvfp4_quantize(a)
-            for impl in (None, "kslab2"):
-                for seg in (True, False):
-                    tag = f"N={N} K={K} M={M} {mode} {impl} seg_smem={seg}"
-                    _impl(monkeypatch, impl)
-                    _seg_smem(monkeypatch, seg)
-                    _ring(monkeypatch, "prev")
-                    y0 = O.fp4_linear(a, wp, backend="cuda").view(torch.int16)
-                    _ring(monkeypatch, None)
-                    assert torch.equal(O.fp4_linear(a, wp, backend="cuda").view(torch.int16), y0), tag
-                    _ring(monkeypatch, "prev")
-                    O.fp4_linear(a, wp, backend="cuda")
-                    _ring(monkeypatch, None)
-                    assert torch.equal(O.fp4_linear(a, wp, backend="cuda").view(torch.int16), y0), tag
+    for N, K, M, wp, a in _dense_kslab_inputs(mode, (1, 2, 3, 5, 8, 9, 16)):
+        for impl in (None, "kslab2"):
+            for seg in (True, False):
+                tag = f"N={N} K={K} M={M} {mode} {impl} seg_smem={seg}"
+                _impl(monkeypatch, impl)
+                _seg_smem(monkeypatch, seg)
+                _ring(monkeypatch, "prev")
+                y0 = O.fp4_linear(a, wp, backend="cuda").view(torch.int16)
+                _ring(monkeypatch, None)
+                assert torch.equal(O.fp4_linear(a, wp, backend="cuda").view(torch.int16), y0), tag
+                _ring(monkeypatch, "prev")
+                O.fp4_linear(a, wp, backend="cuda")
+                _ring(monkeypatch, None)
+                assert torch.equal(O.fp4_linear(a, wp, backend="cuda").view(torch.int16), y0), tag
     monkeypatch.delenv("TRACE_EXT_KSLAB_SEG", raising=False)
 
 
@@ -1115,18 +1115,13 @@ def test_kslab_ring2_at_32_rows_equals_default(monkeypatch, mode):
     """Protects the 2-slot ring of the 32-row K-slab kernels (TRACE_EXT_KSLAB_STAGES=2, an A/B knob): dense, every
     kslab shape at M = 17, 24, 32, both packed forms, and grouped (both work orders) at Qwen3 T = 256, K = 8448 and
     one expert with 40 rows, W4A16 and W4A4: the default's (3 slots) bits."""
-    for N, K in KSLAB_SHAPES:
-        wp = O.prepare_fp4_weight(_quant_w(N, K), decode_form2=True)
-        for M in (17, 24, 32):
-            a = torch.randn(M, K, device=DEV).bfloat16()
-            if mode == "w4a4":
-                a = ref.nvfp4_quantize(a)
-            for impl in (None, "kslab2"):
-                _impl(monkeypatch, impl)
-                _ring(monkeypatch, None)
-                y0 = O.fp4_linear(a, wp, backend="cuda").view(torch.int16)
-                _ring(monkeypatch, "2")
-                assert torch.equal(O.fp4_linear(a, wp, backend="cuda").view(torch.int16), y0), f"N={N} K={K} M={M}"
+    for N, K, M, wp, a in _dense_kslab_inputs(mode, (17, 24, 32)):
+        for impl in (None, "kslab2"):
+            _impl(monkeypatch, impl)
+            _ring(monkeypatch, None)
+            y0 = O.fp4_linear(a, wp, backend="cuda").view(torch.int16)
+            _ring(monkeypatch, "2")
+            assert torch.equal(O.fp4_linear(a, wp, backend="cuda").view(torch.int16), y0), f"N={N} K={K} M={M}"
     for impl in GROUPED_KSLAB_IMPLS:
         _impl(monkeypatch, impl)
         for what, wp, offsets, a in _grouped_kslab_inputs(41, (256,), 40):
