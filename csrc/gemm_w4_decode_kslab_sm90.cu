@@ -110,6 +110,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "trace_ext/fp4_numerics.cuh"
 #include "trace_ext/gemm_w4_common.cuh"
@@ -611,7 +612,7 @@ bool grouped_flat_pays(int64_t n_units, int S, int C, int n_blocks, int L, int c
   return flat_cost < job_cost;
 }
 
-template <int MT8, bool kAFp4, int kStages, int kOrder, bool kSegSmem>
+template <int MT8, bool kAFp4, int kStages, int kOrder, bool kSegSmem, bool kLive = false>
 __global__ void __launch_bounds__(kKsThreads, 1)
     gemm_w4_decode_kslab_grouped_kernel(const GemmParams p, float* __restrict__ ws_slab, float* __restrict__ ws_seg,
                                         int* __restrict__ tickets, int L, int S, int C, int max_units) {
@@ -682,19 +683,6 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     if constexpr (!kAFp4) cp_async_wait<kStages - 1>();
     __syncthreads();
 
-    // y rows r_lo .. r_hi - 1 of the unit (store_y of the grouped stream kernel)
-    auto store_y = [&](int nb, const float (&v)[MT8][4]) {
-#pragma unroll
-      for (int i = 0; i < MT8; ++i)
-#pragma unroll
-        for (int cc = 0; cc < 4; ++cc) {
-          const int n = nb * 16 + g + (cc >> 1) * 8, m = r_lo + 8 * i + 2 * t + (cc & 1);
-          if (m >= r_hi) continue;
-          const float ga = p.g_a != nullptr ? p.g_a[m] : 1.0f;
-          const float y = __fmul_rn(__fmul_rn(v[i][cc], fold), __fmul_rn(ga, gw[(int64_t)n * p.gw_stride_n]));
-          p.y[(int64_t)m * N + n] = __float2bfloat16_rn(y);
-        }
-    };
     float* const slab_u = ws_slab + (int64_t)u * S * n_blocks * (kFrag * 32) + lane;  // this unit's slab partials
     auto slab_partial = [&](int ss, int nb) { return slab_u + ((int64_t)ss * n_blocks + nb) * (kFrag * 32); };
     auto arrive = [&](int nb) {
@@ -706,8 +694,42 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       }
       return last;
     };
-    kslab_job_stream<MT8, kStages, false, kSegSmem>(jb, wr, a_s, seg_base, warp_id, lane, store_y, slab_partial,
-                                                    arrive);
+    // the job's MMA loop over LV 8-row groups: all MT8, or (kLive) only the ceil(rows / 8) groups that hold rows
+    auto stream_job = [&](auto live_groups) {
+      constexpr int LV = decltype(live_groups)::value;
+      // y rows r_lo .. r_hi - 1 of the unit (store_y of the grouped stream kernel)
+      auto store_y = [&](int nb, const float (&v)[LV][4]) {
+#pragma unroll
+        for (int i = 0; i < LV; ++i)
+#pragma unroll
+          for (int cc = 0; cc < 4; ++cc) {
+            const int n = nb * 16 + g + (cc >> 1) * 8, m = r_lo + 8 * i + 2 * t + (cc & 1);
+            if (m >= r_hi) continue;
+            const float ga = p.g_a != nullptr ? p.g_a[m] : 1.0f;
+            const float y = __fmul_rn(__fmul_rn(v[i][cc], fold), __fmul_rn(ga, gw[(int64_t)n * p.gw_stride_n]));
+            p.y[(int64_t)m * N + n] = __float2bfloat16_rn(y);
+          }
+      };
+      kslab_job_stream<LV, kStages, false, kSegSmem>(jb, wr, a_s, seg_base, warp_id, lane, store_y, slab_partial,
+                                                     arrive);
+    };
+    // kLive: groups past the unit's rows only feed accumulator columns that are never stored (nor summed with stored
+    // ones), so leaving out their activation loads and MMAs changes no stored bit. A unit's live count is the same in
+    // all its jobs (slabs, chunks), so its slab partials and segment slots are written and read with one layout.
+    if constexpr (kLive && MT8 > 1) {
+      const int live = (rows + 7) >> 3;
+      if (live <= 1) {
+        stream_job(std::integral_constant<int, 1>{});
+      } else if constexpr (MT8 == 2) {
+        stream_job(std::integral_constant<int, 2>{});
+      } else {
+        if (live == 2) stream_job(std::integral_constant<int, 2>{});
+        else if (live == 3) stream_job(std::integral_constant<int, 3>{});
+        else stream_job(std::integral_constant<int, MT8>{});
+      }
+    } else {
+      stream_job(std::integral_constant<int, MT8>{});
+    }
   };
 
   if constexpr (kOrder == kGrpFlat) {
@@ -936,20 +958,28 @@ constexpr int kKsGrpSmemMax(int mt8) {
 }
 
 // The grouped kernel of one work order (rings + A slab + unit prefix).
-template <int MT8, bool kAFp4, int kOrder, bool kSegSmem, int kStages = kslab_stages(MT8)>
+template <int MT8, bool kAFp4, int kOrder, bool kSegSmem, int kStages = kslab_stages(MT8), bool kLive = false>
 auto grouped_kernel_ready(int dev) {
-  return kslab_kernel_ready<gemm_w4_decode_kslab_grouped_kernel<MT8, kAFp4, kStages, kOrder, kSegSmem>,
+  return kslab_kernel_ready<gemm_w4_decode_kslab_grouped_kernel<MT8, kAFp4, kStages, kOrder, kSegSmem, kLive>,
                             kKsGrpSmemMax(MT8)>(dev, "fp4_grouped_linear (decode kslab-grouped)");
 }
 
 // The grouped kernel of a launch: work order `order`, shared-memory segment slots if seg_smem (<= 16 rows), kStages
-// ring slots.
-template <int MT8, bool kAFp4, int kStages>
+// ring slots, MMAs of the live 8-row groups only if kLive.
+template <int MT8, bool kAFp4, int kStages, bool kLive = false>
 auto grouped_kernel_pick(int dev, int order, bool seg_smem) {
-  return order == kGrpFlat ? (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpFlat, MT8 <= 2, kStages>(dev)
-                                       : grouped_kernel_ready<MT8, kAFp4, kGrpFlat, false, kStages>(dev))
-                           : (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpJobs, MT8 <= 2, kStages>(dev)
-                                       : grouped_kernel_ready<MT8, kAFp4, kGrpJobs, false, kStages>(dev));
+  return order == kGrpFlat ? (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpFlat, MT8 <= 2, kStages, kLive>(dev)
+                                       : grouped_kernel_ready<MT8, kAFp4, kGrpFlat, false, kStages, kLive>(dev))
+                           : (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpJobs, MT8 <= 2, kStages, kLive>(dev)
+                                       : grouped_kernel_ready<MT8, kAFp4, kGrpJobs, false, kStages, kLive>(dev));
+}
+
+// TRACE_EXT_KSLAB_LIVE=1 (read per call; an A/B knob): the grouped K-slab kernels of 16- and 32-row units run the
+// MMAs (and activation loads) of only the 8-row groups that hold a unit's rows (a unit of 11 rows: 2 of 4 groups);
+// the same stored values bit for bit. The default ring depth only (TRACE_EXT_KSLAB_STAGES wins).
+bool kslab_live_selected() {
+  const char* v = std::getenv("TRACE_EXT_KSLAB_LIVE");
+  return v != nullptr && std::strcmp(v, "1") == 0;
 }
 
 // order: kGrpJobs, kGrpFlat, or -1 (the default: grouped_flat_pays at the plan's unit estimate); seg_l2_jobs: the
@@ -990,7 +1020,9 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   int* tickets = plan.S > 1 ? ticket_buffer(like, stream, (int)(max_units * n_blocks)) : nullptr;
   const bool seg_smem = kslab_seg_in_smem(MT8, seg_l2_jobs && order == kGrpJobs);
   auto kernel = alt ? grouped_kernel_pick<MT8, kAFp4, kslab_alt_stages(MT8)>(dev, order, seg_smem)
-                    : grouped_kernel_pick<MT8, kAFp4, kslab_stages(MT8)>(dev, order, seg_smem);
+                    : MT8 > 1 && kslab_live_selected()
+                        ? grouped_kernel_pick<MT8, kAFp4, kslab_stages(MT8), MT8 != 1>(dev, order, seg_smem)
+                        : grouped_kernel_pick<MT8, kAFp4, kslab_stages(MT8)>(dev, order, seg_smem);
   kernel<<<ctas, kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L, plan.S, plan.C,
                                              (int)max_units);
   check_launch("fp4_grouped_linear (decode kslab-grouped)");

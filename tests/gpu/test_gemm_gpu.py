@@ -1110,6 +1110,53 @@ def test_kslab_ring_depth_grouped_equals_prev(monkeypatch, impl):
     monkeypatch.delenv("TRACE_EXT_KSLAB_SEG", raising=False)
 
 
+# ---- live 8-row groups of the grouped K-slab kernel (TRACE_EXT_KSLAB_LIVE=1, an A/B knob): 16- and 32-row units run
+# the MMAs of the groups that hold rows only. The groups left out feed accumulator columns that are never stored, so
+# the outputs must be the same bits as with every group.
+
+
+def _live(monkeypatch, on):
+    if on:
+        monkeypatch.setenv("TRACE_EXT_KSLAB_LIVE", "1")
+    else:
+        monkeypatch.delenv("TRACE_EXT_KSLAB_LIVE", raising=False)
+
+
+@pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
+def test_kslab_live_groups_grouped_equal_all_groups(monkeypatch, impl):
+    """Protects TRACE_EXT_KSLAB_LIVE=1 in both work orders: Qwen3 T = 16, 64, 96, 128, 256 (8-, 16- and 32-row units by
+    the rows_hint rule), both projections, W4A16 and W4A4, K = 8448 (several slabs: a unit's slab partials written and
+    read with its live count), one expert with 40 rows (a 32-row unit and an 8-row rest), and experts of 1 .. 40 rows
+    under forced 16- and 32-row units (every live count 1 .. 4, units ending at and just past a group edge), with
+    shared-memory and L2 segment slots: the bits of the kernels that run every group."""
+    _impl(monkeypatch, impl)
+    cases = list(_grouped_kslab_inputs(43, (16, 64, 96, 128, 256), 40))
+    E, N, K = 16, 1536, 2048
+    counts = [1, 7, 8, 9, 15, 16, 17, 23, 24, 25, 31, 32, 33, 40, 0, 3]
+    wp = O.prepare_fp4_weight(_quant_w(N, K, E))
+    for mode in ("w4a16", "w4a4"):
+        a = torch.randn(int(sum(counts)), K, device=DEV).bfloat16()
+        cases.append((f"edges {mode}", wp, _offsets(counts), ref.nvfp4_quantize(a) if mode == "w4a4" else a))
+    for rows in (None, "16", "32"):
+        if rows is None:
+            monkeypatch.delenv("TRACE_EXT_KSLAB_GRP_ROWS", raising=False)
+        else:
+            monkeypatch.setenv("TRACE_EXT_KSLAB_GRP_ROWS", rows)
+        for what, wp_c, offsets, a in cases:
+            if rows is not None and not what.startswith(("edges", "one expert", "qwen3 N=2048 T=16")):
+                continue
+            for seg in (True, False):
+                _seg_smem(monkeypatch, seg)
+                _live(monkeypatch, False)
+                y0 = O.fp4_grouped_linear(a, wp_c, offsets, backend="cuda").view(torch.int16)
+                _live(monkeypatch, True)
+                y = O.fp4_grouped_linear(a, wp_c, offsets, backend="cuda").view(torch.int16)
+                assert torch.equal(y, y0), f"{what} {impl} rows={rows} seg_smem={seg}"
+    _live(monkeypatch, False)
+    monkeypatch.delenv("TRACE_EXT_KSLAB_GRP_ROWS", raising=False)
+    monkeypatch.delenv("TRACE_EXT_KSLAB_SEG", raising=False)
+
+
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 def test_kslab_ring2_at_32_rows_equals_default(monkeypatch, mode):
     """Protects the 2-slot ring of the 32-row K-slab kernels (TRACE_EXT_KSLAB_STAGES=2, an A/B knob): dense, every
