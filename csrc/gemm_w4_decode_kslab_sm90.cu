@@ -612,6 +612,59 @@ bool grouped_flat_pays(int64_t n_units, int S, int C, int n_blocks, int L, int c
   return flat_cost < job_cost;
 }
 
+// Live groups with flat ranges (kLive, kGrpFlat): a block of a unit with more live 8-row groups takes longer (more
+// activation loads and MMAs per weight tile), so equal block counts per CTA leave the CTAs holding the fullest units
+// last. Each unit u instead weighs w_u = kGrpLiveW0 + live groups per (slab, block), and CTA b takes the triples
+// between the weight positions W b / G and W (b + 1) / G (W: the total weight, G: the CTAs): contiguous ranges that
+// cover every triple once, in the same unit-major order. w_prefix: shared memory for max_units + 1 ints.
+constexpr int kGrpLiveW0 = 6;  // a tile's group-independent work (FP4 expansion, scales, copies) in group units
+__host__ __device__ constexpr int grp_wprefix_offset(int L, int R) {  // from the A slab: after A and the unit prefix
+  return R * (L * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes;
+}
+template <int R, int MT8>
+__device__ __forceinline__ void grp_weighted_range(const GemmParams& p, const int* s_pref, int* w_prefix, int n_units,
+                                                   int per_unit, int64_t& f, int64_t& f_end) {
+  const int lane = threadIdx.x & 31;
+  if (threadIdx.x < 32) {  // warp 0: w_prefix[u] = sum of the weights of units < u
+    const int chunk = (n_units + 31) / 32, u0 = min(n_units, lane * chunk), u1 = min(n_units, u0 + chunk);
+    int sum = 0;
+    for (int u = u0; u < u1; ++u) {
+      const int e = decode_unit_expert(p, s_pref, u);
+      int r_lo, r_hi;
+      decode_unit_rows<R>(p, s_pref, u, e, r_lo, r_hi);
+      const int w = kGrpLiveW0 + min(MT8, max(1, (r_hi - r_lo + 7) >> 3));
+      w_prefix[u + 1] = w;
+      sum += w;
+    }
+    int inc = sum;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, inc, d);
+      if (lane >= d) inc += v;
+    }
+    int run = inc - sum;
+    for (int u = u0; u < u1; ++u) {
+      run += w_prefix[u + 1];
+      w_prefix[u + 1] = run;
+    }
+    if (lane == 0) w_prefix[0] = 0;
+  }
+  __syncthreads();
+  const int64_t W = (int64_t)w_prefix[n_units] * per_unit;
+  auto flat_of = [&](int64_t x) -> int64_t {  // first triple whose weight span starts at or after x
+    int lo = 0, hi = n_units;                 // the last unit u with w_prefix[u] * per_unit <= x
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if ((int64_t)w_prefix[mid] * per_unit <= x) lo = mid; else hi = mid - 1;
+    }
+    if (lo >= n_units) return (int64_t)n_units * per_unit;
+    const int64_t w = w_prefix[lo + 1] - w_prefix[lo], rem = x - (int64_t)w_prefix[lo] * per_unit;
+    return (int64_t)lo * per_unit + min((int64_t)per_unit, (rem + w - 1) / w);
+  };
+  f = flat_of(W * blockIdx.x / gridDim.x);
+  f_end = flat_of(W * (blockIdx.x + 1) / gridDim.x);
+}
+
 template <int MT8, bool kAFp4, int kStages, int kOrder, bool kSegSmem, bool kLive = false>
 __global__ void __launch_bounds__(kKsThreads, 1)
     gemm_w4_decode_kslab_grouped_kernel(const GemmParams p, float* __restrict__ ws_slab, float* __restrict__ ws_seg,
@@ -736,7 +789,11 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     // flat range [f, f_end) of the (unit, slab, block) triples
     const int64_t total = (int64_t)n_units * S * n_blocks;
     int64_t f = total * blockIdx.x / gridDim.x;
-    const int64_t f_end = total * (blockIdx.x + 1) / gridDim.x;
+    int64_t f_end = total * (blockIdx.x + 1) / gridDim.x;
+    if constexpr (kLive && MT8 > 1) {  // ranges of equal estimated time: see grp_weighted_range
+      grp_weighted_range<R, MT8>(p, s_pref, reinterpret_cast<int*>(a_s + grp_wprefix_offset(L, R)), n_units,
+                                 S * n_blocks, f, f_end);
+    }
     while (f < f_end) {
       const int us = (int)(f / n_blocks);
       const int nb0 = (int)(f - (int64_t)us * n_blocks);
@@ -864,16 +921,29 @@ bool kslab_alt_ring_selected(int mt8) {
 constexpr int kslab_ring_smem(int mt8, bool alt) {
   return kKsWarps * (alt ? kslab_alt_stages(mt8) : kslab_stages(mt8)) * kKsTileBytes;
 }
+// TRACE_EXT_KSLAB_PLAN_RING=actual (read per call; an A/B knob): the dense and grouped plans size the slab beside the
+// ring the launch runs (kslab_ring_smem) instead of the deeper ring before round 20 (kslab_ring_bytes), so longer slabs
+// (fewer slab partials) fit: e.g. 32-row units with TRACE_EXT_KSLAB_STAGES=2 hold K = 2048 in one slab (L = 8).
+bool kslab_plan_ring_actual() {
+  const char* v = std::getenv("TRACE_EXT_KSLAB_PLAN_RING");
+  return v != nullptr && std::strcmp(v, "actual") == 0;
+}
+// longest slab (super-tiles) whose 8 mt8 A rows fit in smem_max bytes beside `ring` and `extra` bytes
+constexpr int kslab_max_l_for(int mt8, int smem_max, int ring, int extra) {
+  return ((smem_max - ring - extra) / (8 * mt8) - kKsRowPad) / kKsRowBytes;
+}
 
 template <int MT8, bool kAFp4, bool kForm2>
 bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream_t stream) {
-  constexpr int kMaxL = kslab_max_l(MT8);
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   const int n_blocks = p.N / 16, KT = p.K / kKsSuperK;
-  const KslabPlan plan = kslab_plan(n_blocks, KT, 8 * MT8, kMaxL, sm_count(dev));
-  if (plan.S == 0) return false;
   const bool alt = kslab_alt_ring_selected(MT8);
+  const int max_l = kslab_plan_ring_actual()
+                        ? kslab_max_l_for(MT8, kKsDenseSmemMax(MT8), kslab_ring_smem(MT8, alt), 0)
+                        : kslab_max_l(MT8);
+  const KslabPlan plan = kslab_plan(n_blocks, KT, 8 * MT8, max_l, sm_count(dev));
+  if (plan.S == 0) return false;
   const int smem = kslab_ring_smem(MT8, alt) + 8 * MT8 * (plan.L * kKsRowBytes + kKsRowPad);
   constexpr int64_t kFragFloats = MT8 * 4 * 32;
   const int64_t slab_floats = plan.S > 1 ? (int64_t)plan.S * n_blocks * kFragFloats : 0;
@@ -976,7 +1046,8 @@ auto grouped_kernel_pick(int dev, int order, bool seg_smem) {
 
 // TRACE_EXT_KSLAB_LIVE=1 (read per call; an A/B knob): the grouped K-slab kernels of 16- and 32-row units run the
 // MMAs (and activation loads) of only the 8-row groups that hold a unit's rows (a unit of 11 rows: 2 of 4 groups);
-// the same stored values bit for bit. The default ring depth only (TRACE_EXT_KSLAB_STAGES wins).
+// the same stored values bit for bit; with flat ranges (kslab-flat) the ranges are cut by estimated time
+// (grp_weighted_range), not by block count.
 bool kslab_live_selected() {
   const char* v = std::getenv("TRACE_EXT_KSLAB_LIVE");
   return v != nullptr && std::strcmp(v, "1") == 0;
@@ -989,7 +1060,6 @@ bool kslab_live_selected() {
 template <int MT8, bool kAFp4>
 bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cudaStream_t stream, int order,
                                  bool seg_l2_jobs) {
-  constexpr int kMaxL = kslab_grp_max_l(MT8);
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   constexpr int R = 8 * MT8;
@@ -1001,10 +1071,16 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   const double units_est = nonempty + std::max(0.0, p.M - nonempty * R) / R;
   if (max_units * n_blocks >= (int64_t{1} << 30)) return false;
   const int sms = sm_count(dev);
-  const KslabPlan plan = kslab_grouped_plan(n_blocks, KT, R, kMaxL, sms, units_est);
-  if (plan.S == 0 || max_units * plan.S * plan.C >= (int64_t{1} << 31)) return false;
   const bool alt = kslab_alt_ring_selected(MT8);  // TRACE_EXT_KSLAB_STAGES: the other ring
-  const int smem = kslab_ring_smem(MT8, alt) + R * (plan.L * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes;
+  const bool live = MT8 > 1 && kslab_live_selected();
+  // live groups: the weighted flat ranges' unit weight prefix (max_units + 1 ints) after the unit prefix
+  const int w_bytes = live ? (int)((4 * (max_units + 1) + 15) / 16 * 16) : 0;
+  const int max_l = kslab_max_l_for(MT8, kKsGrpSmemMax(MT8),
+                                    kslab_plan_ring_actual() ? kslab_ring_smem(MT8, alt) : kslab_ring_bytes(MT8),
+                                    kKsGrpPrefBytes + w_bytes);
+  const KslabPlan plan = kslab_grouped_plan(n_blocks, KT, R, max_l, sms, units_est);
+  if (plan.S == 0 || max_units * plan.S * plan.C >= (int64_t{1} << 31)) return false;
+  const int smem = kslab_ring_smem(MT8, alt) + R * (plan.L * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes + w_bytes;
   if (order < 0) {
     const bool flat = grouped_flat_pays((int64_t)std::ceil(units_est), plan.S, plan.C, n_blocks, plan.L, sms);
     order = flat ? kGrpFlat : kGrpJobs;
@@ -1019,10 +1095,10 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   float* const ws_p = ws.data_ptr<float>();
   int* tickets = plan.S > 1 ? ticket_buffer(like, stream, (int)(max_units * n_blocks)) : nullptr;
   const bool seg_smem = kslab_seg_in_smem(MT8, seg_l2_jobs && order == kGrpJobs);
-  auto kernel = alt ? grouped_kernel_pick<MT8, kAFp4, kslab_alt_stages(MT8)>(dev, order, seg_smem)
-                    : MT8 > 1 && kslab_live_selected()
-                        ? grouped_kernel_pick<MT8, kAFp4, kslab_stages(MT8), MT8 != 1>(dev, order, seg_smem)
-                        : grouped_kernel_pick<MT8, kAFp4, kslab_stages(MT8)>(dev, order, seg_smem);
+  auto kernel = alt ? (live ? grouped_kernel_pick<MT8, kAFp4, kslab_alt_stages(MT8), MT8 != 1>(dev, order, seg_smem)
+                            : grouped_kernel_pick<MT8, kAFp4, kslab_alt_stages(MT8)>(dev, order, seg_smem))
+                    : (live ? grouped_kernel_pick<MT8, kAFp4, kslab_stages(MT8), MT8 != 1>(dev, order, seg_smem)
+                            : grouped_kernel_pick<MT8, kAFp4, kslab_stages(MT8)>(dev, order, seg_smem));
   kernel<<<ctas, kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L, plan.S, plan.C,
                                              (int)max_units);
   check_launch("fp4_grouped_linear (decode kslab-grouped)");

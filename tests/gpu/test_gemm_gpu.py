@@ -1122,14 +1122,13 @@ def _live(monkeypatch, on):
         monkeypatch.delenv("TRACE_EXT_KSLAB_LIVE", raising=False)
 
 
-@pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
-def test_kslab_live_groups_grouped_equal_all_groups(monkeypatch, impl):
-    """Protects TRACE_EXT_KSLAB_LIVE=1 in both work orders: Qwen3 T = 16, 64, 96, 128, 256 (8-, 16- and 32-row units by
-    the rows_hint rule), both projections, W4A16 and W4A4, K = 8448 (several slabs: a unit's slab partials written and
-    read with its live count), one expert with 40 rows (a 32-row unit and an 8-row rest), and experts of 1 .. 40 rows
-    under forced 16- and 32-row units (every live count 1 .. 4, units ending at and just past a group edge), with
-    shared-memory and L2 segment slots: the bits of the kernels that run every group."""
-    _impl(monkeypatch, impl)
+def test_kslab_live_groups_whole_jobs_equal_all_groups(monkeypatch):
+    """Protects TRACE_EXT_KSLAB_LIVE=1 with whole jobs (the same jobs, so the same sums): Qwen3 T = 16, 64, 96, 128,
+    256 (8-, 16- and 32-row units by the rows_hint rule), both projections, W4A16 and W4A4, K = 8448 (several slabs:
+    a unit's slab partials written and read with its live count), one expert with 40 rows (a 32-row unit and an 8-row
+    rest), and experts of 1 .. 40 rows under forced 16- and 32-row units (every live count 1 .. 4, units ending at and
+    just past a group edge), with shared-memory and L2 segment slots, both ring depths: the bits of every group."""
+    _impl(monkeypatch, "kslab-grouped")
     cases = list(_grouped_kslab_inputs(43, (16, 64, 96, 128, 256), 40))
     E, N, K = 16, 1536, 2048
     counts = [1, 7, 8, 9, 15, 16, 17, 23, 24, 25, 31, 32, 33, 40, 0, 3]
@@ -1145,16 +1144,78 @@ def test_kslab_live_groups_grouped_equal_all_groups(monkeypatch, impl):
         for what, wp_c, offsets, a in cases:
             if rows is not None and not what.startswith(("edges", "one expert", "qwen3 N=2048 T=16")):
                 continue
-            for seg in (True, False):
+            for seg, ring in ((True, None), (False, None), (False, "2"), (True, "prev")):
                 _seg_smem(monkeypatch, seg)
+                _ring(monkeypatch, ring)
                 _live(monkeypatch, False)
                 y0 = O.fp4_grouped_linear(a, wp_c, offsets, backend="cuda").view(torch.int16)
                 _live(monkeypatch, True)
                 y = O.fp4_grouped_linear(a, wp_c, offsets, backend="cuda").view(torch.int16)
-                assert torch.equal(y, y0), f"{what} {impl} rows={rows} seg_smem={seg}"
+                assert torch.equal(y, y0), f"{what} rows={rows} seg_smem={seg} ring={ring}"
     _live(monkeypatch, False)
+    _ring(monkeypatch, None)
     monkeypatch.delenv("TRACE_EXT_KSLAB_GRP_ROWS", raising=False)
     monkeypatch.delenv("TRACE_EXT_KSLAB_SEG", raising=False)
+
+
+KSLAB_GRP_KNOBS = {  # A/B knobs of the grouped K-slab kernel that change its sums (plans, ranges): the f64 contract
+    "live": {"TRACE_EXT_KSLAB_LIVE": "1"},
+    "plan_ring": {"TRACE_EXT_KSLAB_PLAN_RING": "actual"},
+    "live_ring2_plan": {"TRACE_EXT_KSLAB_LIVE": "1", "TRACE_EXT_KSLAB_STAGES": "2", "TRACE_EXT_KSLAB_PLAN_RING": "actual"},
+}
+
+
+@pytest.mark.parametrize("knobs", sorted(KSLAB_GRP_KNOBS))
+@pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
+def test_kslab_grouped_live_and_plan_ring_knobs(monkeypatch, impl, knobs):
+    """Protects TRACE_EXT_KSLAB_LIVE=1 with flat ranges (cut by estimated time, grp_weighted_range: other K splits of
+    the blocks than the unweighted ranges) and TRACE_EXT_KSLAB_PLAN_RING=actual (slabs sized beside the ring that runs:
+    other slab counts), alone and with the 2-slot 32-row ring, in both work orders: Qwen3 T = 16, 64, 96, 256 (8-, 16-
+    and 32-row units), W4A16 and W4A4, a K of 33 super-tiles, experts of 1 .. 40 rows and every row on one expert: the
+    f64 contract, repeatable bits, the default one of the two work orders."""
+    for var, val in KSLAB_GRP_KNOBS[knobs].items():
+        monkeypatch.setenv(var, val)
+    gen = torch.Generator().manual_seed(53)
+    E, k = 128, 8
+    for name, (N, K) in (("gate_up", (1536, 2048)), ("down", (2048, 768))):
+        w = _quant_w(N, K, E)
+        for T, mode in ((16, "w4a16"), (64, "w4a4"), (96, "w4a16"), (256, "w4a16"), (256, "w4a4")):
+            _kslab_grouped_case(monkeypatch, E, N, K, _routed_counts(T, E, k, gen), mode, w,
+                                f"{knobs} qwen3 {name} T={T}", impl)
+    _kslab_grouped_case(monkeypatch, 8, 512, 8448, _routed_counts(40, 8, 2, gen), "w4a16", _quant_w(512, 8448, 8),
+                        f"{knobs} K=8448", impl)
+    counts = [1, 7, 8, 9, 15, 16, 17, 23, 24, 25, 31, 32, 33, 40, 0, 3]
+    w16 = _quant_w(1536, 2048, 16)
+    for rows in ("16", "32"):
+        monkeypatch.setenv("TRACE_EXT_KSLAB_GRP_ROWS", rows)
+        _kslab_grouped_case(monkeypatch, 16, 1536, 2048, counts, "w4a16", w16, f"{knobs} edges rows={rows}", impl)
+    monkeypatch.delenv("TRACE_EXT_KSLAB_GRP_ROWS", raising=False)
+    one = [0] * 9 + [200] + [0] * 6
+    _kslab_grouped_case(monkeypatch, 16, 1536, 2048, one, "w4a16", w16, f"{knobs} one expert 200 rows", impl)
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_kslab_dense_plan_ring_actual(monkeypatch, mode):
+    """Protects TRACE_EXT_KSLAB_PLAN_RING=actual on the dense K-slab kernel (longer slabs beside the 2-slot rings, and
+    beside the 2-slot 32-row ring with TRACE_EXT_KSLAB_STAGES=2): every kslab shape at M = 1, 8, 9, 16, 17, 32, both
+    packed forms: the f64 contract and repeatable bits."""
+    monkeypatch.setenv("TRACE_EXT_KSLAB_PLAN_RING", "actual")
+    for N, K in KSLAB_SHAPES:
+        w = _quant_w(N, K)
+        wp = O.prepare_fp4_weight(w, decode_form2=True)
+        w64 = _w64(w)
+        for M in (1, 8, 9, 16, 17, 32):
+            a = torch.randn(M, K, device=DEV).bfloat16()
+            if mode == "w4a4":
+                a = ref.nvfp4_quantize(a)
+            a64 = _a64(a)
+            for impl, ring in ((None, None), ("kslab2", None), (None, "2")):
+                _impl(monkeypatch, impl)
+                _ring(monkeypatch, ring)
+                y = O.fp4_linear(a, wp, backend="cuda")
+                _check(y, a64, w64, f"plan ring N={N} K={K} M={M} {mode} {impl} {ring}")
+                assert torch.equal(O.fp4_linear(a, wp, backend="cuda"), y), f"repeat N={N} K={K} M={M}"
+    _ring(monkeypatch, None)
 
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
