@@ -26,14 +26,18 @@
 //    (2 LDS.128 per 8 rows per 64-K step, constant offsets), so no L2 latency per tile and no row guards.
 //  - One CTA of 16 warps per SM (<= 128 registers, __launch_bounds__(512, 1)) rather than 2 CTAs of 8: the same 16
 //    warps per SM, but one A slab shared by all of them, i.e. twice the slab length L for the same shared memory.
-//    Rings: 2 slots (one 2.3 KB tile ahead per warp) up to 16 rows, 3 slots for 32 rows; the slab length bound (and so
-//    every plan) is that of the rings before (4 slots = 147 KB per SM up to 8 rows, 3 = 110 KB for 16 / 32 rows): the
-//    rest of the 227 KB holds the slab, L <= 20 / 14 / 7 super-tiles at 8 / 16 / 32 rows. Ring depth, H200 A/B with
+//    Rings: 2 slots (one 2.3 KB tile ahead per warp); up to 16 rows the slab length bound (and so every plan) is that
+//    of the rings before (4 slots = 147 KB per SM up to 8 rows, 3 = 110 KB at 16 rows), at 32 rows that of the 2 slots
+//    (74 KB; since round 37, kslab_ring_bytes): the rest of the 227 KB holds the slab, L <= 20 / 14 / 9 super-tiles at
+//    8 / 16 / 32 rows. Ring depth, H200 A/B with
 //    the same plans, bit-equal (rounds 18-20 of notes/GPU_RESULTS.md): 2 slots 1.06-1.08x at M = 1 and 1.08-1.14x at
 //    M = 8 (14336x4096, 4096x14336), 1.01-1.05x at M = 16, grouped Qwen3 T = 1..64 1.02-1.06x over the 4 / 3 slots
 //    before; 3 slots at <= 8 rows in between; 5-6 slots 0.93-0.98x; a slow start (one tile before the loop, then two
 //    per item up to 3 ahead) no better than 4. Fewer tiles in flight per warp is faster here: with 2112 warps in one
-//    wave asking at once, a deeper ring only makes each warp wait behind more of the other warps' tiles.
+//    wave asking at once, a deeper ring only makes each warp wait behind more of the other warps' tiles. 32 rows:
+//    2 slots with the 3-slot plans 1.01-1.07x (round 23), with plans sized for them (L <= 9 instead of 7) 1.09x /
+//    1.12x at M = 32 on 7168 / 14336 x 4096 (S = 2 instead of 4 slabs) and 1.37x at grouped Qwen3 gate_up T = 256
+//    (K = 2048 in one slab instead of two: 128 whole jobs in one round instead of 256 in two), two timings (round 37).
 //  - Reduction (deterministic, same bits on every call): a block whose slab tiles one warp covers is finished by it;
 //    a block split between warps of the CTA gets one fp32 partial per warp segment (workspace, 2 slots per warp,
 //    fragment layout), and after one CTA barrier the warp holding the block's first tile adds them in warp order
@@ -56,11 +60,11 @@
 //    W4A4 56 / 71 / 90).
 //  - Numbers: the exact products and fp32 MMA chains of the stream kernel; only the K split into partial sums
 //    differs (within the SPEC 7 bound, like pair2). sm_90a only (the body is empty elsewhere; the host raises).
-//  - Risks: at 32 rows L <= 7 (16 KB of A per super-tile), so 14336 x 4096 runs S = 4 slabs: 4 fp32 partials of
-//    2 KB per 16-row block (7.3 MB written + read through L2 against 33 MB of weights); one CTA per SM means its
-//    prologue (A slab, 3 ring slots per warp) is not overlapped by a second CTA; the plan assumes one resident CTA
-//    per SM of up to 224 / 220 / 220 KB (rings 144 / 108 / 108 KB + A); M = 1 still runs 8-wide MMAs (7/8 of the B
-//    operand unused).
+//  - Risks: at 32 rows L <= 9 (16 KB of A per super-tile), so 14336 x 4096 runs S = 2 slabs: 2 fp32 partials of
+//    2 KB per 16-row block (3.7 MB written + read through L2 against 33 MB of weights); one CTA per SM means its
+//    prologue (A slab, 2 ring slots per warp) is not overlapped by a second CTA; the plan assumes one resident CTA
+//    per SM of up to 224 / 220 / 221 KB (rings reserved 144 / 108 / 72 KB + A); M = 1 still runs 8-wide MMAs (7/8 of
+//    the B operand unused).
 //
 // Grouped (MoE) decode: the default on sm_90 since the H200 A/B at f062b32 (bench/results/decode_grouped_ab_h200.md:
 // 1.0-1.65x the grouped stream kernel on the Qwen3 rows, T = 64 gate_up 64.5 % of copy, 3.3x grouped_mm), also named
@@ -83,8 +87,8 @@
 //    bytes / 1.5), a job = its weight tiles + half its A bytes + 32 KB of ramp + its slab partials, from an estimate
 //    of the unit count (E (1 - (1 - 1/E)^M) experts with rows + rows beyond R); buffers sized by the bound
 //    min(E, M) + M / R + 1. Qwen3 (132 SMs): gate_up T = 1 / 16 / 64 / 256 -> (S, C) = (1, 16) / (1, 3) / (1, 1) /
-//    (2, 1); down (1, 16) / (1, 4) / (1, 1) / (1, 1) (TRACE_EXT_KSLAB_GRP_PLAN=v1, the plan before: T = 1 C = 12 / 11,
-//    down T = 16 C = 1).
+//    (1, 1) (T = 256: (2, 1) before round 37, with the 3-slot ring's reservation); down (1, 16) / (1, 4) / (1, 1) /
+//    (1, 1) (TRACE_EXT_KSLAB_GRP_PLAN=v1, the plan before: T = 1 C = 12 / 11, down T = 16 C = 1).
 //  - Static SASS (sm_90a, no spills): registers 78 / 95 / 126 at 8 / 16 / 32 rows (W4A4 80 / 96 / 124); the j loop
 //    (tile + block-end code) 608 / 837 / 1294 instructions against 591 / 815 / 1264 for the dense kernel (same
 //    per-tile body; the difference is the per-expert g_w / row bounds of the block-end store).
@@ -110,7 +114,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
-#include <type_traits>
 
 #include "trace_ext/fp4_numerics.cuh"
 #include "trace_ext/gemm_w4_common.cuh"
@@ -133,18 +136,24 @@ static_assert(kKsTileBytes == 16 * kKsSuperK / 2 + 16 * kKsSuperK / 16 && kKsCod
               "packed super-tile layout (reference_gemm.to_decode_layout)");
 static_assert(kKsRowBytes % 128 == 0 && kKsRowPad % 128 == 16, "A row stride must be 16 mod 128 bytes");
 
-// Ring slots per warp for MT8 8-row groups (see the design note): 2 (one tile ahead) up to 16 rows, 3 at 32 rows.
-constexpr int kslab_stages(int mt8) { return mt8 <= 2 ? 2 : 3; }
-// The depth before the H200 A/B of round 20 (4 at <= 8 rows, 3 at 16; TRACE_EXT_KSLAB_STAGES=prev selects it).
+// Ring slots per warp (see the design note): 2 (one tile ahead) for MT8 = 1, 2, 4 8-row groups.
+constexpr int kslab_stages(int /*mt8*/) { return 2; }
+// The depth before the H200 A/Bs of rounds 20 (4 at <= 8 rows, 3 at 16) and 37 (3 at 32 rows);
+// TRACE_EXT_KSLAB_STAGES=prev selects it (at 32 rows with the plans before round 37, kslab_ring_bytes).
 constexpr int kslab_prev_stages(int mt8) { return mt8 == 1 ? 4 : 3; }
-// Shared memory the plans reserve for the rings: that of the previous depth, so the plans (slab length L, slabs S, N
-// chunks C) are the ones measured with both depths (a longer slab in the freed bytes has not been timed).
-constexpr int kslab_ring_bytes(int mt8) { return kKsWarps * kslab_prev_stages(mt8) * kKsTileBytes; }
-// longest slab (super-tiles) whose A rows fit beside the rings
-constexpr int kslab_max_l(int mt8) {
-  return ((kKsSmemMax - kslab_ring_bytes(mt8)) / (8 * mt8) - kKsRowPad) / kKsRowBytes;
+// Shared memory a plan reserves for the rings (the slab length L, so the slabs S and N chunks C follow from it). Up
+// to 16 rows that of the previous depth, so the plans are the ones measured with both depths (longer slabs in the
+// bytes the 2 slots free measured 0.99-1.02x: round 37). At 32 rows that of the 2 slots: L <= 9 instead of 7, e.g.
+// Qwen3 gate_up (K = 2048) in one slab instead of two (grouped T = 256: 1.37x, round 37), dense 14336 x 4096 in 2
+// slabs instead of 4 (1.12x). prev: the reservation of the previous depth (with TRACE_EXT_KSLAB_STAGES=prev).
+constexpr int kslab_ring_bytes(int mt8, bool prev = false) {
+  return kKsWarps * (mt8 <= 2 || prev ? kslab_prev_stages(mt8) : kslab_stages(mt8)) * kKsTileBytes;
 }
-static_assert(kslab_max_l(1) >= 16 && kslab_max_l(2) >= 8 && kslab_max_l(4) >= 4,
+// longest slab (super-tiles) whose A rows fit beside the rings
+constexpr int kslab_max_l(int mt8, bool prev = false) {
+  return ((kKsSmemMax - kslab_ring_bytes(mt8, prev)) / (8 * mt8) - kKsRowPad) / kKsRowBytes;
+}
+static_assert(kslab_max_l(1, true) >= 16 && kslab_max_l(2, true) >= 8 && kslab_max_l(4, true) >= 4,
               "the A slab must hold at least 4 super-tiles beside the rings");
 
 // shared-memory accesses by 32-bit shared addresses (computed once per warp; a generic pointer makes the compiler
@@ -577,10 +586,10 @@ __global__ void __launch_bounds__(kKsThreads, 1)
 // [max_units][S][N / 16][kFrag][32], ws_seg [gridDim.x][kKsWarps][2][kFrag][32] (reused job after job: the barrier
 // opening the next job orders the finisher's reads before the next writes), tickets [max_units][N / 16].
 constexpr int kKsGrpPrefBytes = ((kMaxExperts + 1) * 4 + kKsWarps * 4 + 15) / 16 * 16;  // s_pref + scan sums
-constexpr int kslab_grp_max_l(int mt8) {
-  return ((kKsSmemMax - kslab_ring_bytes(mt8) - kKsGrpPrefBytes) / (8 * mt8) - kKsRowPad) / kKsRowBytes;
+constexpr int kslab_grp_max_l(int mt8, bool prev = false) {
+  return ((kKsSmemMax - kslab_ring_bytes(mt8, prev) - kKsGrpPrefBytes) / (8 * mt8) - kKsRowPad) / kKsRowBytes;
 }
-static_assert(kslab_grp_max_l(1) >= 16 && kslab_grp_max_l(2) >= 8 && kslab_grp_max_l(4) >= 4,
+static_assert(kslab_grp_max_l(1, true) >= 16 && kslab_grp_max_l(2, true) >= 8 && kslab_grp_max_l(4, true) >= 4,
               "grouped: the A slab must hold at least 4 super-tiles beside the rings and the unit prefix");
 
 // Work order of the grouped kernel: whole jobs (unit, slab, N chunk), blockIdx-strided (kGrpJobs, named
@@ -612,60 +621,7 @@ bool grouped_flat_pays(int64_t n_units, int S, int C, int n_blocks, int L, int c
   return flat_cost < job_cost;
 }
 
-// Live groups with flat ranges (kLive, kGrpFlat): a block of a unit with more live 8-row groups takes longer (more
-// activation loads and MMAs per weight tile), so equal block counts per CTA leave the CTAs holding the fullest units
-// last. Each unit u instead weighs w_u = kGrpLiveW0 + live groups per (slab, block), and CTA b takes the triples
-// between the weight positions W b / G and W (b + 1) / G (W: the total weight, G: the CTAs): contiguous ranges that
-// cover every triple once, in the same unit-major order. w_prefix: shared memory for max_units + 1 ints.
-constexpr int kGrpLiveW0 = 6;  // a tile's group-independent work (FP4 expansion, scales, copies) in group units
-__host__ __device__ constexpr int grp_wprefix_offset(int L, int R) {  // from the A slab: after A and the unit prefix
-  return R * (L * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes;
-}
-template <int R, int MT8>
-__device__ __forceinline__ void grp_weighted_range(const GemmParams& p, const int* s_pref, int* w_prefix, int n_units,
-                                                   int per_unit, int64_t& f, int64_t& f_end) {
-  const int lane = threadIdx.x & 31;
-  if (threadIdx.x < 32) {  // warp 0: w_prefix[u] = sum of the weights of units < u
-    const int chunk = (n_units + 31) / 32, u0 = min(n_units, lane * chunk), u1 = min(n_units, u0 + chunk);
-    int sum = 0;
-    for (int u = u0; u < u1; ++u) {
-      const int e = decode_unit_expert(p, s_pref, u);
-      int r_lo, r_hi;
-      decode_unit_rows<R>(p, s_pref, u, e, r_lo, r_hi);
-      const int w = kGrpLiveW0 + min(MT8, max(1, (r_hi - r_lo + 7) >> 3));
-      w_prefix[u + 1] = w;
-      sum += w;
-    }
-    int inc = sum;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, inc, d);
-      if (lane >= d) inc += v;
-    }
-    int run = inc - sum;
-    for (int u = u0; u < u1; ++u) {
-      run += w_prefix[u + 1];
-      w_prefix[u + 1] = run;
-    }
-    if (lane == 0) w_prefix[0] = 0;
-  }
-  __syncthreads();
-  const int64_t W = (int64_t)w_prefix[n_units] * per_unit;
-  auto flat_of = [&](int64_t x) -> int64_t {  // first triple whose weight span starts at or after x
-    int lo = 0, hi = n_units;                 // the last unit u with w_prefix[u] * per_unit <= x
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if ((int64_t)w_prefix[mid] * per_unit <= x) lo = mid; else hi = mid - 1;
-    }
-    if (lo >= n_units) return (int64_t)n_units * per_unit;
-    const int64_t w = w_prefix[lo + 1] - w_prefix[lo], rem = x - (int64_t)w_prefix[lo] * per_unit;
-    return (int64_t)lo * per_unit + min((int64_t)per_unit, (rem + w - 1) / w);
-  };
-  f = flat_of(W * blockIdx.x / gridDim.x);
-  f_end = flat_of(W * (blockIdx.x + 1) / gridDim.x);
-}
-
-template <int MT8, bool kAFp4, int kStages, int kOrder, bool kSegSmem, bool kLive = false>
+template <int MT8, bool kAFp4, int kStages, int kOrder, bool kSegSmem>
 __global__ void __launch_bounds__(kKsThreads, 1)
     gemm_w4_decode_kslab_grouped_kernel(const GemmParams p, float* __restrict__ ws_slab, float* __restrict__ ws_seg,
                                         int* __restrict__ tickets, int L, int S, int C, int max_units) {
@@ -736,6 +692,19 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     if constexpr (!kAFp4) cp_async_wait<kStages - 1>();
     __syncthreads();
 
+    // y rows r_lo .. r_hi - 1 of the unit (store_y of the grouped stream kernel)
+    auto store_y = [&](int nb, const float (&v)[MT8][4]) {
+#pragma unroll
+      for (int i = 0; i < MT8; ++i)
+#pragma unroll
+        for (int cc = 0; cc < 4; ++cc) {
+          const int n = nb * 16 + g + (cc >> 1) * 8, m = r_lo + 8 * i + 2 * t + (cc & 1);
+          if (m >= r_hi) continue;
+          const float ga = p.g_a != nullptr ? p.g_a[m] : 1.0f;
+          const float y = __fmul_rn(__fmul_rn(v[i][cc], fold), __fmul_rn(ga, gw[(int64_t)n * p.gw_stride_n]));
+          p.y[(int64_t)m * N + n] = __float2bfloat16_rn(y);
+        }
+    };
     float* const slab_u = ws_slab + (int64_t)u * S * n_blocks * (kFrag * 32) + lane;  // this unit's slab partials
     auto slab_partial = [&](int ss, int nb) { return slab_u + ((int64_t)ss * n_blocks + nb) * (kFrag * 32); };
     auto arrive = [&](int nb) {
@@ -747,53 +716,15 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       }
       return last;
     };
-    // the job's MMA loop over LV 8-row groups: all MT8, or (kLive) only the ceil(rows / 8) groups that hold rows
-    auto stream_job = [&](auto live_groups) {
-      constexpr int LV = decltype(live_groups)::value;
-      // y rows r_lo .. r_hi - 1 of the unit (store_y of the grouped stream kernel)
-      auto store_y = [&](int nb, const float (&v)[LV][4]) {
-#pragma unroll
-        for (int i = 0; i < LV; ++i)
-#pragma unroll
-          for (int cc = 0; cc < 4; ++cc) {
-            const int n = nb * 16 + g + (cc >> 1) * 8, m = r_lo + 8 * i + 2 * t + (cc & 1);
-            if (m >= r_hi) continue;
-            const float ga = p.g_a != nullptr ? p.g_a[m] : 1.0f;
-            const float y = __fmul_rn(__fmul_rn(v[i][cc], fold), __fmul_rn(ga, gw[(int64_t)n * p.gw_stride_n]));
-            p.y[(int64_t)m * N + n] = __float2bfloat16_rn(y);
-          }
-      };
-      kslab_job_stream<LV, kStages, false, kSegSmem>(jb, wr, a_s, seg_base, warp_id, lane, store_y, slab_partial,
-                                                     arrive);
-    };
-    // kLive: groups past the unit's rows only feed accumulator columns that are never stored (nor summed with stored
-    // ones), so leaving out their activation loads and MMAs changes no stored bit. A unit's live count is the same in
-    // all its jobs (slabs, chunks), so its slab partials and segment slots are written and read with one layout.
-    if constexpr (kLive && MT8 > 1) {
-      const int live = (rows + 7) >> 3;
-      if (live <= 1) {
-        stream_job(std::integral_constant<int, 1>{});
-      } else if constexpr (MT8 == 2) {
-        stream_job(std::integral_constant<int, 2>{});
-      } else {
-        if (live == 2) stream_job(std::integral_constant<int, 2>{});
-        else if (live == 3) stream_job(std::integral_constant<int, 3>{});
-        else stream_job(std::integral_constant<int, MT8>{});
-      }
-    } else {
-      stream_job(std::integral_constant<int, MT8>{});
-    }
+    kslab_job_stream<MT8, kStages, false, kSegSmem>(jb, wr, a_s, seg_base, warp_id, lane, store_y, slab_partial,
+                                                    arrive);
   };
 
   if constexpr (kOrder == kGrpFlat) {
     // flat range [f, f_end) of the (unit, slab, block) triples
     const int64_t total = (int64_t)n_units * S * n_blocks;
     int64_t f = total * blockIdx.x / gridDim.x;
-    int64_t f_end = total * (blockIdx.x + 1) / gridDim.x;
-    if constexpr (kLive && MT8 > 1) {  // ranges of equal estimated time: see grp_weighted_range
-      grp_weighted_range<R, MT8>(p, s_pref, reinterpret_cast<int*>(a_s + grp_wprefix_offset(L, R)), n_units,
-                                 S * n_blocks, f, f_end);
-    }
+    const int64_t f_end = total * (blockIdx.x + 1) / gridDim.x;
     while (f < f_end) {
       const int us = (int)(f / n_blocks);
       const int nb0 = (int)(f - (int64_t)us * n_blocks);
@@ -875,9 +806,11 @@ KslabPlan kslab_plan(int n_blocks, int KT, int rows, int max_l, int sms) {
   return best;
 }
 
-constexpr int kKsDenseSmemMax(int mt8) {
-  return kslab_ring_bytes(mt8) + 8 * mt8 * (kslab_max_l(mt8) * kKsRowBytes + kKsRowPad);
+// the largest dense CTA: the longest slab beside the rings of either reservation (default, TRACE_EXT_KSLAB_STAGES=prev)
+constexpr int kKsDenseSmem(int mt8, bool prev) {
+  return kslab_ring_bytes(mt8, prev) + 8 * mt8 * (kslab_max_l(mt8, prev) * kKsRowBytes + kKsRowPad);
 }
+constexpr int kKsDenseSmemMax(int mt8) { return std::max(kKsDenseSmem(mt8, false), kKsDenseSmem(mt8, true)); }
 
 // A K-slab kernel (dense or grouped) with its shared-memory attributes (kSmemMax bytes, largest carveout) set once
 // per device: one flag set per kernel instantiation.
@@ -909,28 +842,17 @@ auto dense_kernel_pick(int dev, bool seg_smem) {
                   : dense_kernel_ready<MT8, kAFp4, kForm2, false, kStages>(dev);
 }
 
-// TRACE_EXT_KSLAB_STAGES (read per call; an A/B knob) selects the other ring of the K-slab kernels (dense and grouped),
-// kslab_alt_stages slots: "prev" at <= 16 rows (the depth before round 20: 4 slots at <= 8 rows, 3 at 16), "2" at 32
-// rows (instead of 3). Same plan, same sums (bit-equal).
-constexpr int kslab_alt_stages(int mt8) { return mt8 <= 2 ? kslab_prev_stages(mt8) : 2; }
-bool kslab_alt_ring_selected(int mt8) {
+// TRACE_EXT_KSLAB_STAGES=prev (read per call; an A/B knob) selects the previous ring of the K-slab kernels (dense and
+// grouped), kslab_alt_stages slots: 4 at <= 8 rows, 3 at 16 (the depth before round 20: same plan, same sums,
+// bit-equal) and 3 at 32 rows with the 32-row plans before round 37 (shorter slabs: other sums, same f64 contract).
+constexpr int kslab_alt_stages(int mt8) { return kslab_prev_stages(mt8); }
+bool kslab_alt_ring_selected(int /*mt8*/) {
   const char* v = std::getenv("TRACE_EXT_KSLAB_STAGES");
-  return v != nullptr && std::strcmp(v, mt8 <= 2 ? "prev" : "2") == 0;
+  return v != nullptr && std::strcmp(v, "prev") == 0;
 }
 // Shared-memory bytes of the weight rings a launch takes (the default depth or, alt, kslab_alt_stages).
 constexpr int kslab_ring_smem(int mt8, bool alt) {
   return kKsWarps * (alt ? kslab_alt_stages(mt8) : kslab_stages(mt8)) * kKsTileBytes;
-}
-// TRACE_EXT_KSLAB_PLAN_RING=actual (read per call; an A/B knob): the dense and grouped plans size the slab beside the
-// ring the launch runs (kslab_ring_smem) instead of the deeper ring before round 20 (kslab_ring_bytes), so longer slabs
-// (fewer slab partials) fit: e.g. 32-row units with TRACE_EXT_KSLAB_STAGES=2 hold K = 2048 in one slab (L = 8).
-bool kslab_plan_ring_actual() {
-  const char* v = std::getenv("TRACE_EXT_KSLAB_PLAN_RING");
-  return v != nullptr && std::strcmp(v, "actual") == 0;
-}
-// longest slab (super-tiles) whose 8 mt8 A rows fit in smem_max bytes beside `ring` and `extra` bytes
-constexpr int kslab_max_l_for(int mt8, int smem_max, int ring, int extra) {
-  return ((smem_max - ring - extra) / (8 * mt8) - kKsRowPad) / kKsRowBytes;
 }
 
 template <int MT8, bool kAFp4, bool kForm2>
@@ -939,10 +861,7 @@ bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   const int n_blocks = p.N / 16, KT = p.K / kKsSuperK;
   const bool alt = kslab_alt_ring_selected(MT8);
-  const int max_l = kslab_plan_ring_actual()
-                        ? kslab_max_l_for(MT8, kKsDenseSmemMax(MT8), kslab_ring_smem(MT8, alt), 0)
-                        : kslab_max_l(MT8);
-  const KslabPlan plan = kslab_plan(n_blocks, KT, 8 * MT8, max_l, sm_count(dev));
+  const KslabPlan plan = kslab_plan(n_blocks, KT, 8 * MT8, kslab_max_l(MT8, alt), sm_count(dev));
   if (plan.S == 0) return false;
   const int smem = kslab_ring_smem(MT8, alt) + 8 * MT8 * (plan.L * kKsRowBytes + kKsRowPad);
   constexpr int64_t kFragFloats = MT8 * 4 * 32;
@@ -1023,34 +942,27 @@ KslabPlan kslab_grouped_plan(int n_blocks, int KT, int rows, int max_l, int sms,
   return best;
 }
 
-constexpr int kKsGrpSmemMax(int mt8) {
-  return kslab_ring_bytes(mt8) + 8 * mt8 * (kslab_grp_max_l(mt8) * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes;
+constexpr int kKsGrpSmem(int mt8, bool prev) {
+  return kslab_ring_bytes(mt8, prev) + 8 * mt8 * (kslab_grp_max_l(mt8, prev) * kKsRowBytes + kKsRowPad) +
+         kKsGrpPrefBytes;
 }
+constexpr int kKsGrpSmemMax(int mt8) { return std::max(kKsGrpSmem(mt8, false), kKsGrpSmem(mt8, true)); }
 
 // The grouped kernel of one work order (rings + A slab + unit prefix).
-template <int MT8, bool kAFp4, int kOrder, bool kSegSmem, int kStages = kslab_stages(MT8), bool kLive = false>
+template <int MT8, bool kAFp4, int kOrder, bool kSegSmem, int kStages = kslab_stages(MT8)>
 auto grouped_kernel_ready(int dev) {
-  return kslab_kernel_ready<gemm_w4_decode_kslab_grouped_kernel<MT8, kAFp4, kStages, kOrder, kSegSmem, kLive>,
+  return kslab_kernel_ready<gemm_w4_decode_kslab_grouped_kernel<MT8, kAFp4, kStages, kOrder, kSegSmem>,
                             kKsGrpSmemMax(MT8)>(dev, "fp4_grouped_linear (decode kslab-grouped)");
 }
 
 // The grouped kernel of a launch: work order `order`, shared-memory segment slots if seg_smem (<= 16 rows), kStages
-// ring slots, MMAs of the live 8-row groups only if kLive.
-template <int MT8, bool kAFp4, int kStages, bool kLive = false>
+// ring slots.
+template <int MT8, bool kAFp4, int kStages>
 auto grouped_kernel_pick(int dev, int order, bool seg_smem) {
-  return order == kGrpFlat ? (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpFlat, MT8 <= 2, kStages, kLive>(dev)
-                                       : grouped_kernel_ready<MT8, kAFp4, kGrpFlat, false, kStages, kLive>(dev))
-                           : (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpJobs, MT8 <= 2, kStages, kLive>(dev)
-                                       : grouped_kernel_ready<MT8, kAFp4, kGrpJobs, false, kStages, kLive>(dev));
-}
-
-// TRACE_EXT_KSLAB_LIVE=1 (read per call; an A/B knob): the grouped K-slab kernels of 16- and 32-row units run the
-// MMAs (and activation loads) of only the 8-row groups that hold a unit's rows (a unit of 11 rows: 2 of 4 groups);
-// the same stored values bit for bit; with flat ranges (kslab-flat) the ranges are cut by estimated time
-// (grp_weighted_range), not by block count.
-bool kslab_live_selected() {
-  const char* v = std::getenv("TRACE_EXT_KSLAB_LIVE");
-  return v != nullptr && std::strcmp(v, "1") == 0;
+  return order == kGrpFlat ? (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpFlat, MT8 <= 2, kStages>(dev)
+                                       : grouped_kernel_ready<MT8, kAFp4, kGrpFlat, false, kStages>(dev))
+                           : (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpJobs, MT8 <= 2, kStages>(dev)
+                                       : grouped_kernel_ready<MT8, kAFp4, kGrpJobs, false, kStages>(dev));
 }
 
 // order: kGrpJobs, kGrpFlat, or -1 (the default: grouped_flat_pays at the plan's unit estimate); seg_l2_jobs: the
@@ -1071,16 +983,10 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   const double units_est = nonempty + std::max(0.0, p.M - nonempty * R) / R;
   if (max_units * n_blocks >= (int64_t{1} << 30)) return false;
   const int sms = sm_count(dev);
-  const bool alt = kslab_alt_ring_selected(MT8);  // TRACE_EXT_KSLAB_STAGES: the other ring
-  const bool live = MT8 > 1 && kslab_live_selected();
-  // live groups: the weighted flat ranges' unit weight prefix (max_units + 1 ints) after the unit prefix
-  const int w_bytes = live ? (int)((4 * (max_units + 1) + 15) / 16 * 16) : 0;
-  const int max_l = kslab_max_l_for(MT8, kKsGrpSmemMax(MT8),
-                                    kslab_plan_ring_actual() ? kslab_ring_smem(MT8, alt) : kslab_ring_bytes(MT8),
-                                    kKsGrpPrefBytes + w_bytes);
-  const KslabPlan plan = kslab_grouped_plan(n_blocks, KT, R, max_l, sms, units_est);
+  const bool alt = kslab_alt_ring_selected(MT8);  // TRACE_EXT_KSLAB_STAGES=prev: the previous ring (and 32-row plan)
+  const KslabPlan plan = kslab_grouped_plan(n_blocks, KT, R, kslab_grp_max_l(MT8, alt), sms, units_est);
   if (plan.S == 0 || max_units * plan.S * plan.C >= (int64_t{1} << 31)) return false;
-  const int smem = kslab_ring_smem(MT8, alt) + R * (plan.L * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes + w_bytes;
+  const int smem = kslab_ring_smem(MT8, alt) + R * (plan.L * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes;
   if (order < 0) {
     const bool flat = grouped_flat_pays((int64_t)std::ceil(units_est), plan.S, plan.C, n_blocks, plan.L, sms);
     order = flat ? kGrpFlat : kGrpJobs;
@@ -1095,10 +1001,8 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   float* const ws_p = ws.data_ptr<float>();
   int* tickets = plan.S > 1 ? ticket_buffer(like, stream, (int)(max_units * n_blocks)) : nullptr;
   const bool seg_smem = kslab_seg_in_smem(MT8, seg_l2_jobs && order == kGrpJobs);
-  auto kernel = alt ? (live ? grouped_kernel_pick<MT8, kAFp4, kslab_alt_stages(MT8), MT8 != 1>(dev, order, seg_smem)
-                            : grouped_kernel_pick<MT8, kAFp4, kslab_alt_stages(MT8)>(dev, order, seg_smem))
-                    : (live ? grouped_kernel_pick<MT8, kAFp4, kslab_stages(MT8), MT8 != 1>(dev, order, seg_smem)
-                            : grouped_kernel_pick<MT8, kAFp4, kslab_stages(MT8)>(dev, order, seg_smem));
+  auto kernel = alt ? grouped_kernel_pick<MT8, kAFp4, kslab_alt_stages(MT8)>(dev, order, seg_smem)
+                    : grouped_kernel_pick<MT8, kAFp4, kslab_stages(MT8)>(dev, order, seg_smem);
   kernel<<<ctas, kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L, plan.S, plan.C,
                                              (int)max_units);
   check_launch("fp4_grouped_linear (decode kslab-grouped)");

@@ -29,8 +29,8 @@ RAMP_BYTES = 32768.0  # kRampBytes of the plan
 RAMP_TILES = 100  # kGrpRampTiles
 
 
-def max_l(mt8: int) -> int:  # kslab_grp_max_l: the rings reserve the previous depth (4 slots at 8 rows, else 3)
-    ring = WARPS * (4 if mt8 == 1 else 3) * TILE_BYTES
+def max_l(mt8: int) -> int:  # kslab_grp_max_l: the rings reserve 4 slots at 8 rows, 3 at 16, 2 at 32 (round 37)
+    ring = WARPS * {1: 4, 2: 3, 4: 2}[mt8] * TILE_BYTES
     return ((SMEM_MAX - ring - PREF_BYTES) // (8 * mt8) - ROW_PAD) // ROW_BYTES
 
 

@@ -651,7 +651,7 @@ def test_decode_form2_switch_keeps_grouped(monkeypatch):
 # plus two whose plans (kslab_plan below) have a partial last slab at every row count. kslab2 is the same kernel on the
 # second packed form (decode_word2), so it must equal kslab bit for bit.
 KSLAB_SHAPES = PAIR_SHAPES + [(256, 8448), (64, 5376)]
-KSLAB_MAX_L = {1: 20, 2: 14, 4: 7}  # kslab_max_l(MT8) of the kernel file: A slab beside the rings in 227 KB
+KSLAB_MAX_L = {1: 20, 2: 14, 4: 9}  # kslab_max_l(MT8) of the kernel file: A slab beside the rings in 227 KB
 
 
 def _kslab_plan(N, K, M, sms):
@@ -1061,9 +1061,10 @@ def test_decode_kslab_grouped_nan_scale_and_dense_default(monkeypatch, impl):
 
 # ---- K-slab ring depth (TRACE_EXT_KSLAB_STAGES=prev, read per call; an A/B knob) -----------------------------------
 # At <= 16 rows the K-slab kernels run a 2-slot cp.async ring per warp since round 20; =prev runs the depth before (4
-# slots at <= 8 rows, 3 at 16), same plan, same sums: the outputs must be the same bits.
+# slots at <= 8 rows, 3 at 16), same plan, same sums: the outputs must be the same bits. At 32 rows (2 slots since
+# round 37, with longer slabs) =prev also takes the previous plans: other sums, the same f64 contract.
 def _ring(monkeypatch, value):
-    """TRACE_EXT_KSLAB_STAGES=value ("prev" / "2"), or unset (None: the default ring)."""
+    """TRACE_EXT_KSLAB_STAGES=value ("prev"), or unset (None: the default ring)."""
     if value:
         monkeypatch.setenv("TRACE_EXT_KSLAB_STAGES", value)
     else:
@@ -1110,134 +1111,42 @@ def test_kslab_ring_depth_grouped_equals_prev(monkeypatch, impl):
     monkeypatch.delenv("TRACE_EXT_KSLAB_SEG", raising=False)
 
 
-# ---- live 8-row groups of the grouped K-slab kernel (TRACE_EXT_KSLAB_LIVE=1, an A/B knob): 16- and 32-row units run
-# the MMAs of the groups that hold rows only. The groups left out feed accumulator columns that are never stored, so
-# the outputs must be the same bits as with every group.
-
-
-def _live(monkeypatch, on):
-    if on:
-        monkeypatch.setenv("TRACE_EXT_KSLAB_LIVE", "1")
-    else:
-        monkeypatch.delenv("TRACE_EXT_KSLAB_LIVE", raising=False)
-
-
-def test_kslab_live_groups_whole_jobs_equal_all_groups(monkeypatch):
-    """Protects TRACE_EXT_KSLAB_LIVE=1 with whole jobs (the same jobs, so the same sums): Qwen3 T = 16, 64, 96, 128,
-    256 (8-, 16- and 32-row units by the rows_hint rule), both projections, W4A16 and W4A4, K = 8448 (several slabs:
-    a unit's slab partials written and read with its live count), one expert with 40 rows (a 32-row unit and an 8-row
-    rest), and experts of 1 .. 40 rows under forced 16- and 32-row units (every live count 1 .. 4, units ending at and
-    just past a group edge), with shared-memory and L2 segment slots, both ring depths: the bits of every group."""
-    _impl(monkeypatch, "kslab-grouped")
-    cases = list(_grouped_kslab_inputs(43, (16, 64, 96, 128, 256), 40))
-    E, N, K = 16, 1536, 2048
-    counts = [1, 7, 8, 9, 15, 16, 17, 23, 24, 25, 31, 32, 33, 40, 0, 3]
-    wp = O.prepare_fp4_weight(_quant_w(N, K, E))
-    for mode in ("w4a16", "w4a4"):
-        a = torch.randn(int(sum(counts)), K, device=DEV).bfloat16()
-        cases.append((f"edges {mode}", wp, _offsets(counts), ref.nvfp4_quantize(a) if mode == "w4a4" else a))
-    for rows in (None, "16", "32"):
-        if rows is None:
-            monkeypatch.delenv("TRACE_EXT_KSLAB_GRP_ROWS", raising=False)
-        else:
-            monkeypatch.setenv("TRACE_EXT_KSLAB_GRP_ROWS", rows)
-        for what, wp_c, offsets, a in cases:
-            if rows is not None and not what.startswith(("edges", "one expert", "qwen3 N=2048 T=16")):
-                continue
-            for seg, ring in ((True, None), (False, None), (False, "2"), (True, "prev")):
-                _seg_smem(monkeypatch, seg)
-                _ring(monkeypatch, ring)
-                _live(monkeypatch, False)
-                y0 = O.fp4_grouped_linear(a, wp_c, offsets, backend="cuda").view(torch.int16)
-                _live(monkeypatch, True)
-                y = O.fp4_grouped_linear(a, wp_c, offsets, backend="cuda").view(torch.int16)
-                assert torch.equal(y, y0), f"{what} rows={rows} seg_smem={seg} ring={ring}"
-    _live(monkeypatch, False)
-    _ring(monkeypatch, None)
-    monkeypatch.delenv("TRACE_EXT_KSLAB_GRP_ROWS", raising=False)
-    monkeypatch.delenv("TRACE_EXT_KSLAB_SEG", raising=False)
-
-
-KSLAB_GRP_KNOBS = {  # A/B knobs of the grouped K-slab kernel that change its sums (plans, ranges): the f64 contract
-    "live": {"TRACE_EXT_KSLAB_LIVE": "1"},
-    "plan_ring": {"TRACE_EXT_KSLAB_PLAN_RING": "actual"},
-    "live_ring2_plan": {"TRACE_EXT_KSLAB_LIVE": "1", "TRACE_EXT_KSLAB_STAGES": "2", "TRACE_EXT_KSLAB_PLAN_RING": "actual"},
-}
-
-
-@pytest.mark.parametrize("knobs", sorted(KSLAB_GRP_KNOBS))
-@pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
-def test_kslab_grouped_live_and_plan_ring_knobs(monkeypatch, impl, knobs):
-    """Protects TRACE_EXT_KSLAB_LIVE=1 with flat ranges (cut by estimated time, grp_weighted_range: other K splits of
-    the blocks than the unweighted ranges) and TRACE_EXT_KSLAB_PLAN_RING=actual (slabs sized beside the ring that runs:
-    other slab counts), alone and with the 2-slot 32-row ring, in both work orders: Qwen3 T = 16, 64, 96, 256 (8-, 16-
-    and 32-row units), W4A16 and W4A4, a K of 33 super-tiles, experts of 1 .. 40 rows and every row on one expert: the
-    f64 contract, repeatable bits, the default one of the two work orders."""
-    for var, val in KSLAB_GRP_KNOBS[knobs].items():
-        monkeypatch.setenv(var, val)
-    gen = torch.Generator().manual_seed(53)
-    E, k = 128, 8
-    for name, (N, K) in (("gate_up", (1536, 2048)), ("down", (2048, 768))):
-        w = _quant_w(N, K, E)
-        for T, mode in ((16, "w4a16"), (64, "w4a4"), (96, "w4a16"), (256, "w4a16"), (256, "w4a4")):
-            _kslab_grouped_case(monkeypatch, E, N, K, _routed_counts(T, E, k, gen), mode, w,
-                                f"{knobs} qwen3 {name} T={T}", impl)
-    _kslab_grouped_case(monkeypatch, 8, 512, 8448, _routed_counts(40, 8, 2, gen), "w4a16", _quant_w(512, 8448, 8),
-                        f"{knobs} K=8448", impl)
-    counts = [1, 7, 8, 9, 15, 16, 17, 23, 24, 25, 31, 32, 33, 40, 0, 3]
-    w16 = _quant_w(1536, 2048, 16)
-    for rows in ("16", "32"):
-        monkeypatch.setenv("TRACE_EXT_KSLAB_GRP_ROWS", rows)
-        _kslab_grouped_case(monkeypatch, 16, 1536, 2048, counts, "w4a16", w16, f"{knobs} edges rows={rows}", impl)
-    monkeypatch.delenv("TRACE_EXT_KSLAB_GRP_ROWS", raising=False)
-    one = [0] * 9 + [200] + [0] * 6
-    _kslab_grouped_case(monkeypatch, 16, 1536, 2048, one, "w4a16", w16, f"{knobs} one expert 200 rows", impl)
-
-
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
-def test_kslab_dense_plan_ring_actual(monkeypatch, mode):
-    """Protects TRACE_EXT_KSLAB_PLAN_RING=actual on the dense K-slab kernel (longer slabs beside the 2-slot rings, and
-    beside the 2-slot 32-row ring with TRACE_EXT_KSLAB_STAGES=2): every kslab shape at M = 1, 8, 9, 16, 17, 32, both
-    packed forms: the f64 contract and repeatable bits."""
-    monkeypatch.setenv("TRACE_EXT_KSLAB_PLAN_RING", "actual")
+def test_kslab_prev_ring_at_32_rows(monkeypatch, mode):
+    """Protects TRACE_EXT_KSLAB_STAGES=prev at 32 rows (the 3-slot ring with the shorter slabs of the plans before round
+    37; the default since: 2 slots, slabs up to 9 super-tiles): dense, every kslab shape at M = 17, 24, 32, both packed
+    forms, and grouped (both work orders) at Qwen3 T = 256 (gate_up: 2 slabs under prev, 1 by default), K = 8448 and
+    one expert with 40 rows, W4A16 and W4A4: both within the f64 contract, each repeatable, also after calls of the
+    other in between (self-resetting tickets of different slab counts on one stream)."""
     for N, K in KSLAB_SHAPES:
         w = _quant_w(N, K)
         wp = O.prepare_fp4_weight(w, decode_form2=True)
         w64 = _w64(w)
-        for M in (1, 8, 9, 16, 17, 32):
+        for M in (17, 24, 32):
             a = torch.randn(M, K, device=DEV).bfloat16()
             if mode == "w4a4":
                 a = ref.nvfp4_quantize(a)
             a64 = _a64(a)
-            for impl, ring in ((None, None), ("kslab2", None), (None, "2")):
+            for impl in (None, "kslab2"):
                 _impl(monkeypatch, impl)
-                _ring(monkeypatch, ring)
-                y = O.fp4_linear(a, wp, backend="cuda")
-                _check(y, a64, w64, f"plan ring N={N} K={K} M={M} {mode} {impl} {ring}")
-                assert torch.equal(O.fp4_linear(a, wp, backend="cuda"), y), f"repeat N={N} K={K} M={M}"
-    _ring(monkeypatch, None)
-
-
-@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
-def test_kslab_ring2_at_32_rows_equals_default(monkeypatch, mode):
-    """Protects the 2-slot ring of the 32-row K-slab kernels (TRACE_EXT_KSLAB_STAGES=2, an A/B knob): dense, every
-    kslab shape at M = 17, 24, 32, both packed forms, and grouped (both work orders) at Qwen3 T = 256, K = 8448 and
-    one expert with 40 rows, W4A16 and W4A4: the default's (3 slots) bits."""
-    for N, K, M, wp, a in _dense_kslab_inputs(mode, (17, 24, 32)):
-        for impl in (None, "kslab2"):
-            _impl(monkeypatch, impl)
-            _ring(monkeypatch, None)
-            y0 = O.fp4_linear(a, wp, backend="cuda").view(torch.int16)
-            _ring(monkeypatch, "2")
-            assert torch.equal(O.fp4_linear(a, wp, backend="cuda").view(torch.int16), y0), f"N={N} K={K} M={M}"
+                ys = {}
+                for ring in ("prev", None, "prev", None):
+                    _ring(monkeypatch, ring)
+                    y = O.fp4_linear(a, wp, backend="cuda")
+                    if ring in ys:
+                        assert torch.equal(y, ys[ring]), f"repeat ring={ring} N={N} K={K} M={M} {impl}"
+                    else:
+                        _check(y, a64, w64, f"ring={ring} N={N} K={K} M={M} {mode} {impl}")
+                        ys[ring] = y
+    gen = torch.Generator().manual_seed(41)
     for impl in GROUPED_KSLAB_IMPLS:
-        _impl(monkeypatch, impl)
-        for what, wp, offsets, a in _grouped_kslab_inputs(41, (256,), 40):
-            if not what.endswith(mode):
-                continue
-            _ring(monkeypatch, None)
-            y0 = O.fp4_grouped_linear(a, wp, offsets, backend="cuda").view(torch.int16)
-            _ring(monkeypatch, "2")
-            y = O.fp4_grouped_linear(a, wp, offsets, backend="cuda").view(torch.int16)
-            assert torch.equal(y, y0), f"{what} {impl}"
+        _ring(monkeypatch, "prev")
+        for name, (N, K) in (("gate_up", (1536, 2048)), ("down", (2048, 768))):
+            _kslab_grouped_case(monkeypatch, 128, N, K, _routed_counts(256, 128, 8, gen), mode, _quant_w(N, K, 128),
+                                f"ring=prev qwen3 {name} T=256", impl)
+        _kslab_grouped_case(monkeypatch, 8, 512, 8448, _routed_counts(40, 8, 2, gen), mode, _quant_w(512, 8448, 8),
+                            "ring=prev K=8448", impl)
+        one = [0] * 7 + [40] + [0] * 8
+        _kslab_grouped_case(monkeypatch, 16, 1536, 2048, one, mode, _quant_w(1536, 2048, 16), "ring=prev one expert 40",
+                            impl)
     _ring(monkeypatch, None)
