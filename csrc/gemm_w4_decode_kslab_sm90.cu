@@ -153,7 +153,8 @@ constexpr int kslab_ring_bytes(int mt8, bool prev = false) {
 constexpr int kslab_max_l(int mt8, bool prev = false) {
   return ((kKsSmemMax - kslab_ring_bytes(mt8, prev)) / (8 * mt8) - kKsRowPad) / kKsRowBytes;
 }
-static_assert(kslab_max_l(1, true) >= 16 && kslab_max_l(2, true) >= 8 && kslab_max_l(4, true) >= 4,
+static_assert(kslab_max_l(1, true) >= 16 && kslab_max_l(2, true) >= 8 && kslab_max_l(3, true) >= 4 &&
+                  kslab_max_l(4, true) >= 4,
               "the A slab must hold at least 4 super-tiles beside the rings");
 
 // shared-memory accesses by 32-bit shared addresses (computed once per warp; a generic pointer makes the compiler
@@ -1009,15 +1010,15 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   return true;
 }
 
-// TRACE_EXT_KSLAB_GRP_ROWS=8 / 16 / 32 (read per call; an A/B knob): the grouped K-slab kernel's rows per unit instead
-// of the rows_hint rule (8 up to kKsGrp8RowsMaxHint rows per expert on average, 16 up to 8, else 32). Any value is
-// correct (units of any size cover every expert's rows); only the speed differs. 0: not set (or another value).
+// TRACE_EXT_KSLAB_GRP_ROWS=8 / 16 / 24 / 32 (read per call; an A/B knob): the grouped K-slab kernel's rows per unit
+// instead of the rows_hint rule (8 up to kKsGrp8RowsMaxHint rows per expert on average, 16 up to 8, else 32). Any value
+// is correct (units of any size cover every expert's rows); only the speed differs. 0: not set (or another value).
 constexpr int kKsGrp8RowsMaxHint = 4;  // 2 before the H200 rounds 30-32
 int kslab_grp_rows_forced() {
   const char* v = std::getenv("TRACE_EXT_KSLAB_GRP_ROWS");
   if (v == nullptr) return 0;
   const std::string sel = v;
-  return sel == "8" ? 8 : sel == "16" ? 16 : sel == "32" ? 32 : 0;
+  return sel == "8" ? 8 : sel == "16" ? 16 : sel == "24" ? 24 : sel == "32" ? 32 : 0;
 }
 
 bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream,
@@ -1042,6 +1043,8 @@ bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::
   // beyond the plan's estimate (experts with rows, units_est) and whole jobs spill into a second round. At 4 that
   // happens in ~1-3% of uniformly routed calls (host emulation of the plan: tools/emulate_grouped_plan.py).
   const int forced = kslab_grp_rows_forced();
+  if (forced == 24) return a4 ? launch_decode_kslab_grouped<3, true>(p, like, stream, order, false)
+                              : launch_decode_kslab_grouped<3, false>(p, like, stream, order, false);
   if (forced != 0) rows_hint = forced == 8 ? 1 : forced == 16 ? 8 : 9;
   const bool seg_l2_jobs = rows_hint > 2 && rows_hint <= kKsGrp8RowsMaxHint;  // the 8-row units added in round 30-32
   if (rows_hint <= kKsGrp8RowsMaxHint)

@@ -902,18 +902,19 @@ def test_decode_kslab_grouped_previous_plan(monkeypatch, impl):
                                 f"plan v1 qwen3 {name} T={T}", impl)
 
 
-@pytest.mark.parametrize("rows", ["8", "16", "32"])
+@pytest.mark.parametrize("rows", ["8", "16", "24", "32"])
 @pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
 def test_decode_kslab_grouped_forced_unit_rows(monkeypatch, impl, rows):
     """Protects TRACE_EXT_KSLAB_GRP_ROWS (an A/B knob: rows per unit of the grouped K-slab kernel instead of the
-    rows_hint rule) in both work orders: Qwen3 T = 16 / 64 (8-row units split the experts with more than 8 rows), W4A16
-    and W4A4, and all 40 rows on one expert: f64 contract, repeatable bits, the default one of the two orders."""
+    rows_hint rule; 24: three 8-row groups, a unit size the rule never takes) in both work orders: Qwen3 T = 16 / 64
+    (8-row units split the experts with more than 8 rows), W4A16 and W4A4, T = 256 at 24 rows (experts above 24 rows
+    split), and all 40 rows on one expert: f64 contract, repeatable bits, the default one of the two orders."""
     monkeypatch.setenv("TRACE_EXT_KSLAB_GRP_ROWS", rows)
     gen = torch.Generator().manual_seed(17)
     E, k = 128, 8
     for name, (N, K) in (("gate_up", (1536, 2048)), ("down", (2048, 768))):
         w = _quant_w(N, K, E)
-        for T, mode in ((16, "w4a16"), (64, "w4a4"), (64, "w4a16")):
+        for T, mode in ((16, "w4a16"), (64, "w4a4"), (64, "w4a16")) + (((256, "w4a16"),) if rows == "24" else ()):
             _kslab_grouped_case(monkeypatch, E, N, K, _routed_counts(T, E, k, gen), mode, w,
                                 f"rows={rows} qwen3 {name} T={T}", impl)
     one = [0] * 5 + [40] + [0] * 10
