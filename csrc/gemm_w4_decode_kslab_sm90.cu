@@ -73,8 +73,9 @@
 // other archs: RuntimeError; =stream / =auto: the stream kernel):
 //  - Why: the grouped stream kernel re-reads every tile's activation fragments from L2 (Qwen3 T = 256, ~16 rows per
 //    expert: ~3.5x the weight bytes); it reached 10-49 % of copy on the Qwen3 expert shapes.
-//  - Work order: units = (expert with rows, chunk of R = 8 / 16 / 32 rows; R by rows_hint: 8 up to 4 rows per expert on
-//    average, 16 up to 8, else 32), numbered on the device by the stream kernel's block-wide scan of offsets
+//  - Work order: units = (expert with rows, chunk of R = 8 / 16 / 24 rows; R by rows_hint: 8 up to 4 rows per expert on
+//    average, 16 up to 8, else 24; 32 by TRACE_EXT_KSLAB_GRP_ROWS), numbered on the device by the stream kernel's
+//    block-wide scan of offsets
 //    (decode_number_units / decode_unit_expert / decode_unit_rows of gemm_w4_decode_units.cuh: s_pref in shared memory,
 //    unit -> expert by binary search; empty experts cost nothing). Jobs (unit u, slab s, N chunk c), job = (u S + s) C
 //    + c; one resident CTA of 16 warps per SM loops over jobs blockIdx-strided. Per job: a CTA barrier (the previous
@@ -101,9 +102,14 @@
 //    where whole jobs filled their rounds (T = 64, 256) or were short (T = 1). The default decides per call on the
 //    host, by the smaller estimated makespan at the plan's unit estimate (grouped_flat_pays; deciding on the device
 //    from the real unit count cost 1-6% of codegen). TRACE_EXT_DECODE_IMPL=kslab-grouped / kslab-flat force one order.
+//    Above 8 rows per expert (24-row units since round 40) the default takes flat ranges without the estimate: whole
+//    jobs there are one unit per expert in one round only until skewed routing gives some expert a second unit, and
+//    then the calls ran 1.5-1.7x slower (round 39; see run_decode_kslab_grouped).
 //  - Risks: one barrier-separated job at a time per CTA: the A staging and ring ramp of each job are not overlapped
-//    (jobs are large: >= 64 tiles; flat ranges run up to 1 + range / unit jobs); the plan's unit estimate (for C)
-//    assumes uniform routing; 126 registers at 32 rows.
+//    (jobs are large: >= 64 tiles; flat ranges run up to 1 + range / unit jobs); the plan's unit estimate (for C and
+//    the order up to 8 rows per expert) assumes uniform routing: at 5-8 rows per expert (16-row units, whole jobs)
+//    skewed routing can spill whole jobs into a second round too (Qwen3 T = 128, skew 0.25 / 0.5: 1.5-1.7x slower than
+//    flat ranges in round 39); 126 registers at 32 rows (112 at 24).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -1011,8 +1017,9 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
 }
 
 // TRACE_EXT_KSLAB_GRP_ROWS=8 / 16 / 24 / 32 (read per call; an A/B knob): the grouped K-slab kernel's rows per unit
-// instead of the rows_hint rule (8 up to kKsGrp8RowsMaxHint rows per expert on average, 16 up to 8, else 32). Any value
-// is correct (units of any size cover every expert's rows); only the speed differs. 0: not set (or another value).
+// instead of the rows_hint rule (8 up to kKsGrp8RowsMaxHint rows per expert on average, 16 up to 8, else 24 in flat
+// ranges); a forced value takes the work order of grouped_flat_pays. Any value is correct (units of any size cover
+// every expert's rows); only the speed differs. 0: not set (or another value).
 constexpr int kKsGrp8RowsMaxHint = 4;  // 2 before the H200 rounds 30-32
 int kslab_grp_rows_forced() {
   const char* v = std::getenv("TRACE_EXT_KSLAB_GRP_ROWS");
@@ -1036,15 +1043,27 @@ bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::
   if ((int64_t)(p.N / 16) * (p.K / kKsSuperK) >= (int64_t{1} << 31)) return false;
   const int order = selected == 1 ? kGrpJobs : selected == 2 ? kGrpFlat : -1;
   const bool a4 = p.a_scales != nullptr;
-  // rows per unit: 8 up to 4 rows per expert on average (rows_hint), 16 up to 8, else 32, unless
-  // TRACE_EXT_KSLAB_GRP_ROWS names them. 8-row units up to 4 (the grouped stream kernel's rule stops at 2): H200 rounds
-  // 30-32, Qwen3 T = 48 / 64 (3 / 4 rows per expert) 1.12-1.15x over 16-row units (half the MMA columns are padding
-  // there), uniform and skewed routing. At 5 rows per expert they lose 0.62-0.64x: the experts above 8 rows add units
-  // beyond the plan's estimate (experts with rows, units_est) and whole jobs spill into a second round. At 4 that
-  // happens in ~1-3% of uniformly routed calls (host emulation of the plan: tools/emulate_grouped_plan.py).
+  // rows per unit: 8 up to 4 rows per expert on average (rows_hint), 16 up to 8, else 24 (with flat ranges), unless
+  // TRACE_EXT_KSLAB_GRP_ROWS names them (8 / 16 / 24 / 32). 8-row units up to 4 (the grouped stream kernel's rule stops
+  // at 2): H200 rounds 30-32, Qwen3 T = 48 / 64 (3 / 4 rows per expert) 1.12-1.15x over 16-row units (half the MMA
+  // columns are padding there), uniform and skewed routing. At 5 rows per expert they lose 0.62-0.64x: the experts
+  // above 8 rows add units beyond the plan's estimate (experts with rows, units_est) and whole jobs spill into a second
+  // round. At 4 that happens in ~1-3% of uniformly routed calls (host emulation of the plan:
+  // tools/emulate_grouped_plan.py).
+  // Above 8 rows per expert: 24-row units (three 8-row groups; 32 before round 40) in flat ranges. Whole jobs of one
+  // unit per expert fill one round only while no expert needs a second unit, which skewed routing breaks: at Qwen3
+  // T = 128 .. 256 with skewed router scores (bench_gemm.routed_offsets skew 0.25 / 0.5: the busiest expert at 2.6-4.5x
+  // the mean) whole jobs ran 1.5-1.7x slower than flat ranges (round 39, grp_skew*_ab_h200.md), and 24-row units spill
+  // even under uniform routing in ~7% of calls at 16 rows per expert (emulated). Flat ranges give every CTA the same
+  // blocks whatever the unit count; with 24-row units they ran 1.09x / 1.11x the 32-row whole jobs at uniform T = 256
+  // (gate_up / down), 1.03x / 0.99x at T = 192, and 1.0-1.7x under skew 0.25 / 0.5 but for down at skew 0.25 (0.85x
+  // at T = 256: that routing did not spill the whole jobs).
   const int forced = kslab_grp_rows_forced();
-  if (forced == 24) return a4 ? launch_decode_kslab_grouped<3, true>(p, like, stream, order, false)
-                              : launch_decode_kslab_grouped<3, false>(p, like, stream, order, false);
+  if (forced == 24 || (forced == 0 && rows_hint > 8)) {
+    const int ord = order < 0 && forced == 0 ? kGrpFlat : order;
+    return a4 ? launch_decode_kslab_grouped<3, true>(p, like, stream, ord, false)
+              : launch_decode_kslab_grouped<3, false>(p, like, stream, ord, false);
+  }
   if (forced != 0) rows_hint = forced == 8 ? 1 : forced == 16 ? 8 : 9;
   const bool seg_l2_jobs = rows_hint > 2 && rows_hint <= kKsGrp8RowsMaxHint;  // the 8-row units added in round 30-32
   if (rows_hint <= kKsGrp8RowsMaxHint)

@@ -7,7 +7,8 @@ for 8- and 16-row units, and, over random uniform top-k routings, the real unit 
 ceil(rows / R)) and the probability that the whole-job order needs one more round of jobs than the plan sized its grid
 for (real units * S * C > rounds * CTAs). That extra round is what made 8-row units lose 0.62-0.65x at 5 rows per
 expert on the H200 (notes/GPU_RESULTS.md, seventh session, rounds 31-32); the default takes 8-row units up to 4 rows
-per expert (kKsGrp8RowsMaxHint), where this gives 0-3%.
+per expert (kKsGrp8RowsMaxHint), where this gives 0-3%. Above 8 rows per expert the default takes 24-row units in flat
+ranges (round 40), which have no extra round; skewed routing (not emulated here) spills whole jobs far more often.
 
 Keep the constants and formulas in step with the .cu file when either changes.
     python3 tools/emulate_grouped_plan.py [--trials 100] [--sms 132]
@@ -29,8 +30,8 @@ RAMP_BYTES = 32768.0  # kRampBytes of the plan
 RAMP_TILES = 100  # kGrpRampTiles
 
 
-def max_l(mt8: int) -> int:  # kslab_grp_max_l: the rings reserve 4 slots at 8 rows, 3 at 16, 2 at 32 (round 37)
-    ring = WARPS * {1: 4, 2: 3, 4: 2}[mt8] * TILE_BYTES
+def max_l(mt8: int) -> int:  # kslab_grp_max_l: the rings reserve 4 slots at 8 rows, 3 at 16, 2 at 24 / 32 (round 37)
+    ring = WARPS * {1: 4, 2: 3, 3: 2, 4: 2}[mt8] * TILE_BYTES
     return ((SMEM_MAX - ring - PREF_BYTES) // (8 * mt8) - ROW_PAD) // ROW_BYTES
 
 
