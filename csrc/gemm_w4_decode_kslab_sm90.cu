@@ -604,6 +604,10 @@ static_assert(kslab_grp_max_l(1, true) >= 16 && kslab_grp_max_l(2, true) >= 8 &&
 // triples, unit-major, cut into gridDim.x equal contiguous ranges (+-1 block), a range run as one job per (unit, slab)
 // it touches. The default picks one per call on the host (grouped_flat_pays at the plan's unit estimate).
 constexpr int kGrpJobs = 0, kGrpFlat = 1;
+// kGrpAuto (the default above 8 rows per expert since round 42): whole jobs when the device's unit count gives at most
+// one job per CTA (one round), else flat ranges, decided in the kernel after the unit scan (one job loop, one call of
+// the job body). Launched with the flat order's grid.
+constexpr int kGrpAuto = 2;
 
 // The default's choice: the order with the smaller estimated makespan in tiles of the busiest CTA, counting
 // kGrpRampTiles per job it runs (A staging, ring ramp and drain, the finisher barrier):
@@ -727,7 +731,33 @@ __global__ void __launch_bounds__(kKsThreads, 1)
                                                     arrive);
   };
 
-  if constexpr (kOrder == kGrpFlat) {
+  if constexpr (kOrder == kGrpAuto) {
+    // whole jobs if they fit one round, else flat ranges (the same sums as the kernel of that order on this grid)
+    const int n_jobs = n_units * S * C;
+    const bool whole = n_jobs <= (int)gridDim.x;
+    const int64_t total = (int64_t)n_units * S * n_blocks;
+    int64_t f = whole ? blockIdx.x : total * blockIdx.x / gridDim.x;
+    const int64_t f_end = whole ? (blockIdx.x < n_jobs ? blockIdx.x + 1 : 0) : total * (blockIdx.x + 1) / gridDim.x;
+    while (f < f_end) {
+      int u, s, nb0, nb1;
+      if (whole) {  // job f
+        const int c = (int)(f % C);
+        s = (int)((f / C) % S);
+        u = (int)(f / (C * S));
+        nb0 = (int)((int64_t)n_blocks * c / C);
+        nb1 = (int)((int64_t)n_blocks * (c + 1) / C);
+        f = f_end;
+      } else {
+        const int us = (int)(f / n_blocks);
+        nb0 = (int)(f - (int64_t)us * n_blocks);
+        nb1 = (int)min((int64_t)n_blocks, nb0 + (f_end - f));
+        u = us / S;
+        s = us % S;
+        f += nb1 - nb0;
+      }
+      run_job(u, s, nb0, nb1);
+    }
+  } else if constexpr (kOrder == kGrpFlat) {
     // flat range [f, f_end) of the (unit, slab, block) triples
     const int64_t total = (int64_t)n_units * S * n_blocks;
     int64_t f = total * blockIdx.x / gridDim.x;
@@ -966,6 +996,9 @@ auto grouped_kernel_ready(int dev) {
 // ring slots.
 template <int MT8, bool kAFp4, int kStages>
 auto grouped_kernel_pick(int dev, int order, bool seg_smem) {
+  if constexpr (MT8 == 3) {  // the only unit size that runs the device-side order
+    if (order == kGrpAuto) return grouped_kernel_ready<MT8, kAFp4, kGrpAuto, false, kStages>(dev);
+  }
   return order == kGrpFlat ? (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpFlat, MT8 <= 2, kStages>(dev)
                                        : grouped_kernel_ready<MT8, kAFp4, kGrpFlat, false, kStages>(dev))
                            : (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpJobs, MT8 <= 2, kStages>(dev)
@@ -1001,6 +1034,7 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   // flat ranges: one contiguous range of (unit, slab, block) per CTA, on every SM
   const int ctas = (int)std::max<int64_t>(
       1, std::min<int64_t>(sms, order == kGrpJobs ? max_units * plan.S * plan.C : max_units * plan.S * n_blocks));
+  // (kGrpAuto: the flat grid; its whole-job branch then runs at most one job per CTA)
   constexpr int64_t kFragFloats = MT8 * 4 * 32;
   const int64_t slab_floats = plan.S > 1 ? max_units * plan.S * n_blocks * kFragFloats : 0;
   const int64_t seg_floats = (int64_t)ctas * kKsWarps * 2 * kFragFloats;
@@ -1050,17 +1084,17 @@ bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::
   // above 8 rows add units beyond the plan's estimate (experts with rows, units_est) and whole jobs spill into a second
   // round. At 4 that happens in ~1-3% of uniformly routed calls (host emulation of the plan:
   // tools/emulate_grouped_plan.py).
-  // Above 8 rows per expert: 24-row units (three 8-row groups; 32 before round 40) in flat ranges. Whole jobs of one
-  // unit per expert fill one round only while no expert needs a second unit, which skewed routing breaks: at Qwen3
-  // T = 128 .. 256 with skewed router scores (bench_gemm.routed_offsets skew 0.25 / 0.5: the busiest expert at 2.6-4.5x
-  // the mean) whole jobs ran 1.5-1.7x slower than flat ranges (round 39, grp_skew*_ab_h200.md), and 24-row units spill
-  // even under uniform routing in ~7% of calls at 16 rows per expert (emulated). Flat ranges give every CTA the same
-  // blocks whatever the unit count; with 24-row units they ran 1.09x / 1.11x the 32-row whole jobs at uniform T = 256
-  // (gate_up / down), 1.03x / 0.99x at T = 192, and 1.0-1.7x under skew 0.25 / 0.5 but for down at skew 0.25 (0.85x
-  // at T = 256: that routing did not spill the whole jobs).
+  // Above 8 rows per expert: 24-row units (three 8-row groups; 32 before round 40) with the order decided on the device
+  // (kGrpAuto: whole jobs when the real unit count fits one round, else flat ranges). Whole jobs of one unit per expert
+  // fill one round only while no expert needs a second unit, which skewed routing breaks: at Qwen3 T = 128 .. 256
+  // with skewed router scores (bench_gemm.routed_offsets skew 0.25 / 0.5: the busiest expert at 2.6-4.5x the mean)
+  // whole jobs ran 1.5-1.7x slower than flat ranges (round 39, grp_skew*_ab_h200.md), and 24-row whole jobs spilled in
+  // 1 of 4 uniform routings at T = 256 (round 41: down 107 us against 60). Without a spill 24-row whole jobs ran 1.09-
+  // 1.10x the 32-row ones at uniform T = 256 (both projections, round 41), flat ranges 1.01-1.09x (gate_up) and
+  // 0.95-0.96x (down).
   const int forced = kslab_grp_rows_forced();
   if (forced == 24 || (forced == 0 && rows_hint > 8)) {
-    const int ord = order < 0 && forced == 0 ? kGrpFlat : order;
+    const int ord = order < 0 && forced == 0 ? kGrpAuto : order;
     return a4 ? launch_decode_kslab_grouped<3, true>(p, like, stream, ord, false)
               : launch_decode_kslab_grouped<3, false>(p, like, stream, ord, false);
   }
