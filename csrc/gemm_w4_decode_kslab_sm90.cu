@@ -102,9 +102,10 @@
 //    where whole jobs filled their rounds (T = 64, 256) or were short (T = 1). The default decides per call on the
 //    host, by the smaller estimated makespan at the plan's unit estimate (grouped_flat_pays; deciding on the device
 //    from the real unit count cost 1-6% of codegen). TRACE_EXT_DECODE_IMPL=kslab-grouped / kslab-flat force one order.
-//    Above 8 rows per expert (24-row units since round 40) the default takes flat ranges without the estimate: whole
-//    jobs there are one unit per expert in one round only until skewed routing gives some expert a second unit, and
-//    then the calls ran 1.5-1.7x slower (round 39; see run_decode_kslab_grouped).
+//    Above 8 rows per expert (24-row units since rounds 40-42) the order is decided on the device after the unit scan
+//    (kGrpAuto: whole jobs when the real unit count fits one round, else flat ranges; one job loop, so one copy of the
+//    job body): whole jobs there are one unit per expert in one round until skewed routing gives some expert a second
+//    unit, and then they ran 1.5-1.7x slower than flat ranges (round 39; see run_decode_kslab_grouped).
 //  - Risks: one barrier-separated job at a time per CTA: the A staging and ring ramp of each job are not overlapped
 //    (jobs are large: >= 64 tiles; flat ranges run up to 1 + range / unit jobs); the plan's unit estimate (for C and
 //    the order up to 8 rows per expert) assumes uniform routing: at 5-8 rows per expert (16-row units, whole jobs)
@@ -1051,8 +1052,8 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
 }
 
 // TRACE_EXT_KSLAB_GRP_ROWS=8 / 16 / 24 / 32 (read per call; an A/B knob): the grouped K-slab kernel's rows per unit
-// instead of the rows_hint rule (8 up to kKsGrp8RowsMaxHint rows per expert on average, 16 up to 8, else 24 in flat
-// ranges); a forced value takes the work order of grouped_flat_pays. Any value is correct (units of any size cover
+// instead of the rows_hint rule (8 up to kKsGrp8RowsMaxHint rows per expert on average, 16 up to 8, else 24 with the
+// order decided on the device); a forced value takes the work order of grouped_flat_pays. Any value is correct (units of any size cover
 // every expert's rows); only the speed differs. 0: not set (or another value).
 constexpr int kKsGrp8RowsMaxHint = 4;  // 2 before the H200 rounds 30-32
 int kslab_grp_rows_forced() {

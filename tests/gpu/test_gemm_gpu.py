@@ -875,9 +875,10 @@ def _kslab_grouped_case(monkeypatch, E, N, K, counts, mode, w, what, impl="kslab
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 def test_decode_kslab_grouped_qwen3_token_batches(monkeypatch, mode, impl):
     """Protects the grouped K-slab kernel at Qwen3-30B-A3B (E=128, top-8) decode batches T = 1 .. 256 (units of 8 / 16
-    / 32 rows; empty experts at T < 16; gate_up at T = 256 runs two K slabs with tickets), W4A16 and W4A4 (A
-    dequantized once per job), within the f64 contract, with repeatable bits when default / stream calls come in
-    between on the same stream (self-resetting tickets, slab-order and warp-order sums)."""
+    / 24 rows; empty experts at T < 16; at T = 256 the default decides the order on the device, and must equal one of
+    the two forced orders), W4A16 and W4A4 (A dequantized once per job), within the f64 contract, with repeatable bits
+    when default / stream calls come in between on the same stream (self-resetting tickets, slab-order and warp-order
+    sums; several slabs: the K = 8448 cases of the other tests and the forced 32-row units)."""
     gen = torch.Generator().manual_seed(11)
     E, k = 128, 8
     w_gu = _quant_w(1536, 2048, E)
