@@ -143,7 +143,7 @@ static_assert(kKsTileBytes == 16 * kKsSuperK / 2 + 16 * kKsSuperK / 16 && kKsCod
               "packed super-tile layout (reference_gemm.to_decode_layout)");
 static_assert(kKsRowBytes % 128 == 0 && kKsRowPad % 128 == 16, "A row stride must be 16 mod 128 bytes");
 
-// Ring slots per warp (see the design note): 2 (one tile ahead) for MT8 = 1, 2, 4 8-row groups.
+// Ring slots per warp (see the design note): 2 (one tile ahead) for MT8 = 1 .. 4 8-row groups.
 constexpr int kslab_stages(int /*mt8*/) { return 2; }
 // The depth before the H200 A/Bs of rounds 20 (4 at <= 8 rows, 3 at 16) and 37 (3 at 32 rows);
 // TRACE_EXT_KSLAB_STAGES=prev selects it (at 32 rows with the plans before round 37, kslab_ring_bytes).
@@ -597,7 +597,8 @@ constexpr int kKsGrpPrefBytes = ((kMaxExperts + 1) * 4 + kKsWarps * 4 + 15) / 16
 constexpr int kslab_grp_max_l(int mt8, bool prev = false) {
   return ((kKsSmemMax - kslab_ring_bytes(mt8, prev) - kKsGrpPrefBytes) / (8 * mt8) - kKsRowPad) / kKsRowBytes;
 }
-static_assert(kslab_grp_max_l(1, true) >= 16 && kslab_grp_max_l(2, true) >= 8 && kslab_grp_max_l(4, true) >= 4,
+static_assert(kslab_grp_max_l(1, true) >= 16 && kslab_grp_max_l(2, true) >= 8 && kslab_grp_max_l(3, true) >= 4 &&
+                  kslab_grp_max_l(4, true) >= 4,
               "grouped: the A slab must hold at least 4 super-tiles beside the rings and the unit prefix");
 
 // Work order of the grouped kernel: whole jobs (unit, slab, N chunk), blockIdx-strided (kGrpJobs, named
@@ -1053,8 +1054,8 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
 
 // TRACE_EXT_KSLAB_GRP_ROWS=8 / 16 / 24 / 32 (read per call; an A/B knob): the grouped K-slab kernel's rows per unit
 // instead of the rows_hint rule (8 up to kKsGrp8RowsMaxHint rows per expert on average, 16 up to 8, else 24 with the
-// order decided on the device); a forced value takes the work order of grouped_flat_pays. Any value is correct (units of any size cover
-// every expert's rows); only the speed differs. 0: not set (or another value).
+// order decided on the device); a forced value takes the work order of grouped_flat_pays. Any value is correct (units
+// of any size cover every expert's rows); only the speed differs. 0: not set (or another value).
 constexpr int kKsGrp8RowsMaxHint = 4;  // 2 before the H200 rounds 30-32
 int kslab_grp_rows_forced() {
   const char* v = std::getenv("TRACE_EXT_KSLAB_GRP_ROWS");
@@ -1078,7 +1079,7 @@ bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::
   if ((int64_t)(p.N / 16) * (p.K / kKsSuperK) >= (int64_t{1} << 31)) return false;
   const int order = selected == 1 ? kGrpJobs : selected == 2 ? kGrpFlat : -1;
   const bool a4 = p.a_scales != nullptr;
-  // rows per unit: 8 up to 4 rows per expert on average (rows_hint), 16 up to 8, else 24 (with flat ranges), unless
+  // rows per unit: 8 up to 4 rows per expert on average (rows_hint), 16 up to 8, else 24 (the device's order), unless
   // TRACE_EXT_KSLAB_GRP_ROWS names them (8 / 16 / 24 / 32). 8-row units up to 4 (the grouped stream kernel's rule stops
   // at 2): H200 rounds 30-32, Qwen3 T = 48 / 64 (3 / 4 rows per expert) 1.12-1.15x over 16-row units (half the MMA
   // columns are padding there), uniform and skewed routing. At 5 rows per expert they lose 0.62-0.64x: the experts
