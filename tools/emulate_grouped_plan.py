@@ -11,7 +11,7 @@ per expert (kKsGrp8RowsMaxHint), where this gives 0-3%. Above 8 rows per expert 
 ranges (round 40), which have no extra round; skewed routing (not emulated here) spills whole jobs far more often.
 
 Keep the constants and formulas in step with the .cu file when either changes.
-    python3 tools/emulate_grouped_plan.py [--trials 100] [--sms 132]
+    python3 tools/emulate_grouped_plan.py [--trials 100] [--sms 132] [--spill]
 """
 from __future__ import annotations
 
@@ -82,11 +82,36 @@ def case(e: int, k: int, n: int, kdim: int, t: int, r: int, trials: int, sms: in
             f"{'flat' if flat else 'jobs'} rounds={rounds} real units {min(units)}..{max(units)} P(extra round)={p}")
 
 
+def spill_table(trials: int, sms: int) -> None:
+    """--spill: how often whole jobs of one unit per expert (S = C = 1) need a second round of CTAs, i.e. the real unit
+    count sum(ceil(rows / R)) exceeds the CTAs, for Qwen3 (E = 128, top-8) at T = 144 .. 256 and R = 16 / 24 / 32, with
+    router scores N(0, 1) plus skew * b_e (b_e ~ N(0, 1) per call: bench_gemm.routed_offsets). The eighth session's
+    reason for deciding the order on the device above 8 rows per expert (notes/GPU_RESULTS.md, rounds 39-42)."""
+    import numpy as np  # noqa: PLC0415
+
+    g = np.random.default_rng(1)
+    e, k = 128, 8
+    for skew in (0.0, 0.25, 0.5, 1.0):
+        for t in (144, 176, 192, 224, 256):
+            spills = {16: 0, 24: 0, 32: 0}
+            for _ in range(trials):
+                sc = g.standard_normal((t, e)) + skew * g.standard_normal(e)
+                cnt = np.bincount(np.argpartition(sc, -k, axis=1)[:, -k:].ravel(), minlength=e)
+                for r in spills:
+                    spills[r] += int((-(-cnt // r)).sum()) > sms
+            print(f"skew={skew:4.2f} T={t:3d} rows/expert={-(-t * k // e):2d} P(second round) "
+                  + " ".join(f"R={r}: {n / trials:.3f}" for r, n in spills.items()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trials", type=int, default=100)
     ap.add_argument("--sms", type=int, default=132)
+    ap.add_argument("--spill", action="store_true", help="whole-job spill probabilities under skewed routing")
     args = ap.parse_args()
+    if args.spill:
+        spill_table(args.trials, args.sms)
+        return
     rng = random.Random(1)
     shapes = [("qwen3 gate_up", 128, 8, 1536, 2048), ("qwen3 down", 128, 8, 2048, 768),
               ("olmoe gate_up", 64, 8, 2048, 2048), ("olmoe down", 64, 8, 2048, 1024),
