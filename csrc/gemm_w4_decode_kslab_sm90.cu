@@ -885,7 +885,7 @@ auto dense_kernel_pick(int dev, bool seg_smem) {
 // grouped), kslab_alt_stages slots: 4 at <= 8 rows, 3 at 16 (the depth before round 20: same plan, same sums,
 // bit-equal) and 3 at 32 rows with the 32-row plans before round 37 (shorter slabs: other sums, same f64 contract).
 constexpr int kslab_alt_stages(int mt8) { return kslab_prev_stages(mt8); }
-bool kslab_alt_ring_selected(int /*mt8*/) {
+bool kslab_alt_ring_selected() {
   const char* v = std::getenv("TRACE_EXT_KSLAB_STAGES");
   return v != nullptr && std::strcmp(v, "prev") == 0;
 }
@@ -899,7 +899,7 @@ bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   const int n_blocks = p.N / 16, KT = p.K / kKsSuperK;
-  const bool alt = kslab_alt_ring_selected(MT8);
+  const bool alt = kslab_alt_ring_selected();
   const KslabPlan plan = kslab_plan(n_blocks, KT, 8 * MT8, kslab_max_l(MT8, alt), sm_count(dev));
   if (plan.S == 0) return false;
   const int smem = kslab_ring_smem(MT8, alt) + 8 * MT8 * (plan.L * kKsRowBytes + kKsRowPad);
@@ -1025,7 +1025,7 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   const double units_est = nonempty + std::max(0.0, p.M - nonempty * R) / R;
   if (max_units * n_blocks >= (int64_t{1} << 30)) return false;
   const int sms = sm_count(dev);
-  const bool alt = kslab_alt_ring_selected(MT8);  // TRACE_EXT_KSLAB_STAGES=prev: the previous ring (and 32-row plan)
+  const bool alt = kslab_alt_ring_selected();  // TRACE_EXT_KSLAB_STAGES=prev: the previous ring (and 32-row plan)
   const KslabPlan plan = kslab_grouped_plan(n_blocks, KT, R, kslab_grp_max_l(MT8, alt), sms, units_est);
   if (plan.S == 0 || max_units * plan.S * plan.C >= (int64_t{1} << 31)) return false;
   const int smem = kslab_ring_smem(MT8, alt) + R * (plan.L * kKsRowBytes + kKsRowPad) + kKsGrpPrefBytes;
@@ -1095,20 +1095,21 @@ bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::
   // 1.10x the 32-row ones at uniform T = 256 (both projections, round 41), flat ranges 1.01-1.09x (gate_up) and
   // 0.95-0.96x (down).
   const int forced = kslab_grp_rows_forced();
-  if (forced == 24 || (forced == 0 && rows_hint > 8)) {
-    const int ord = order < 0 && forced == 0 ? kGrpAuto : order;
-    return a4 ? launch_decode_kslab_grouped<3, true>(p, like, stream, ord, false)
-              : launch_decode_kslab_grouped<3, false>(p, like, stream, ord, false);
+  const int R = forced != 0 ? forced : rows_hint <= kKsGrp8RowsMaxHint ? 8 : rows_hint <= 8 ? 16 : 24;
+  // the rule's 24-row units take the device's order unless TRACE_EXT_DECODE_IMPL names one; forced rows the estimate's
+  const int ord = order < 0 && forced == 0 && R == 24 ? kGrpAuto : order;
+  // the rule's 8-row units at 3..4 rows per expert (added in rounds 30-32) keep whole jobs' segment slots in L2
+  const bool seg_l2_jobs = forced == 0 && R == 8 && rows_hint > 2;
+  switch (R) {
+    case 8: return a4 ? launch_decode_kslab_grouped<1, true>(p, like, stream, ord, seg_l2_jobs)
+                      : launch_decode_kslab_grouped<1, false>(p, like, stream, ord, seg_l2_jobs);
+    case 16: return a4 ? launch_decode_kslab_grouped<2, true>(p, like, stream, ord, false)
+                       : launch_decode_kslab_grouped<2, false>(p, like, stream, ord, false);
+    case 24: return a4 ? launch_decode_kslab_grouped<3, true>(p, like, stream, ord, false)
+                       : launch_decode_kslab_grouped<3, false>(p, like, stream, ord, false);
+    default: return a4 ? launch_decode_kslab_grouped<4, true>(p, like, stream, ord, false)
+                       : launch_decode_kslab_grouped<4, false>(p, like, stream, ord, false);
   }
-  if (forced != 0) rows_hint = forced == 8 ? 1 : forced == 16 ? 8 : 9;
-  const bool seg_l2_jobs = rows_hint > 2 && rows_hint <= kKsGrp8RowsMaxHint;  // the 8-row units added in round 30-32
-  if (rows_hint <= kKsGrp8RowsMaxHint)
-    return a4 ? launch_decode_kslab_grouped<1, true>(p, like, stream, order, seg_l2_jobs)
-              : launch_decode_kslab_grouped<1, false>(p, like, stream, order, seg_l2_jobs);
-  if (rows_hint <= 8) return a4 ? launch_decode_kslab_grouped<2, true>(p, like, stream, order, false)
-                                : launch_decode_kslab_grouped<2, false>(p, like, stream, order, false);
-  return a4 ? launch_decode_kslab_grouped<4, true>(p, like, stream, order, false)
-            : launch_decode_kslab_grouped<4, false>(p, like, stream, order, false);
 }
 
 }  // namespace gemm_w4
