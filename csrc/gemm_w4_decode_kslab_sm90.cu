@@ -998,8 +998,10 @@ auto grouped_kernel_ready(int dev) {
 // ring slots.
 template <int MT8, bool kAFp4, int kStages>
 auto grouped_kernel_pick(int dev, int order, bool seg_smem) {
-  if constexpr (MT8 == 3) {  // the only unit size that runs the device-side order
-    if (order == kGrpAuto) return grouped_kernel_ready<MT8, kAFp4, kGrpAuto, false, kStages>(dev);
+  if constexpr (MT8 == 2 || MT8 == 3) {  // the unit sizes that run the device-side order
+    if (order == kGrpAuto)
+      return seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpAuto, MT8 <= 2, kStages>(dev)
+                      : grouped_kernel_ready<MT8, kAFp4, kGrpAuto, false, kStages>(dev);
   }
   return order == kGrpFlat ? (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpFlat, MT8 <= 2, kStages>(dev)
                                        : grouped_kernel_ready<MT8, kAFp4, kGrpFlat, false, kStages>(dev))
@@ -1097,7 +1099,10 @@ bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::
   const int forced = kslab_grp_rows_forced();
   const int R = forced != 0 ? forced : rows_hint <= kKsGrp8RowsMaxHint ? 8 : rows_hint <= 8 ? 16 : 24;
   // the rule's 24-row units take the device's order unless TRACE_EXT_DECODE_IMPL names one; forced rows the estimate's
-  const int ord = order < 0 && forced == 0 && R == 24 ? kGrpAuto : order;
+  // TRACE_EXT_KSLAB_GRP_AUTO16=1 (an A/B knob, read per call): the device's order for the rule's 16-row units too
+  const char* auto16 = std::getenv("TRACE_EXT_KSLAB_GRP_AUTO16");
+  const bool dev_order = R == 24 || (R == 16 && auto16 != nullptr && std::strcmp(auto16, "1") == 0);
+  const int ord = order < 0 && forced == 0 && dev_order ? kGrpAuto : order;
   // the rule's 8-row units at 3..4 rows per expert (added in rounds 30-32) keep whole jobs' segment slots in L2
   const bool seg_l2_jobs = forced == 0 && R == 8 && rows_hint > 2;
   switch (R) {

@@ -923,6 +923,29 @@ def test_decode_kslab_grouped_forced_unit_rows(monkeypatch, impl, rows):
                         f"rows={rows} one expert 40 rows", impl)
 
 
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_decode_kslab_grouped_auto16(monkeypatch, mode):
+    """Protects TRACE_EXT_KSLAB_GRP_AUTO16=1 (an A/B knob: the device-side work order for 16-row units, 5..8 rows per
+    expert): Qwen3 T = 80, 96, 128 with uniform routing (whole jobs fit one round) and with a few experts of 20-60 rows
+    (more units than CTAs: flat ranges), both projections: the f64 contract, repeatable bits, the default equal to one
+    of the two forced orders bit for bit."""
+    monkeypatch.setenv("TRACE_EXT_KSLAB_GRP_AUTO16", "1")
+    gen = torch.Generator().manual_seed(61)
+    E, k = 128, 8
+    for name, (N, K) in (("gate_up", (1536, 2048)), ("down", (2048, 768))):
+        w = _quant_w(N, K, E)
+        for T in (80, 96, 128):
+            counts = _routed_counts(T, E, k, gen)
+            for impl in GROUPED_KSLAB_IMPLS:
+                _kslab_grouped_case(monkeypatch, E, N, K, counts, mode, w, f"auto16 qwen3 {name} T={T}", impl)
+        counts = _routed_counts(96, E, k, gen)
+        heavy = [int(c) for c in counts]
+        for e, extra in ((3, 50), (17, 40), (40, 30), (77, 20), (90, 20), (101, 20)):
+            heavy[e] += extra
+        for impl in GROUPED_KSLAB_IMPLS:
+            _kslab_grouped_case(monkeypatch, E, N, K, heavy, mode, w, f"auto16 qwen3 {name} T=96 skewed", impl)
+
+
 @pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 def test_decode_kslab_grouped_other_models_and_edges(monkeypatch, mode, impl):
