@@ -102,15 +102,14 @@
 //    where whole jobs filled their rounds (T = 64, 256) or were short (T = 1). The default decides per call on the
 //    host, by the smaller estimated makespan at the plan's unit estimate (grouped_flat_pays; deciding on the device
 //    from the real unit count cost 1-6% of codegen). TRACE_EXT_DECODE_IMPL=kslab-grouped / kslab-flat force one order.
-//    Above 8 rows per expert (24-row units since rounds 40-42) the order is decided on the device after the unit scan
-//    (kGrpAuto: whole jobs when the real unit count fits one round, else flat ranges; one job loop, so one copy of the
-//    job body): whole jobs there are one unit per expert in one round until skewed routing gives some expert a second
-//    unit, and then they ran 1.5-1.7x slower than flat ranges (round 39; see run_decode_kslab_grouped).
+//    Above 4 rows per expert (16- and 24-row units; 24 since rounds 40-42, 16 since rounds 43-44) the order is decided
+//    on the device after the unit scan (kGrpAuto: whole jobs when the real unit count fits one round, else flat
+//    ranges; one job loop, so one copy of the job body): whole jobs there are one unit per expert in one round until
+//    skewed routing gives some expert a second unit, and then they ran 1.5-1.7x slower than flat ranges (rounds 39,
+//    43; see run_decode_kslab_grouped).
 //  - Risks: one barrier-separated job at a time per CTA: the A staging and ring ramp of each job are not overlapped
-//    (jobs are large: >= 64 tiles; flat ranges run up to 1 + range / unit jobs); the plan's unit estimate (for C and
-//    the order up to 8 rows per expert) assumes uniform routing: at 5-8 rows per expert (16-row units, whole jobs)
-//    skewed routing can spill whole jobs into a second round too (Qwen3 T = 128, skew 0.25 / 0.5: 1.5-1.7x slower than
-//    flat ranges in round 39); 126 registers at 32 rows (112 at 24).
+//    (jobs are large: >= 64 tiles; flat ranges run up to 1 + range / unit jobs); the plan's unit estimate (for C, and
+//    for the order up to 4 rows per expert) assumes uniform routing; 126 registers at 32 rows (112 at 24).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -604,11 +603,12 @@ static_assert(kslab_grp_max_l(1, true) >= 16 && kslab_grp_max_l(2, true) >= 8 &&
 // Work order of the grouped kernel: whole jobs (unit, slab, N chunk), blockIdx-strided (kGrpJobs, named
 // kslab-grouped); flat ranges (kGrpFlat, named kslab-flat): the n_units * S * n_blocks (unit, slab, 16-row block)
 // triples, unit-major, cut into gridDim.x equal contiguous ranges (+-1 block), a range run as one job per (unit, slab)
-// it touches. The default picks one per call on the host (grouped_flat_pays at the plan's unit estimate).
+// it touches. Up to 4 rows per expert (8-row units) the default picks one per call on the host (grouped_flat_pays at
+// the plan's unit estimate).
 constexpr int kGrpJobs = 0, kGrpFlat = 1;
-// kGrpAuto (the default above 8 rows per expert since round 42): whole jobs when the device's unit count gives at most
-// one job per CTA (one round), else flat ranges, decided in the kernel after the unit scan (one job loop, one call of
-// the job body). Launched with the flat order's grid.
+// kGrpAuto (the default above 4 rows per expert: 24-row units since round 42, 16-row units since round 44): whole
+// jobs when the device's unit count gives at most one job per CTA (one round), else flat ranges, decided in the kernel
+// after the unit scan (one job loop, one call of the job body). Launched with the flat order's grid.
 constexpr int kGrpAuto = 2;
 
 // The default's choice: the order with the smaller estimated makespan in tiles of the busiest CTA, counting
@@ -1098,10 +1098,12 @@ bool run_decode_kslab_grouped(const GemmParams& p, int64_t rows_hint, const at::
   // 0.95-0.96x (down).
   const int forced = kslab_grp_rows_forced();
   const int R = forced != 0 ? forced : rows_hint <= kKsGrp8RowsMaxHint ? 8 : rows_hint <= 8 ? 16 : 24;
-  // the rule's 24-row units take the device's order unless TRACE_EXT_DECODE_IMPL names one; forced rows the estimate's
-  // TRACE_EXT_KSLAB_GRP_AUTO16=1 (an A/B knob, read per call): the device's order for the rule's 16-row units too
+  // the rule's 16- and 24-row units take the device's order unless TRACE_EXT_DECODE_IMPL names one; forced rows the
+  // estimate's. 16-row units since round 43/44 (uniform Qwen3 T = 64..128: 0.98-1.00x the host's estimate; skewed
+  // routing where whole jobs spill: 1.52-1.66x). TRACE_EXT_KSLAB_GRP_AUTO16=0 (A/B knob, read per call): the host's
+  // estimate for 16-row units, as before.
   const char* auto16 = std::getenv("TRACE_EXT_KSLAB_GRP_AUTO16");
-  const bool dev_order = R == 24 || (R == 16 && auto16 != nullptr && std::strcmp(auto16, "1") == 0);
+  const bool dev_order = R == 24 || (R == 16 && !(auto16 != nullptr && std::strcmp(auto16, "0") == 0));
   const int ord = order < 0 && forced == 0 && dev_order ? kGrpAuto : order;
   // the rule's 8-row units at 3..4 rows per expert (added in rounds 30-32) keep whole jobs' segment slots in L2
   const bool seg_l2_jobs = forced == 0 && R == 8 && rows_hint > 2;

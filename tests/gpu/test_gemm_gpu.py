@@ -923,13 +923,17 @@ def test_decode_kslab_grouped_forced_unit_rows(monkeypatch, impl, rows):
                         f"rows={rows} one expert 40 rows", impl)
 
 
+@pytest.mark.parametrize("auto16", ["default", "0"])
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
-def test_decode_kslab_grouped_auto16(monkeypatch, mode):
-    """Protects TRACE_EXT_KSLAB_GRP_AUTO16=1 (an A/B knob: the device-side work order for 16-row units, 5..8 rows per
-    expert): Qwen3 T = 80, 96, 128 with uniform routing (whole jobs fit one round) and with a few experts of 20-60 rows
-    (more units than CTAs: flat ranges), both projections: the f64 contract, repeatable bits, the default equal to one
-    of the two forced orders bit for bit."""
-    monkeypatch.setenv("TRACE_EXT_KSLAB_GRP_AUTO16", "1")
+def test_decode_kslab_grouped_auto16(monkeypatch, mode, auto16):
+    """Protects the 16-row units' work order (5..8 rows per expert): the default (decided on the device) and
+    TRACE_EXT_KSLAB_GRP_AUTO16=0 (the host's estimate, an A/B knob): Qwen3 T = 80, 96, 128 with uniform routing (whole
+    jobs fit one round) and with a few experts of 20-60 rows (more units than CTAs: flat ranges), both projections: the
+    f64 contract, repeatable bits, the default equal to one of the two forced orders bit for bit."""
+    if auto16 == "default":
+        monkeypatch.delenv("TRACE_EXT_KSLAB_GRP_AUTO16", raising=False)
+    else:
+        monkeypatch.setenv("TRACE_EXT_KSLAB_GRP_AUTO16", auto16)
     gen = torch.Generator().manual_seed(61)
     E, k = 128, 8
     for name, (N, K) in (("gate_up", (1536, 2048)), ("down", (2048, 768))):
