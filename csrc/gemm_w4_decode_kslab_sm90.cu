@@ -520,9 +520,11 @@ __device__ __forceinline__ void kslab_job_stream(const KsJob& jb, KsRing<kStages
 // Y of one 16-row block from the lane's fp32 sums (the stream kernel's epilogue): y = bf16((sum * fold) * (g_a[m] *
 // g_w[n])) for rows m = m0 + 8 i + 2 t + (cc & 1) < m_end and columns n = nb * 16 + g + 8 (cc >> 1), gw = the
 // matrix's (expert's) g_w; g_a is 1 for W4A16 (GemmParams.g_a is null exactly when A is bf16). The scale loads are
-// issued before the first store: as far as the compiler knows y may alias them, so a load written between the stores
-// (the code before TRACE_EXT_KSLAB_STORE=prev's A/B) was issued and waited for output by output, with a branch around
-// each (12 dependent loads of g_w and 12 of g_a per block end at 24 rows).
+// issued before the first store: as far as the compiler knows y may alias them, so the loads written between the stores
+// before (until 43401ee) were issued and waited for output by output, with a branch around each (12 dependent loads of
+// g_w and 12 of g_a per block end at 24 rows; the 24-row grouped kernel had 4072 static instructions, now 2488). H200
+// A/B (round 44, two timings, bit-equal): grouped Qwen3 1.02-1.12x (down T = 256 1.12x, gate_up T = 256 1.05x, down
+// T = 16 / 64 1.07 / 1.08x), dense decode 1.00-1.05x.
 template <int MT8, bool kAFp4>
 __device__ __forceinline__ void kslab_store_y(const GemmParams& p, const float* gw, int nb, int m0, int m_end, int lane,
                                               float fold, const float (&v)[MT8][4]) {
@@ -551,7 +553,7 @@ __device__ __forceinline__ void kslab_store_y(const GemmParams& p, const float* 
 
 // ws_slab: [S][N / 16][kFrag][32] fp32 slab partials (S > 1); ws_seg: [C * S][kKsWarps][2][kFrag][32] fp32 partials
 // of the blocks split between warps of a CTA. Grid (C, S).
-template <int MT8, bool kAFp4, int kStages, bool kForm2, bool kSegSmem, bool kStorePrev = false>
+template <int MT8, bool kAFp4, int kStages, bool kForm2, bool kSegSmem>
 __global__ void __launch_bounds__(kKsThreads, 1)
     gemm_w4_decode_kslab_kernel(const GemmParams p, float* __restrict__ ws_slab, float* __restrict__ ws_seg,
                                 int* __restrict__ tickets, int L) {
@@ -560,7 +562,6 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   constexpr int kFrag = MT8 * 4;  // fp32 accumulators per lane
   extern __shared__ __align__(16) uint8_t ks_smem[];  // [warp][kStages][kKsTileBytes] rings, then A [8 MT8][a_stride]
   const int warp_id = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
   const int K = p.K, N = p.N, M = p.M;
   const int KT = K / kKsSuperK, n_blocks = N / 16;
   const int C = gridDim.x, c = blockIdx.x, s = blockIdx.y, S = gridDim.y;
@@ -588,20 +589,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
 
   // y = bf16(sum * fold * g_a[m] * g_w[n]) for the lane's fragment of block nb (store_y of the stream kernel)
   auto store_y = [&](int nb, const float (&v)[MT8][4]) {
-    if constexpr (kStorePrev) {  // TRACE_EXT_KSLAB_STORE=prev (A/B): the loads between the stores
-#pragma unroll
-      for (int i = 0; i < MT8; ++i)
-#pragma unroll
-        for (int cc = 0; cc < 4; ++cc) {
-          const int n = nb * 16 + g + (cc >> 1) * 8, m = 8 * i + 2 * t + (cc & 1);
-          if (m >= M) continue;
-          const float ga = p.g_a != nullptr ? p.g_a[m] : 1.0f;
-          const float y = __fmul_rn(__fmul_rn(v[i][cc], fold), __fmul_rn(ga, p.g_w[(int64_t)n * p.gw_stride_n]));
-          p.y[(int64_t)m * N + n] = __float2bfloat16_rn(y);
-        }
-    } else {
-      kslab_store_y<MT8, kAFp4>(p, p.g_w, nb, 0, M, lane, fold, v);
-    }
+    kslab_store_y<MT8, kAFp4>(p, p.g_w, nb, 0, M, lane, fold, v);
   };
   auto slab_partial = [&](int ss, int nb) { return ws_slab + ((int64_t)ss * n_blocks + nb) * (kFrag * 32) + lane; };
   auto arrive = [&](int nb) {  // lane 0's arrival at block nb's ticket
@@ -670,7 +658,7 @@ bool grouped_flat_pays(int64_t n_units, int S, int C, int n_blocks, int L, int c
   return flat_cost < job_cost;
 }
 
-template <int MT8, bool kAFp4, int kStages, int kOrder, bool kSegSmem, bool kStorePrev = false>
+template <int MT8, bool kAFp4, int kStages, int kOrder, bool kSegSmem>
 __global__ void __launch_bounds__(kKsThreads, 1)
     gemm_w4_decode_kslab_grouped_kernel(const GemmParams p, float* __restrict__ ws_slab, float* __restrict__ ws_seg,
                                         int* __restrict__ tickets, int L, int S, int C, int max_units) {
@@ -681,7 +669,6 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   // [warp][kStages][kKsTileBytes] rings, then A [8 MT8][L * 512 + 16], then s_pref[E + 1], s_wsum[kKsWarps]
   extern __shared__ __align__(16) uint8_t ks_smem[];
   const int warp_id = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
   const int K = p.K, N = p.N;
   const int KT = K / kKsSuperK, n_blocks = N / 16;
   const int64_t exp_bytes = (int64_t)n_blocks * KT * kKsTileBytes;  // one expert's packed weight
@@ -743,20 +730,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
 
     // y rows r_lo .. r_hi - 1 of the unit (store_y of the grouped stream kernel)
     auto store_y = [&](int nb, const float (&v)[MT8][4]) {
-      if constexpr (kStorePrev) {  // TRACE_EXT_KSLAB_STORE=prev (A/B): the loads between the stores
-#pragma unroll
-        for (int i = 0; i < MT8; ++i)
-#pragma unroll
-          for (int cc = 0; cc < 4; ++cc) {
-            const int n = nb * 16 + g + (cc >> 1) * 8, m = r_lo + 8 * i + 2 * t + (cc & 1);
-            if (m >= r_hi) continue;
-            const float ga = p.g_a != nullptr ? p.g_a[m] : 1.0f;
-            const float y = __fmul_rn(__fmul_rn(v[i][cc], fold), __fmul_rn(ga, gw[(int64_t)n * p.gw_stride_n]));
-            p.y[(int64_t)m * N + n] = __float2bfloat16_rn(y);
-          }
-      } else {
-        kslab_store_y<MT8, kAFp4>(p, gw, nb, r_lo, r_hi, lane, fold, v);
-      }
+      kslab_store_y<MT8, kAFp4>(p, gw, nb, r_lo, r_hi, lane, fold, v);
     };
     float* const slab_u = ws_slab + (int64_t)u * S * n_blocks * (kFrag * 32) + lane;  // this unit's slab partials
     auto slab_partial = [&](int ss, int nb) { return slab_u + ((int64_t)ss * n_blocks + nb) * (kFrag * 32); };
@@ -908,24 +882,17 @@ auto kslab_kernel_ready(int dev, const char* op) {
 }
 
 // The dense kernel (rings + A slab).
-template <int MT8, bool kAFp4, bool kForm2, bool kSegSmem, int kStages = kslab_stages(MT8), bool kStorePrev = false>
+template <int MT8, bool kAFp4, bool kForm2, bool kSegSmem, int kStages = kslab_stages(MT8)>
 auto dense_kernel_ready(int dev) {
-  return kslab_kernel_ready<gemm_w4_decode_kslab_kernel<MT8, kAFp4, kStages, kForm2, kSegSmem, kStorePrev>,
+  return kslab_kernel_ready<gemm_w4_decode_kslab_kernel<MT8, kAFp4, kStages, kForm2, kSegSmem>,
                             kKsDenseSmemMax(MT8)>(dev, "fp4_linear (decode kslab)");
 }
 
 // The dense kernel of a launch: shared-memory segment slots if seg_smem (<= 16 rows), kStages ring slots.
-template <int MT8, bool kAFp4, bool kForm2, int kStages, bool kStorePrev = false>
+template <int MT8, bool kAFp4, bool kForm2, int kStages>
 auto dense_kernel_pick(int dev, bool seg_smem) {
-  return seg_smem ? dense_kernel_ready<MT8, kAFp4, kForm2, MT8 <= 2, kStages, kStorePrev>(dev)
-                  : dense_kernel_ready<MT8, kAFp4, kForm2, false, kStages, kStorePrev>(dev);
-}
-
-// TRACE_EXT_KSLAB_STORE=prev (read per call; an A/B knob, with the default ring only): the K-slab kernels' block-end
-// store with its scale loads between the stores, as before kslab_store_y (same sums, same formula: bit-equal).
-bool kslab_store_prev_selected() {
-  const char* v = std::getenv("TRACE_EXT_KSLAB_STORE");
-  return v != nullptr && std::strcmp(v, "prev") == 0;
+  return seg_smem ? dense_kernel_ready<MT8, kAFp4, kForm2, MT8 <= 2, kStages>(dev)
+                  : dense_kernel_ready<MT8, kAFp4, kForm2, false, kStages>(dev);
 }
 
 // TRACE_EXT_KSLAB_STAGES=prev (read per call; an A/B knob) selects the previous ring of the K-slab kernels (dense and
@@ -958,8 +925,7 @@ bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream
   int* tickets = plan.S > 1 ? ticket_buffer(like, stream, n_blocks) : nullptr;
   const bool seg_smem = kslab_seg_in_smem(MT8, false);
   auto kernel = alt ? dense_kernel_pick<MT8, kAFp4, kForm2, kslab_alt_stages(MT8)>(dev, seg_smem)
-                : kslab_store_prev_selected() ? dense_kernel_pick<MT8, kAFp4, kForm2, kslab_stages(MT8), true>(dev, seg_smem)
-                                              : dense_kernel_pick<MT8, kAFp4, kForm2, kslab_stages(MT8)>(dev, seg_smem);
+                    : dense_kernel_pick<MT8, kAFp4, kForm2, kslab_stages(MT8)>(dev, seg_smem);
   kernel<<<dim3(plan.C, plan.S), kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L);
   check_launch("fp4_linear (decode kslab)");
   return true;
@@ -1036,26 +1002,25 @@ constexpr int kKsGrpSmem(int mt8, bool prev) {
 constexpr int kKsGrpSmemMax(int mt8) { return std::max(kKsGrpSmem(mt8, false), kKsGrpSmem(mt8, true)); }
 
 // The grouped kernel of one work order (rings + A slab + unit prefix).
-template <int MT8, bool kAFp4, int kOrder, bool kSegSmem, int kStages = kslab_stages(MT8), bool kStorePrev = false>
+template <int MT8, bool kAFp4, int kOrder, bool kSegSmem, int kStages = kslab_stages(MT8)>
 auto grouped_kernel_ready(int dev) {
-  return kslab_kernel_ready<gemm_w4_decode_kslab_grouped_kernel<MT8, kAFp4, kStages, kOrder, kSegSmem, kStorePrev>,
+  return kslab_kernel_ready<gemm_w4_decode_kslab_grouped_kernel<MT8, kAFp4, kStages, kOrder, kSegSmem>,
                             kKsGrpSmemMax(MT8)>(dev, "fp4_grouped_linear (decode kslab-grouped)");
 }
 
 // The grouped kernel of a launch: work order `order`, shared-memory segment slots if seg_smem (<= 16 rows), kStages
 // ring slots.
-template <int MT8, bool kAFp4, int kStages, bool kStorePrev = false>
+template <int MT8, bool kAFp4, int kStages>
 auto grouped_kernel_pick(int dev, int order, bool seg_smem) {
   if constexpr (MT8 == 2 || MT8 == 3) {  // the unit sizes that run the device-side order
     if (order == kGrpAuto)
-      return seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpAuto, MT8 <= 2, kStages, kStorePrev>(dev)
-                      : grouped_kernel_ready<MT8, kAFp4, kGrpAuto, false, kStages, kStorePrev>(dev);
+      return seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpAuto, MT8 <= 2, kStages>(dev)
+                      : grouped_kernel_ready<MT8, kAFp4, kGrpAuto, false, kStages>(dev);
   }
-  return order == kGrpFlat
-             ? (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpFlat, MT8 <= 2, kStages, kStorePrev>(dev)
-                         : grouped_kernel_ready<MT8, kAFp4, kGrpFlat, false, kStages, kStorePrev>(dev))
-             : (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpJobs, MT8 <= 2, kStages, kStorePrev>(dev)
-                         : grouped_kernel_ready<MT8, kAFp4, kGrpJobs, false, kStages, kStorePrev>(dev));
+  return order == kGrpFlat ? (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpFlat, MT8 <= 2, kStages>(dev)
+                                       : grouped_kernel_ready<MT8, kAFp4, kGrpFlat, false, kStages>(dev))
+                           : (seg_smem ? grouped_kernel_ready<MT8, kAFp4, kGrpJobs, MT8 <= 2, kStages>(dev)
+                                       : grouped_kernel_ready<MT8, kAFp4, kGrpJobs, false, kStages>(dev));
 }
 
 // order: kGrpJobs, kGrpFlat, or -1 (the default: grouped_flat_pays at the plan's unit estimate); seg_l2_jobs: the
@@ -1096,8 +1061,6 @@ bool launch_decode_kslab_grouped(const GemmParams& p, const at::Tensor& like, cu
   int* tickets = plan.S > 1 ? ticket_buffer(like, stream, (int)(max_units * n_blocks)) : nullptr;
   const bool seg_smem = kslab_seg_in_smem(MT8, seg_l2_jobs && order == kGrpJobs);
   auto kernel = alt ? grouped_kernel_pick<MT8, kAFp4, kslab_alt_stages(MT8)>(dev, order, seg_smem)
-                : kslab_store_prev_selected()
-                    ? grouped_kernel_pick<MT8, kAFp4, kslab_stages(MT8), true>(dev, order, seg_smem)
                     : grouped_kernel_pick<MT8, kAFp4, kslab_stages(MT8)>(dev, order, seg_smem);
   kernel<<<ctas, kKsThreads, smem, stream>>>(p, ws_p, ws_p + slab_floats, tickets, plan.L, plan.S, plan.C,
                                              (int)max_units);

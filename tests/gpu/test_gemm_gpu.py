@@ -1140,59 +1140,41 @@ def test_kslab_ring_depth_grouped_equals_prev(monkeypatch, impl):
     monkeypatch.delenv("TRACE_EXT_KSLAB_SEG", raising=False)
 
 
-def _store(monkeypatch, value):
-    """TRACE_EXT_KSLAB_STORE=value ("prev": the block-end store with its scale loads between the stores), or unset."""
-    if value:
-        monkeypatch.setenv("TRACE_EXT_KSLAB_STORE", value)
-    else:
-        monkeypatch.delenv("TRACE_EXT_KSLAB_STORE", raising=False)
-
-
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
-def test_kslab_store_equals_prev(monkeypatch, mode):
-    """Protects the K-slab kernels' block-end store (kslab_store_y: the g_a / g_w loads before the stores, g_a = 1 for
-    W4A16): dense at every kslab shape, M = 1, 3, 8, 9, 16, 17, 32 (8 / 16 / 32 rows, padded rows), both packed forms,
-    shared-memory and L2 segment slots; grouped (both forced work orders and the default) at Qwen3 T = 1, 16, 64, 256,
-    K = 8448 and one expert with 40 rows: the bits of TRACE_EXT_KSLAB_STORE=prev, also on a call after the other."""
-    for N, K, M, wp, a in _dense_kslab_inputs(mode, (1, 3, 8, 9, 16, 17, 32)):
-        for impl in (None, "kslab2"):
-            for seg in (True, False):
-                tag = f"N={N} K={K} M={M} {mode} {impl} seg_smem={seg}"
-                _impl(monkeypatch, impl)
-                _seg_smem(monkeypatch, seg)
-                _store(monkeypatch, "prev")
-                y0 = O.fp4_linear(a, wp, backend="cuda").view(torch.int16)
-                _store(monkeypatch, None)
-                assert torch.equal(O.fp4_linear(a, wp, backend="cuda").view(torch.int16), y0), tag
-    _seg_smem(monkeypatch, None)
-    for what, wp, offsets, a in _grouped_kslab_inputs(41, (1, 16, 64, 256), 40):
-        if not what.endswith(mode):
-            continue
-        for impl in (None,) + GROUPED_KSLAB_IMPLS:
-            _impl(monkeypatch, impl)
-            _store(monkeypatch, "prev")
-            y0 = O.fp4_grouped_linear(a, wp, offsets, backend="cuda").view(torch.int16)
-            _store(monkeypatch, None)
-            y = O.fp4_grouped_linear(a, wp, offsets, backend="cuda").view(torch.int16)
-            assert torch.equal(y, y0), f"{what} {impl}"
-    _impl(monkeypatch, None)
-    # per-channel g_w ([N] dense, [E, N] grouped: gw_stride_n = 1)
+def test_kslab_per_channel_g_w(monkeypatch, mode):
+    """Protects the K-slab kernels' block-end store (kslab_store_y: g_a / g_w loaded before the stores) with a
+    per-channel g_w (gw_stride_n = 1; the other K-slab tests use one g_w per matrix): dense [N] at M = 1, 9, 32 (8 / 16
+    / 32-row kernels) and grouped [E, N] at Qwen3 T = 1, 64, 256 (8 / 16 / 24-row units) in the default and both
+    forced work orders, W4A16 and W4A4, within the f64 contract."""
     gen = torch.Generator().manual_seed(43)
-    for lead, counts in (((4096,), None), ((128, 1536), _routed_counts(64, 128, 8, gen))):
-        w = _quant_w(lead[-1], 2048, lead[0] if counts else None)
-        w = NVFP4Tensor(w.codes, w.scales, torch.rand(lead, device=DEV) * 1e-3 + 1e-4, shape=w.shape)
+    for lead in ((4096,), (128, 1536)):
+        grouped = len(lead) == 2
+        w = _quant_w(lead[-1], 2048, lead[0] if grouped else None)
+        g = torch.rand(lead, device=DEV) * 1e-3 + 1e-4
+        w = NVFP4Tensor(w.codes, w.scales, g, shape=w.shape)
         wp = O.prepare_fp4_weight(w)
-        M = int(sum(counts)) if counts else 9
-        a = torch.randn(M, 2048, device=DEV).bfloat16()
-        if mode == "w4a4":
-            a = ref.nvfp4_quantize(a)
-        run = (lambda: O.fp4_grouped_linear(a, wp, _offsets(counts), backend="cuda")) if counts else (
-            lambda: O.fp4_linear(a, wp, backend="cuda"))
-        _store(monkeypatch, "prev")
-        y0 = run().view(torch.int16)
-        _store(monkeypatch, None)
-        assert torch.equal(run().view(torch.int16), y0), f"per-channel g_w {lead} {mode}"
-    _store(monkeypatch, None)
+        for rows in ((1, 64, 256) if grouped else (1, 9, 32)):
+            counts = _routed_counts(rows, 128, 8, gen) if grouped else None
+            M = int(sum(counts)) if grouped else rows
+            a = torch.randn(M, 2048, device=DEV).bfloat16()
+            if mode == "w4a4":
+                a = ref.nvfp4_quantize(a)
+            a64 = _a64(a)
+            if not grouped:
+                _impl(monkeypatch, None)
+                _check(O.fp4_linear(a, wp, backend="cuda"), a64, _w64(w), f"dense g_w [N] M={M} {mode}")
+                continue
+            offsets = _offsets(counts)
+            off = offsets.tolist()
+            for impl in (None,) + GROUPED_KSLAB_IMPLS:
+                _impl(monkeypatch, impl)
+                y = O.fp4_grouped_linear(a, wp, offsets, backend="cuda")
+                for e in range(len(off) - 1):
+                    lo, hi = off[e], off[e + 1]
+                    if hi > lo:
+                        w64 = R.dequantize_f64(w.codes[e], w.scales[e]) * g[e].double()[:, None]
+                        _check(y[lo:hi], a64[lo:hi], w64, f"grouped g_w [E, N] T={rows} {mode} {impl} expert {e}")
+    _impl(monkeypatch, None)
 
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
