@@ -1277,6 +1277,29 @@ void launch_rowg(const QuantParams& p, cudaStream_t stream, const char* op) {
   check_launch(op);
 }
 
+// The persistent grid of the lean per-row kernels for bpl blocks per lane: the team (2^shift threads, the smallest
+// with 2^shift * bpl >= kb), rows per CTA, a balanced grid of at most ctas_per_sm CTAs per SM (every CTA walks iters or
+// iters - 1 row groups) and its stride in rows; false where a 32-bit index could overflow.
+struct RowLeanPlan {
+  uint32_t shift;
+  int64_t rows_per_cta, grid, row_stride;
+};
+
+bool rowg_lean_plan(const QuantParams& p, int bpl, int ctas_per_sm, RowLeanPlan& plan) {
+  uint32_t shift = 0;
+  while ((int64_t(1) << shift) * bpl < p.kb) ++shift;
+  const int64_t rows_per_cta = kRowLeanThreads >> shift;
+  const int64_t groups = div_up(p.rows, rows_per_cta);
+  const int64_t max_ctas = int64_t(current_sm_count()) * ctas_per_sm;
+  const int64_t iters = div_up(groups, max_ctas);
+  const int64_t grid = div_up(groups, iters);
+  const int64_t row_stride = grid * rows_per_cta;
+  if (p.rows + row_stride >= (int64_t(1) << 31) || (p.rows + row_stride) * p.kb >= (int64_t(1) << 31)) return false;
+  if (p.swizzle && p.rows_pad * p.kb_pad >= (int64_t(1) << 31)) return false;
+  plan = RowLeanPlan{shift, rows_per_cta, grid, row_stride};
+  return true;
+}
+
 // nvfp4_quant_rowg_lean_kernel where it applies (TRACE_EXT_QUANT_IMPL=rowg-lean; RTN quantize with g None, rows of
 // <= kRowLeanThreads * BPL blocks, 32-bit indices); false if not (the caller then runs the default's kernels).
 // prefer_two (=rowg-lean2, 16-bit x): two blocks per lane for every kb >= 2 (half the team, half the per-row work per
@@ -1287,21 +1310,13 @@ bool launch_rowg_lean(const QuantParams& p, cudaStream_t stream, const char* op,
   constexpr int64_t kMaxBpl = sizeof(T) == 2 ? 2 : 1;  // fp32: two rows of 2 blocks in flight would exceed 64 registers
   if (p.kb > kRowLeanThreads * kMaxBpl) return false;
   const int bpl = p.kb > kRowLeanThreads || (prefer_two && kMaxBpl == 2 && p.kb >= 2) ? 2 : 1;
-  uint32_t shift = 0;
-  while ((int64_t(1) << shift) * bpl < p.kb) ++shift;
-  const int64_t rows_per_cta = kRowLeanThreads >> shift;
-  const int64_t groups = div_up(p.rows, rows_per_cta);
-  const int64_t max_ctas = int64_t(current_sm_count()) * (MODE == kRTN ? kRowLeanCtasPerSm : kRowLeanSrCtasPerSm);
-  const int64_t iters = div_up(groups, max_ctas);
-  const int64_t grid = div_up(groups, iters);  // balanced: every CTA walks iters or iters - 1 row groups
-  const int64_t row_stride = grid * rows_per_cta;
-  if (p.rows + row_stride >= (int64_t(1) << 31) || (p.rows + row_stride) * p.kb >= (int64_t(1) << 31)) return false;
-  if (p.swizzle && p.rows_pad * p.kb_pad >= (int64_t(1) << 31)) return false;
-  const RowLeanWalk w{(uint32_t)p.rows, (uint32_t)p.kb, shift, (uint32_t)rows_per_cta, (uint32_t)row_stride,
-                      (uint32_t)(p.kb_pad / 4 * 512)};
+  RowLeanPlan plan;
+  if (!rowg_lean_plan(p, bpl, MODE == kRTN ? kRowLeanCtasPerSm : kRowLeanSrCtasPerSm, plan)) return false;
+  const RowLeanWalk w{(uint32_t)p.rows, (uint32_t)p.kb, plan.shift, (uint32_t)plan.rows_per_cta,
+                      (uint32_t)plan.row_stride, (uint32_t)(p.kb_pad / 4 * 512)};
   auto go = [&](auto kernel) {
     require_kernel_image(kernel, op);
-    kernel<<<(unsigned)grid, kRowLeanThreads, 0, stream>>>(p, w);
+    kernel<<<(unsigned)plan.grid, kRowLeanThreads, 0, stream>>>(p, w);
     check_launch(op);
   };
   if (bpl == 1) {
