@@ -73,6 +73,15 @@
 //   CTAs per SM (79 registers, no spills; the default per-row kernel ran SR at 64 registers with spills): 1.03-1.04x,
 //   timed twice (35.8% of copy at 2^28). 4 CTAs per SM at the 64-register cap: 0.93-0.95x (spills). With the previous
 //   SR element code the persistent kernel ran at 1.00x (round 14).
+// - Opt-in, not yet run on a GPU (TRACE_EXT_QUANT_IMPL=rowg-lean3): RTN quantize with g None through
+//   nvfp4_quant_rowg_lean3_kernel, the default per-row kernel's walk with less per-row work (its comment lists what
+//   changed; same bits). Static SASS of one row step of the bf16 kernels (32 elements per thread, team 128, sm_90a,
+//   fast path): the default 650 instructions (20.3 per element; Nsight 20.4 executed), of which ~491 are the
+//   per-block work the g-given lean kernel also does (elements 2 x 158, unpack, amax, scale byte, 1/t, tests,
+//   stores; 15.3 per element) and ~159 per-row overhead (5.0: next-row copy and zero fill 24, cross-warp amax 36,
+//   1/g 17, team / lane / index values rederived per block at 64 registers, row and mbits tests); rowg-lean3 541-543
+//   (16.9; overhead ~51), swizzled 666 -> 555-558, capture 682 -> 573-575, both 698 -> 587-590. 64 registers, no
+//   spills (sm_90a, sm_100a); the loop holds two row steps (3413 instructions with the slow paths, the default's 1808).
 // - Swizzled scales: written at their 128x4 offsets; the zero padding is written by the same launch
 //   (a grid-stride pass over the padded bytes of the last row tile and the last column chunk of each tile).
 #include <ATen/ATen.h>
@@ -125,6 +134,8 @@ constexpr int kImplSrLean = 7;  // TRACE_EXT_QUANT_IMPL=sr-lean: kImplGuidedLean
                                 // on the fast path: sr_elems_lean_x2m14 (quant_sr_elems.cuh; same codes)
 constexpr int kImplSrRow = 8;   // default (TRACE_EXT_QUANT_IMPL=sr-row): kImplSrLean, except SR quantize with g None
                                 // through nvfp4_quant_rowg_lean_kernel<..., kSR> (two blocks per lane, as rowg-lean2)
+constexpr int kImplRowgLean3 = 9;  // TRACE_EXT_QUANT_IMPL=rowg-lean3: the default, except RTN quantize with g None
+                                   // through nvfp4_quant_rowg_lean3_kernel (same walk, less per-row work; same bits)
 static_assert(kChunkElems % 8 == 0, "a chunk must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kNvfp4Block % 8 == 0, "a block must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 2 blocks x 16 elements");
@@ -1101,6 +1112,176 @@ __global__ void __launch_bounds__(kRowLeanThreads, MODE == kRTN ? kRowLeanCtasPe
   }
 }
 
+// ---- lean per-row-g kernel with less per-row work (TRACE_EXT_QUANT_IMPL=rowg-lean3) ------------------------------
+// nvfp4_quant_rowg_lean_kernel's walk, grid, loads in flight and element code (RTN quantize with g None, linear or
+// swizzled scales, capture optional; the same launch shapes), with the per-row work its SASS showed cut down (every
+// output is the default's bit for bit):
+// - two row steps per loop iteration with the two buffers swapped: no copy of the next row's 16 registers per row,
+//   the shared-memory parity a constant;
+// - the team's constants (mask, warps, lanes that have a last block, the swizzled offset of team blocks) precomputed
+//   by the host (RowLean3Walk): what ptxas rederives per use at 64 registers (lane, "the lane's last block exists",
+//   the shared-memory slots) costs one or two instructions with constant-bank operands, not a chain per block;
+//   blocks q < BPL - 1 always exist (the host takes the smallest team with team * BPL >= kb);
+// - the next row's loads from row min(row, R - 1): a team whose row is past R quantizes nothing, so what it loads is
+//   never used (no zero fill, no row test); the last block's load predicated, its amax masked;
+// - the cross-warp amax by a store from every lane (no lane test), one shared-memory read per thread (lane l reads its
+//   team's slot l % warps per team) and a second redux.sync, instead of warps-per-team predicated reads and maxes;
+//   teams within one warp by xor shuffles, 32 included (K = 1024 for 16-bit x; its redux.sync spilled on sm_100a);
+// - one non-finite test for the thread's blocks together (the per-block finite-max fallback behind it);
+// - 1/g and each block's 1/t by frcp_rn_mid where g lies in [2^-50, 2^50] and t in [2^-100, 2^100], the ranges where
+//   rcp_g_in_range and quantize_block take the reciprocal (__frcp_rn's bits without its range test);
+// - capture (mbits) a template parameter: no per-block pointer test.
+
+// quantize_block<kRTN, 16, kImplLean>: the same fast-path test (t in [2^-100, 2^100], amax / t far from overflow)
+// and element code with 1/t by frcp_rn_mid, else its zeros (t == 0) or its division path.
+__device__ __forceinline__ void quantize_block_rtn_mid(const float (&x)[kNvfp4Block], uint32_t max_bits, float t,
+                                                       const QuantParams& p, uint32_t (&w)[kNvfp4Block / 8]) {
+  if (t >= 0x1p-100f && t <= 0x1p100f) {
+    const float r = frcp_rn_mid(t);
+    if (__fmul_rn(__uint_as_float(max_bits), r) <= 0x1p100f) {
+      quantize_elems<kRTN, true, kNvfp4Block, kImplLean>(x, t, r, 0u, p, 0u, make_uint2(0u, 0u), w);
+      return;
+    }
+  }
+  if (t == 0.0f) {
+    w[0] = w[1] = 0u;
+  } else {  // quantize_block's division path (its reciprocal is not used there)
+    quantize_elems<kRTN, false, kNvfp4Block, kImplLean>(x, t, 0.0f, 0u, p, 0u, make_uint2(0u, 0u), w);
+  }
+}
+
+// The walk of nvfp4_quant_rowg_lean3_kernel: RowLeanWalk's, with the team constants the kernel would otherwise
+// rederive per row (ptxas rematerializes them at 64 registers) precomputed.
+struct RowLean3Walk {
+  uint32_t rows;          // R; rows + row_stride < 2^31 (host-checked)
+  uint32_t last_row;      // R - 1: the row the loads of rows past R read
+  uint32_t kb;            // blocks per row; (rows + row_stride) * kb < 2^31 (host-checked)
+  uint32_t team_shift;    // log2 of the threads per row
+  uint32_t team;          // 1 << team_shift
+  uint32_t team_mask;     // team - 1
+  uint32_t team_warps;    // team / 32 (0 for teams within one warp)
+  uint32_t slot_mask;     // team_warps - 1 (teams of several warps)
+  uint32_t last_lanes;    // lanes whose last block exists: kb - (BPL - 1) * team
+  uint32_t rows_per_cta;  // kRowLeanThreads >> team_shift
+  uint32_t row_stride;    // rows between a thread's consecutive rows: gridDim.x * rows_per_cta
+  uint32_t tile_bytes;    // swizzled scales: bytes of one 128-row tile (kb_pad / 4 * 512); rows_pad * kb_pad < 2^31
+  uint32_t swz_team;      // swizzled offset of block kbi + team minus that of kbi (team >= 4: team * 128, else team)
+};
+
+// threadIdx.x read where it is used: values derived from it are recomputed in the loop instead of being hoisted out
+// of it and kept live (at 64 registers ptxas then spills them).
+__device__ __forceinline__ uint32_t tid_in_loop() {
+  uint32_t t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+}
+
+template <typename T, int BPL, bool SWIZZLE, bool CAPTURE>
+__global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
+    nvfp4_quant_rowg_lean3_kernel(const QuantParams p, const RowLean3Walk w) {
+  static_assert(BPL == 1 || BPL == 2, "one or two blocks per lane");
+  __shared__ uint32_t warp_max[2][kRowLeanThreads / 32];
+  const uint32_t lane = threadIdx.x & w.team_mask;
+  const bool has_last = lane < w.last_lanes;  // blocks q < BPL - 1 always exist (the host's team: team * BPL >= kb)
+  const T* xp = reinterpret_cast<const T*>(p.x);
+  uint32_t base = blockIdx.x * w.rows_per_cta;  // the CTA's row group (uniform: every thread runs every iteration)
+  uint32_t row = base + (threadIdx.x >> w.team_shift);
+  auto load = [&](uint32_t r, BlockRaw<T>(&buf)[BPL]) {
+    const uint32_t i0 = min(r, w.last_row) * w.kb + lane;
+#pragma unroll
+    for (int q = 0; q < BPL - 1; ++q) buf[q] = load_block<T>(xp, i0 + q * w.team, true);
+    if (has_last) buf[BPL - 1] = load_block<T>(xp, i0 + (BPL - 1) * w.team, true);
+  };
+  // One row group with the shared-memory half `parity`: the thread's next row loaded into nxt (in flight during this
+  // row's work), cur's row reduced and quantized.
+  auto step = [&](auto parity, BlockRaw<T>(&cur)[BPL], BlockRaw<T>(&nxt)[BPL]) {
+    constexpr int kPar = decltype(parity)::value;
+    load(row + w.row_stride, nxt);
+    uint32_t mb[BPL];
+#pragma unroll
+    for (int q = 0; q < BPL; ++q) mb[q] = block_max_abs_bits<T>(cur[q]);
+    if (!has_last) mb[BPL - 1] = 0u;
+    uint32_t finite_max = mb[0];
+#pragma unroll
+    for (int q = 1; q < BPL; ++q) finite_max = max(finite_max, mb[q]);
+    if (finite_max >= 0x7F800000u) {  // a NaN / Inf: the finite max block by block
+      finite_max = 0u;
+#pragma unroll
+      for (int q = 0; q < BPL; ++q) {
+        if (mb[q] < 0x7F800000u) {
+          finite_max = max(finite_max, mb[q]);
+        } else {
+          float x[kNvfp4Block];
+          unpack_block<T>(cur[q], x);
+          finite_max = max(finite_max, max_abs_bits_finite(x));
+        }
+      }
+    }
+    if (w.team_warps > 1u) {  // the common case first: one compare on the way
+      finite_max = __reduce_max_sync(0xFFFFFFFFu, finite_max);
+      const uint32_t tid = tid_in_loop();
+      warp_max[kPar][tid / 32] = finite_max;  // every lane stores the warp's max (no lane test)
+      __syncthreads();  // the other half is rewritten only after the next step's barrier: no second barrier
+      // lane l reads its team's slot first_warp + l % team_warps (first_warp: the warp index with the low bits
+      // cleared; every slot of the team is read by some lane)
+      finite_max = __reduce_max_sync(0xFFFFFFFFu, warp_max[kPar][((tid / 32) & ~w.slot_mask) | (tid & w.slot_mask)]);
+    } else {  // a team within one warp (up to 32 threads: K <= 1024 for 16-bit x)
+      for (uint32_t off = w.team / 2u; off > 0u; off /= 2u) {
+        finite_max = max(finite_max, __shfl_xor_sync(0xFFFFFFFFu, finite_max, off, w.team));
+      }
+    }
+    const float g = nvfp4_global_scale_rcp(__uint_as_float(finite_max));
+    const float rg = g >= 0x1p-50f && g <= 0x1p50f ? frcp_rn_mid(g) : 0.0f;  // rcp_g_in_range(g)
+    if (row < w.rows) {
+      if (lane == 0u) p.g_out[row] = g;
+      const uint32_t fb0 = row * w.kb + lane;
+#pragma unroll
+      for (int q = 0; q < BPL; ++q) {
+        if (q < BPL - 1 || has_last) {
+          const uint32_t fb = fb0 + q * w.team;
+          float x[kNvfp4Block];
+          unpack_block<T>(cur[q], x);
+          uint8_t s = nvfp4_scale_byte_rcp(mb[q], g, rg);
+          const float t = nvfp4_block_divisor(s, g);
+          uint32_t codes[2] = {0u, 0u};
+          if (mb[q] < 0x7F800000u) {
+            quantize_block_rtn_mid(x, mb[q], t, p, codes);
+          } else {
+            s = kE4M3NaN;
+          }
+          reinterpret_cast<uint2*>(p.codes)[fb] = make_uint2(codes[0], codes[1]);
+          if constexpr (CAPTURE) {
+            reinterpret_cast<uint16_t*>(p.mbits)[fb] =
+                (uint16_t)(nibble_lsbs(codes[0]) | (nibble_lsbs(codes[1]) << 8));
+          }
+          if constexpr (SWIZZLE) {
+            // the swizzled offset of block lane of the row, computed here (kept across the element code, it spilled)
+            const uint32_t swz = (row >> 7) * w.tile_bytes + (row & 31u) * 16u + ((row >> 5) & 3u) * 4u +
+                                 (lane >> 2) * 512u + (lane & 3u);
+            p.scales[swz + q * w.swz_team] = s;
+          } else {
+            p.scales[fb] = s;
+          }
+        }
+      }
+    }
+    base += w.row_stride;
+    row += w.row_stride;
+  };
+  BlockRaw<T> buf0[BPL], buf1[BPL];
+  buf0[BPL - 1] = BlockRaw<T>{};  // a lane without a last block never loads it (its amax is masked)
+  buf1[BPL - 1] = BlockRaw<T>{};
+  load(row, buf0);
+  while (base < w.rows) {
+    step(std::integral_constant<int, 0>{}, buf0, buf1);
+    if (base >= w.rows) break;
+    step(std::integral_constant<int, 1>{}, buf1, buf0);
+  }
+  if constexpr (SWIZZLE) {
+    swizzle_pad_zero(p, (int64_t)blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
+  }
+}
+
 // ---- long rows, pass 1: per-row g from the finite amax -------------------------------------------------------
 
 constexpr int kAmaxThreads = 512;
@@ -1277,6 +1458,29 @@ void launch_rowg(const QuantParams& p, cudaStream_t stream, const char* op) {
   check_launch(op);
 }
 
+// The persistent grid of the lean per-row kernels for bpl blocks per lane: the team (2^shift threads, the smallest
+// with 2^shift * bpl >= kb), rows per CTA, a balanced grid of at most ctas_per_sm CTAs per SM (every CTA walks iters or
+// iters - 1 row groups) and its stride in rows; false where a 32-bit index could overflow.
+struct RowLeanPlan {
+  uint32_t shift;
+  int64_t rows_per_cta, grid, row_stride;
+};
+
+bool rowg_lean_plan(const QuantParams& p, int bpl, int ctas_per_sm, RowLeanPlan& plan) {
+  uint32_t shift = 0;
+  while ((int64_t(1) << shift) * bpl < p.kb) ++shift;
+  const int64_t rows_per_cta = kRowLeanThreads >> shift;
+  const int64_t groups = div_up(p.rows, rows_per_cta);
+  const int64_t max_ctas = int64_t(current_sm_count()) * ctas_per_sm;
+  const int64_t iters = div_up(groups, max_ctas);
+  const int64_t grid = div_up(groups, iters);
+  const int64_t row_stride = grid * rows_per_cta;
+  if (p.rows + row_stride >= (int64_t(1) << 31) || (p.rows + row_stride) * p.kb >= (int64_t(1) << 31)) return false;
+  if (p.swizzle && p.rows_pad * p.kb_pad >= (int64_t(1) << 31)) return false;
+  plan = RowLeanPlan{shift, rows_per_cta, grid, row_stride};
+  return true;
+}
+
 // nvfp4_quant_rowg_lean_kernel where it applies (TRACE_EXT_QUANT_IMPL=rowg-lean; RTN quantize with g None, rows of
 // <= kRowLeanThreads * BPL blocks, 32-bit indices); false if not (the caller then runs the default's kernels).
 // prefer_two (=rowg-lean2, 16-bit x): two blocks per lane for every kb >= 2 (half the team, half the per-row work per
@@ -1287,21 +1491,13 @@ bool launch_rowg_lean(const QuantParams& p, cudaStream_t stream, const char* op,
   constexpr int64_t kMaxBpl = sizeof(T) == 2 ? 2 : 1;  // fp32: two rows of 2 blocks in flight would exceed 64 registers
   if (p.kb > kRowLeanThreads * kMaxBpl) return false;
   const int bpl = p.kb > kRowLeanThreads || (prefer_two && kMaxBpl == 2 && p.kb >= 2) ? 2 : 1;
-  uint32_t shift = 0;
-  while ((int64_t(1) << shift) * bpl < p.kb) ++shift;
-  const int64_t rows_per_cta = kRowLeanThreads >> shift;
-  const int64_t groups = div_up(p.rows, rows_per_cta);
-  const int64_t max_ctas = int64_t(current_sm_count()) * (MODE == kRTN ? kRowLeanCtasPerSm : kRowLeanSrCtasPerSm);
-  const int64_t iters = div_up(groups, max_ctas);
-  const int64_t grid = div_up(groups, iters);  // balanced: every CTA walks iters or iters - 1 row groups
-  const int64_t row_stride = grid * rows_per_cta;
-  if (p.rows + row_stride >= (int64_t(1) << 31) || (p.rows + row_stride) * p.kb >= (int64_t(1) << 31)) return false;
-  if (p.swizzle && p.rows_pad * p.kb_pad >= (int64_t(1) << 31)) return false;
-  const RowLeanWalk w{(uint32_t)p.rows, (uint32_t)p.kb, shift, (uint32_t)rows_per_cta, (uint32_t)row_stride,
-                      (uint32_t)(p.kb_pad / 4 * 512)};
+  RowLeanPlan plan;
+  if (!rowg_lean_plan(p, bpl, MODE == kRTN ? kRowLeanCtasPerSm : kRowLeanSrCtasPerSm, plan)) return false;
+  const RowLeanWalk w{(uint32_t)p.rows, (uint32_t)p.kb, plan.shift, (uint32_t)plan.rows_per_cta,
+                      (uint32_t)plan.row_stride, (uint32_t)(p.kb_pad / 4 * 512)};
   auto go = [&](auto kernel) {
     require_kernel_image(kernel, op);
-    kernel<<<(unsigned)grid, kRowLeanThreads, 0, stream>>>(p, w);
+    kernel<<<(unsigned)plan.grid, kRowLeanThreads, 0, stream>>>(p, w);
     check_launch(op);
   };
   if (bpl == 1) {
@@ -1310,6 +1506,46 @@ bool launch_rowg_lean(const QuantParams& p, cudaStream_t stream, const char* op,
   } else if constexpr (kMaxBpl == 2) {
     p.swizzle ? go(nvfp4_quant_rowg_lean_kernel<T, 2, true, MODE>)
               : go(nvfp4_quant_rowg_lean_kernel<T, 2, false, MODE>);
+  }
+  return true;
+}
+
+// nvfp4_quant_rowg_lean3_kernel (TRACE_EXT_QUANT_IMPL=rowg-lean3) where the default takes nvfp4_quant_rowg_lean_kernel
+// for RTN quantize with g None: 16-bit x with 2 <= kb <= 512 (two blocks per lane), fp32 with kb <= 256 (one); the
+// same team, grid and walk. false if not (16-bit x with kb = 1 included: the caller then runs the default's kernels).
+template <typename T>
+bool launch_rowg_lean3(const QuantParams& p, cudaStream_t stream, const char* op) {
+  if (p.y != nullptr || p.codes == nullptr || p.scales == nullptr || p.g_out == nullptr) return false;
+  constexpr int kBpl = sizeof(T) == 2 ? 2 : 1;  // as the default: two blocks per lane for 16-bit x, one for fp32
+  if (p.kb > int64_t(kRowLeanThreads) * kBpl || p.kb < kBpl) return false;
+  RowLeanPlan plan;
+  if (!rowg_lean_plan(p, kBpl, kRowLeanCtasPerSm, plan)) return false;
+  const uint32_t team = 1u << plan.shift, team_warps = team / 32u;
+  const RowLean3Walk w{(uint32_t)p.rows,
+                       (uint32_t)(p.rows - 1),
+                       (uint32_t)p.kb,
+                       plan.shift,
+                       team,
+                       team - 1u,
+                       team_warps,
+                       team_warps > 0u ? team_warps - 1u : 0u,
+                       (uint32_t)(p.kb - (kBpl - 1) * int64_t(team)),
+                       (uint32_t)plan.rows_per_cta,
+                       (uint32_t)plan.row_stride,
+                       (uint32_t)(p.kb_pad / 4 * 512),
+                       team >= 4u ? team * 128u : team};
+  auto go = [&](auto kernel) {
+    require_kernel_image(kernel, op);
+    kernel<<<(unsigned)plan.grid, kRowLeanThreads, 0, stream>>>(p, w);
+    check_launch(op);
+  };
+  const bool capture = p.mbits != nullptr;
+  if (p.swizzle) {
+    capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, true, true>)
+            : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, true, false>);
+  } else {
+    capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, true>)
+            : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, false>);
   }
   return true;
 }
@@ -1345,6 +1581,8 @@ void launch_quant_impl(const QuantParams& p, int64_t rounding, bool rowg, cudaSt
 // quantize through nvfp4_quant_guided_lean_kernel (the default before 2026-11-30 12:45); "sr-lean": kImplSrLean =
 // guided-lean except SR's element code (sr_elems_lean_x2m14; the default from 12:45 to 13:00); unset (or anything
 // else, e.g. "sr-row"): kImplSrRow = sr-lean except SR quantize with g None through nvfp4_quant_rowg_lean_kernel.
+// "rowg-lean3" (opt-in, not yet timed): the default except RTN quantize with g None through
+// nvfp4_quant_rowg_lean3_kernel.
 int quant_impl() {
   const char* v = std::getenv("TRACE_EXT_QUANT_IMPL");
   if (v != nullptr && std::strcmp(v, "bits") == 0) return kImplBits;
@@ -1355,6 +1593,7 @@ int quant_impl() {
   if (v != nullptr && std::strcmp(v, "rowg-lean2") == 0) return kImplRowgLean2;
   if (v != nullptr && std::strcmp(v, "guided-lean") == 0) return kImplGuidedLean;
   if (v != nullptr && std::strcmp(v, "sr-lean") == 0) return kImplSrLean;
+  if (v != nullptr && std::strcmp(v, "rowg-lean3") == 0) return kImplRowgLean3;
   return kImplSrRow;
 }
 
@@ -1371,6 +1610,9 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
     case kImplLean:
       launch_quant_impl<FAKE, T, kImplLean>(p, rounding, rowg, stream, op);
       break;
+    case kImplRowgLean3:  // the default, except RTN quantize with g None through the lean3 per-row kernel
+      if (!FAKE && rowg && rounding == kRTN && p.K <= kFusedMaxK && launch_rowg_lean3<T>(p, stream, op)) break;
+      [[fallthrough]];
     case kImplSrRow:  // sr-lean, except SR quantize with g None through the persistent per-row kernel
       if (!FAKE && rowg && rounding == kSR && p.K <= kFusedMaxK &&
           launch_rowg_lean<T, kSR>(p, stream, op, true))

@@ -139,7 +139,7 @@ def test_impls_agree_on_random_activations(monkeypatch):
         monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
         a = ops.nvfp4_quantize(x, backend="cuda", **kw)
         for variant in ("bits", "rtn-fminf", "rtn-sat", "lean", "rowg-lean", "rowg-lean2", "guided-lean", "sr-lean",
-                        "sr-row"):
+                        "sr-row", "rowg-lean3"):
             monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", variant)
             b = ops.nvfp4_quantize(x, backend="cuda", **kw)
             assert torch.equal(a.codes, b.codes), (variant, list(kw))
