@@ -132,10 +132,12 @@ constexpr int kImplGuidedLean = 6;  // TRACE_EXT_QUANT_IMPL=guided-lean: kImplRo
                                     // H200 A/B at 7b3e763: guided 1.26-1.31x, codes equal
 constexpr int kImplSrLean = 7;  // TRACE_EXT_QUANT_IMPL=sr-lean: kImplGuidedLean, except the SR element code
                                 // on the fast path: sr_elems_lean_x2m14 (quant_sr_elems.cuh; same codes)
-constexpr int kImplSrRow = 8;   // default (TRACE_EXT_QUANT_IMPL=sr-row): kImplSrLean, except SR quantize with g None
-                                // through nvfp4_quant_rowg_lean_kernel<..., kSR> (two blocks per lane, as rowg-lean2)
-constexpr int kImplRowgLean3 = 9;  // TRACE_EXT_QUANT_IMPL=rowg-lean3: the default, except RTN quantize with g None
-                                   // through nvfp4_quant_rowg_lean3_kernel (same walk, less per-row work; same bits)
+constexpr int kImplSrRow = 8;   // TRACE_EXT_QUANT_IMPL=sr-row (the default until round 46): kImplSrLean, except SR
+                                // quantize with g None through nvfp4_quant_rowg_lean_kernel<..., kSR> (two blocks per
+                                // lane, as rowg-lean2)
+constexpr int kImplRowgLean3 = 9;  // default (TRACE_EXT_QUANT_IMPL=rowg-lean3): kImplSrRow, except RTN quantize of
+                                   // 16-bit x with g None through nvfp4_quant_rowg_lean3_kernel (same walk, less
+                                   // per-row work; same bits)
 static_assert(kChunkElems % 8 == 0, "a chunk must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kNvfp4Block % 8 == 0, "a block must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 2 blocks x 16 elements");
@@ -1128,16 +1130,18 @@ __global__ void __launch_bounds__(kRowLeanThreads, MODE == kRTN ? kRowLeanCtasPe
 //   team's slot l % warps per team) and a second redux.sync, instead of warps-per-team predicated reads and maxes;
 //   teams within one warp by xor shuffles, 32 included (K = 1024 for 16-bit x; its redux.sync spilled on sm_100a);
 // - one non-finite test for the thread's blocks together (the per-block finite-max fallback behind it);
-// - 1/g and each block's 1/t by frcp_rn_mid where g lies in [2^-50, 2^50] and t in [2^-100, 2^100], the ranges where
-//   rcp_g_in_range and quantize_block take the reciprocal (__frcp_rn's bits without its range test);
 // - capture (mbits) a template parameter: no per-block pointer test.
+// 1/g and 1/t stay __frcp_rn: the first version took them by MUFU.RCP and one FMA Newton step without __frcp_rn's range
+// test, and its fp32 kernel gave 16 code bytes other than the reference's at 257 x 64 (H200 round 45; the 16-bit
+// kernels agreed everywhere). 16-bit x only (launch_quant): fp32 keeps nvfp4_quant_rowg_lean_kernel until its kernel
+// here has been rerun against the reference.
 
 // quantize_block<kRTN, 16, kImplLean>: the same fast-path test (t in [2^-100, 2^100], amax / t far from overflow)
-// and element code with 1/t by frcp_rn_mid, else its zeros (t == 0) or its division path.
+// and element code, else its zeros (t == 0) or its division path (which takes no reciprocal).
 __device__ __forceinline__ void quantize_block_rtn_mid(const float (&x)[kNvfp4Block], uint32_t max_bits, float t,
                                                        const QuantParams& p, uint32_t (&w)[kNvfp4Block / 8]) {
   if (t >= 0x1p-100f && t <= 0x1p100f) {
-    const float r = frcp_rn_mid(t);
+    const float r = __frcp_rn(t);
     if (__fmul_rn(__uint_as_float(max_bits), r) <= 0x1p100f) {
       quantize_elems<kRTN, true, kNvfp4Block, kImplLean>(x, t, r, 0u, p, 0u, make_uint2(0u, 0u), w);
       return;
@@ -1231,7 +1235,7 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
       }
     }
     const float g = nvfp4_global_scale_rcp(__uint_as_float(finite_max));
-    const float rg = g >= 0x1p-50f && g <= 0x1p50f ? frcp_rn_mid(g) : 0.0f;  // rcp_g_in_range(g)
+    const float rg = rcp_g_in_range(g);
     if (row < w.rows) {
       if (lane == 0u) p.g_out[row] = g;
       const uint32_t fb0 = row * w.kb + lane;
@@ -1510,9 +1514,10 @@ bool launch_rowg_lean(const QuantParams& p, cudaStream_t stream, const char* op,
   return true;
 }
 
-// nvfp4_quant_rowg_lean3_kernel (TRACE_EXT_QUANT_IMPL=rowg-lean3) where the default takes nvfp4_quant_rowg_lean_kernel
-// for RTN quantize with g None: 16-bit x with 2 <= kb <= 512 (two blocks per lane), fp32 with kb <= 256 (one); the
-// same team, grid and walk. false if not (16-bit x with kb = 1 included: the caller then runs the default's kernels).
+// nvfp4_quant_rowg_lean3_kernel (the default; TRACE_EXT_QUANT_IMPL=sr-row takes nvfp4_quant_rowg_lean_kernel) for RTN
+// quantize with g None: 16-bit x with 2 <= kb <= 512 (two blocks per lane; the caller launches no fp32 x here, whose
+// kernel, one block per lane, disagreed with the reference in round 45); the same team, grid and walk. false if not
+// (16-bit x with kb = 1 included: the caller then runs the previous kernels).
 template <typename T>
 bool launch_rowg_lean3(const QuantParams& p, cudaStream_t stream, const char* op) {
   if (p.y != nullptr || p.codes == nullptr || p.scales == nullptr || p.g_out == nullptr) return false;
@@ -1579,9 +1584,9 @@ void launch_quant_impl(const QuantParams& p, int64_t rounding, bool rowg, cudaSt
 // RTN quantize with g None through nvfp4_quant_rowg_lean_kernel (one block per lane); "rowg-lean2": the same with two
 // blocks per lane (the default before the A/B at 7b3e763); "guided-lean": kImplGuidedLean = rowg-lean2 except guided
 // quantize through nvfp4_quant_guided_lean_kernel (the default before 2026-11-30 12:45); "sr-lean": kImplSrLean =
-// guided-lean except SR's element code (sr_elems_lean_x2m14; the default from 12:45 to 13:00); unset (or anything
-// else, e.g. "sr-row"): kImplSrRow = sr-lean except SR quantize with g None through nvfp4_quant_rowg_lean_kernel.
-// "rowg-lean3" (opt-in, not yet timed): the default except RTN quantize with g None through
+// guided-lean except SR's element code (sr_elems_lean_x2m14; the default from 12:45 to 13:00); "sr-row": kImplSrRow =
+// sr-lean except SR quantize with g None through nvfp4_quant_rowg_lean_kernel (the default until round 46); unset (or
+// anything else, e.g. "rowg-lean3"): kImplRowgLean3 = sr-row except RTN quantize of 16-bit x with g None through
 // nvfp4_quant_rowg_lean3_kernel.
 int quant_impl() {
   const char* v = std::getenv("TRACE_EXT_QUANT_IMPL");
@@ -1593,8 +1598,8 @@ int quant_impl() {
   if (v != nullptr && std::strcmp(v, "rowg-lean2") == 0) return kImplRowgLean2;
   if (v != nullptr && std::strcmp(v, "guided-lean") == 0) return kImplGuidedLean;
   if (v != nullptr && std::strcmp(v, "sr-lean") == 0) return kImplSrLean;
-  if (v != nullptr && std::strcmp(v, "rowg-lean3") == 0) return kImplRowgLean3;
-  return kImplSrRow;
+  if (v != nullptr && std::strcmp(v, "sr-row") == 0) return kImplSrRow;
+  return kImplRowgLean3;
 }
 
 template <bool FAKE, typename T>
@@ -1610,8 +1615,10 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
     case kImplLean:
       launch_quant_impl<FAKE, T, kImplLean>(p, rounding, rowg, stream, op);
       break;
-    case kImplRowgLean3:  // the default, except RTN quantize with g None through the lean3 per-row kernel
-      if (!FAKE && rowg && rounding == kRTN && p.K <= kFusedMaxK && launch_rowg_lean3<T>(p, stream, op)) break;
+    case kImplRowgLean3:  // the default: sr-row, except RTN quantize of 16-bit x with g None through the lean3 kernel
+      if constexpr (sizeof(T) == 2) {
+        if (!FAKE && rowg && rounding == kRTN && p.K <= kFusedMaxK && launch_rowg_lean3<T>(p, stream, op)) break;
+      }
       [[fallthrough]];
     case kImplSrRow:  // sr-lean, except SR quantize with g None through the persistent per-row kernel
       if (!FAKE && rowg && rounding == kSR && p.K <= kFusedMaxK &&

@@ -153,17 +153,6 @@ __device__ __forceinline__ float e2m1_value_x2m14(uint32_t code) {
   return __half2float(__ushort_as_half((unsigned short)(((code & 7u) << 9) | ((code & 8u) << 12))));
 }
 
-// __frcp_rn(x) for x with |x| in [2^-100, 2^100] (callers test the range), without __frcp_rn's own range test and
-// slow-path call: for a biased exponent in [1, 252] ptxas 13.0 expands rcp.rn.f32 to exactly these three operations
-// (MUFU.RCP, e = r x - 1 by FFMA, r - r e by FFMA; its FADD.FTZ negation of e is exact: e is 0 or >= 2^-47 in
-// magnitude), so the result is __frcp_rn's bit for bit (SASS of both on sm_90a and sm_100a compared).
-__device__ __forceinline__ float frcp_rn_mid(float x) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  const float e = __fmaf_rn(r, x, -1.0f);
-  return __fmaf_rn(r, -e, r);
-}
-
 // fl(a / t) for a >= 0 with r = fl(1 / t) precomputed (Markstein: q = fl(a r), the remainder a - q t is exact
 // in one FMA, q + rem * r rounds correctly). Valid when t and r are normal, a / t cannot overflow, and both a
 // and the quotient are >= 2^-100 (callers check; outside that use __fdiv_rn). Checked in exact arithmetic.
