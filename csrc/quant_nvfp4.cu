@@ -341,7 +341,7 @@ template <int MODE, int N, int IMPL>
 __device__ __forceinline__ void quantize_block(const float (&x)[N], uint32_t max_bits, float t, uint64_t ctr0,
                                                const QuantParams& p, uint32_t guide_bits, uint2 guide_codes,
                                                uint32_t (&w)[N / 8]) {
-  if (t == 0.0f) {
+  if (!(t > 0.0f)) {  // t == 0, or NaN (g underflowed to 0 and the block is all zero: s_b = e4m3(0 / 0)); codes 0
 #pragma unroll
     for (int k = 0; k < N / 8; ++k) w[k] = 0u;
     return;
@@ -787,7 +787,7 @@ __device__ __forceinline__ void quantize_guided_block_rz(const BlockRaw<T>& raw,
                                                          uint32_t max_bits,
                                                          uint32_t min_bits, float t, const QuantParams& p,
                                                          uint32_t guide_bits, uint2 guide_codes, uint32_t (&w)[2]) {
-  if (t == 0.0f) {
+  if (!(t > 0.0f)) {  // t == 0, or NaN (g underflowed to 0 and the block is all zero: s_b = e4m3(0 / 0)); codes 0
     w[0] = w[1] = 0u;
     return;
   }
@@ -1131,23 +1131,27 @@ __global__ void __launch_bounds__(kRowLeanThreads, MODE == kRTN ? kRowLeanCtasPe
 //   teams within one warp by xor shuffles, 32 included (K = 1024 for 16-bit x; its redux.sync spilled on sm_100a);
 // - one non-finite test for the thread's blocks together (the per-block finite-max fallback behind it);
 // - capture (mbits) a template parameter: no per-block pointer test.
-// 1/g and 1/t stay __frcp_rn: the first version took them by MUFU.RCP and one FMA Newton step without __frcp_rn's range
-// test, and its fp32 kernel gave 16 code bytes other than the reference's at 257 x 64 (H200 round 45; the 16-bit
-// kernels agreed everywhere). 16-bit x only (launch_quant): fp32 keeps nvfp4_quant_rowg_lean_kernel until its kernel
-// here has been rerun against the reference.
+// - 1/g and each block's 1/t by frcp_rn_mid where g lies in [2^-50, 2^50] and t in [2^-100, 2^100], the ranges where
+//   rcp_g_in_range and quantize_block take the reciprocal (__frcp_rn's bits without its range test: equal for every
+//   significand at exponents 0, +-50, +-99, both signs, H200 probe tools/probes/rcp_sequence.cu, round 46; with
+//   __frcp_rn instead the kernel ran 0.93-0.95x, round 46 against round 45).
+// 16-bit x only (launch_quant): the fp32 instantiation has not been timed. Its one disagreement with the reference in
+// round 45 (fp32 257 x 64) was a pre-existing edge of every quantize kernel: a row with amax < 2688 * 2^-149 has g = 0,
+// an all-zero block of it s_b = e4m3(0 / 0) = NaN and t = NaN, which gave codes 7 where the reference gives 0; the
+// three block quantizers now treat t NaN as t == 0 (round 47).
 
 // quantize_block<kRTN, 16, kImplLean>: the same fast-path test (t in [2^-100, 2^100], amax / t far from overflow)
-// and element code, else its zeros (t == 0) or its division path (which takes no reciprocal).
+// and element code with 1/t by frcp_rn_mid, else its zeros (t == 0 or NaN) or its division path.
 __device__ __forceinline__ void quantize_block_rtn_mid(const float (&x)[kNvfp4Block], uint32_t max_bits, float t,
                                                        const QuantParams& p, uint32_t (&w)[kNvfp4Block / 8]) {
   if (t >= 0x1p-100f && t <= 0x1p100f) {
-    const float r = __frcp_rn(t);
+    const float r = frcp_rn_mid(t);
     if (__fmul_rn(__uint_as_float(max_bits), r) <= 0x1p100f) {
       quantize_elems<kRTN, true, kNvfp4Block, kImplLean>(x, t, r, 0u, p, 0u, make_uint2(0u, 0u), w);
       return;
     }
   }
-  if (t == 0.0f) {
+  if (!(t > 0.0f)) {  // t == 0, or NaN (g underflowed to 0 and the block is all zero: s_b = e4m3(0 / 0)); codes 0
     w[0] = w[1] = 0u;
   } else {  // quantize_block's division path (its reciprocal is not used there)
     quantize_elems<kRTN, false, kNvfp4Block, kImplLean>(x, t, 0.0f, 0u, p, 0u, make_uint2(0u, 0u), w);
@@ -1235,7 +1239,7 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
       }
     }
     const float g = nvfp4_global_scale_rcp(__uint_as_float(finite_max));
-    const float rg = rcp_g_in_range(g);
+    const float rg = g >= 0x1p-50f && g <= 0x1p50f ? frcp_rn_mid(g) : 0.0f;  // rcp_g_in_range(g)
     if (row < w.rows) {
       if (lane == 0u) p.g_out[row] = g;
       const uint32_t fb0 = row * w.kb + lane;

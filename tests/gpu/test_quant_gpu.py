@@ -151,6 +151,42 @@ def test_nvfp4_adversarial_blocks(dtype):
     assert q.scales[0, 0].item() == 0x38  # E4M3 1.0
 
 
+@pytest.mark.parametrize("K", (64, 2048, 32768))
+def test_nvfp4_row_g_underflows_to_zero(monkeypatch, K):
+    """fp32 rows whose finite amax is below 2688 * 2^-149 (g = fl(A / 2688) = 0, SPEC 2): a block of nonzero
+    subnormals gets s_b = e4m3(inf) = 448 and t = 0 (codes 0), an all-zero block s_b = e4m3(0 / 0) = NaN and t = NaN
+    (codes 0 as in the reference; the kernels gave code 7 there before round 47). RTN, SR, capture, swizzled and fake
+    quantization, per-row kernels (K 64 / 2048) and the long-row two-pass path (K 32768), both TRACE_EXT_QUANT_IMPL
+    defaults (sr-row: the previous per-row kernel)."""
+    R = 9
+    x = torch.zeros(R, K, device=DEV)
+    tiny = torch.tensor([1.4e-45, -2.8e-45, 3.36e-44, -1.0e-42], device=DEV)
+    for r in range(R - 1):  # rows 0..7 tiny (blocks alternately tiny and all zero), row 8 ordinary
+        x[r, 32 * (r % 2): 32 * (r % 2) + 4] = tiny
+        x[r, 16 * 3 + 5] = tiny[r % 4]
+    x[R - 1] = torch.randn(K, device=DEV)
+    for impl in (None, "sr-row"):
+        if impl is None:
+            monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
+        else:
+            monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", impl)
+        qr = ref_q(x)
+        assert float(qr.g[0]) == 0.0  # the edge is really hit
+        assert_q_equal(cuda_q(x), qr, f"g = 0 rtn K={K} {impl}")
+        kw = {"rounding": "sr", "seed": 5, "offset": 7}
+        assert_q_equal(cuda_q(x, **kw), ref_q(x, **kw), f"g = 0 sr K={K} {impl}")
+        swz = ops.nvfp4_quantize(x, swizzle=True, backend="cuda")
+        assert_same(swz.codes, qr.codes, f"g = 0 swizzled codes K={K} {impl}")
+        cq, rec = ops.nvfp4_quantize(x, capture=True, backend="cuda")
+        assert_q_equal(cq, qr, f"g = 0 capture K={K} {impl}")
+        assert_same(rec.payload, ref.guidance_from_quantized(qr, "compact").payload, f"g = 0 mbits K={K} {impl}")
+        fr = ops.nvfp4_fake_quantize(x, backend="reference")
+        fc = ops.nvfp4_fake_quantize(x, backend="cuda")
+        assert torch.equal(torch.isnan(fc), torch.isnan(fr)), f"g = 0 fake NaNs K={K} {impl}"
+        assert torch.equal(torch.nan_to_num(fc), torch.nan_to_num(fr)), f"g = 0 fake K={K} {impl}"
+    monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nvfp4_given_g_per_row_tensor_matrix(dtype):
     """g given per row ([R]), as one value ([1]), and by scope='tensor' / 'matrix' (MoE expert weights)."""

@@ -153,6 +153,16 @@ __device__ __forceinline__ float e2m1_value_x2m14(uint32_t code) {
   return __half2float(__ushort_as_half((unsigned short)(((code & 7u) << 9) | ((code & 8u) << 12))));
 }
 
+// __frcp_rn(x) for x with |x| in [2^-100, 2^100] (callers test the range), without __frcp_rn's own range test and
+// slow-path call: MUFU.RCP and one FMA Newton step, the sequence ptxas 13.0 emits for rcp.rn.f32 there. Equal to
+// __frcp_rn for every significand at exponents 0, +-50, +-99, both signs (H200, tools/probes/rcp_sequence.cu).
+__device__ __forceinline__ float frcp_rn_mid(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  const float e = __fmaf_rn(r, x, -1.0f);
+  return __fmaf_rn(r, -e, r);
+}
+
 // fl(a / t) for a >= 0 with r = fl(1 / t) precomputed (Markstein: q = fl(a r), the remainder a - q t is exact
 // in one FMA, q + rem * r rounds correctly). Valid when t and r are normal, a / t cannot overflow, and both a
 // and the quotient are >= 2^-100 (callers check; outside that use __fdiv_rn). Checked in exact arithmetic.
