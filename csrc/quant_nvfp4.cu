@@ -73,15 +73,17 @@
 //   CTAs per SM (79 registers, no spills; the default per-row kernel ran SR at 64 registers with spills): 1.03-1.04x,
 //   timed twice (35.8% of copy at 2^28). 4 CTAs per SM at the 64-register cap: 0.93-0.95x (spills). With the previous
 //   SR element code the persistent kernel ran at 1.00x (round 14).
-// - Opt-in, not yet run on a GPU (TRACE_EXT_QUANT_IMPL=rowg-lean3): RTN quantize with g None through
-//   nvfp4_quant_rowg_lean3_kernel, the default per-row kernel's walk with less per-row work (its comment lists what
-//   changed; same bits). Static SASS of one row step of the bf16 kernels (32 elements per thread, team 128, sm_90a,
-//   fast path): the default 650 instructions (20.3 per element; Nsight 20.4 executed), of which ~491 are the
-//   per-block work the g-given lean kernel also does (elements 2 x 158, unpack, amax, scale byte, 1/t, tests,
-//   stores; 15.3 per element) and ~159 per-row overhead (5.0: next-row copy and zero fill 24, cross-warp amax 36,
-//   1/g 17, team / lane / index values rederived per block at 64 registers, row and mbits tests); rowg-lean3 541-543
-//   (16.9; overhead ~51), swizzled 666 -> 555-558, capture 682 -> 573-575, both 698 -> 587-590. 64 registers, no
-//   spills (sm_90a, sm_100a); the loop holds two row steps (3413 instructions with the slow paths, the default's 1808).
+// - Default since the H200 rounds 45-47 (TRACE_EXT_QUANT_IMPL=rowg-lean3; =sr-row keeps the previous default; 1.08-
+//   1.17x in three timings, per-row 82.5% / capture 81.0% / swizzled 78.3% of copy at 2^28): RTN quantize of 16-bit x
+//   with g None through nvfp4_quant_rowg_lean3_kernel, the previous per-row kernel's walk with less per-row work (its
+//   comment lists what changed; same bits). Static SASS of one row step of the bf16 kernels (32 elements per thread,
+//   team 128, sm_90a, fast path): the previous kernel 650 instructions (20.3 per element; Nsight 20.4 executed), of
+//   which ~491 are the per-block work the g-given lean kernel also does (elements 2 x 158, unpack, amax, scale byte,
+//   1/t, tests, stores; 15.3 per element) and ~159 per-row overhead (5.0: next-row copy and zero fill 24, cross-warp
+//   amax 36, 1/g 17, team / lane / index values rederived per block at 64 registers, row and mbits tests); rowg-lean3
+//   541-543 (16.9; overhead ~51), swizzled 666 -> 555-558, capture 682 -> 573-575, both 698 -> 587-590. 64 registers,
+//   no spills (sm_90a, sm_100a); the loop holds two row steps (3413 instructions with the slow paths, the previous
+//   kernel's 1808).
 // - Swizzled scales: written at their 128x4 offsets; the zero padding is written by the same launch
 //   (a grid-stride pass over the padded bytes of the last row tile and the last column chunk of each tile).
 #include <ATen/ATen.h>
