@@ -490,6 +490,19 @@ __device__ __forceinline__ uint32_t unpack_block(const BlockRaw<T>& raw, float (
   return block_max_abs_bits<T>(raw);
 }
 
+// Folds a block into the row's finite amax (SPEC 2: g over finite values only): its max |x| bits mb, or, for a block
+// holding a NaN / Inf (mb >= 0x7F800000), the max over its finite values.
+template <typename T>
+__device__ __forceinline__ void fold_block_finite_max(uint32_t& finite_max, uint32_t mb, const BlockRaw<T>& raw) {
+  if (mb < 0x7F800000u) {
+    finite_max = max(finite_max, mb);
+  } else {
+    float x[kNvfp4Block];
+    unpack_block<T>(raw, x);
+    finite_max = max(finite_max, max_abs_bits_finite(x));
+  }
+}
+
 // ---- flat kernel: g known per block (given, guided, or the second pass of long rows) -----------------------
 // Work is cut into warp tiles of kWarpBlocks consecutive blocks; warps loop over tiles with a grid stride (the
 // per-thread setup is paid once for several tiles). In a tile, lane l owns blocks l + 32 q (q < kBlocksPerLane) and
@@ -928,13 +941,7 @@ __global__ void __launch_bounds__(kMaxTeam) nvfp4_quant_rowg_kernel(const QuantP
 #pragma unroll
   for (int q = 0; q < kRowBlocksPerLane; ++q) {
     mb[q] = block_max_abs_bits<T>(raw[q]);  // absent blocks are zeros
-    if (mb[q] < 0x7F800000u) {
-      finite_max = max(finite_max, mb[q]);
-    } else {
-      float x[kNvfp4Block];
-      unpack_block<T>(raw[q], x);
-      finite_max = max(finite_max, max_abs_bits_finite(x));
-    }
+    fold_block_finite_max<T>(finite_max, mb[q], raw[q]);
   }
   // Row reduction of the finite amax: shuffles within a warp (or a sub-warp team), then across the team's warps.
   const int width = team < 32 ? team : 32;
@@ -1029,7 +1036,7 @@ __global__ void __launch_bounds__(kRowLeanThreads, MODE == kRTN ? kRowLeanCtasPe
 #pragma unroll
     for (int q = 0; q < BPL; ++q) {
       mb[q] = block_max_abs_bits<T>(cur[q]);  // absent blocks are zeros
-      if (mb[q] < 0x7F800000u) {
+      if (mb[q] < 0x7F800000u) {  // fold_block_finite_max's body, inline: the call changed this kernel's SASS
         finite_max = max(finite_max, mb[q]);
       } else {
         float x[kNvfp4Block];
@@ -1218,13 +1225,7 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
       finite_max = 0u;
 #pragma unroll
       for (int q = 0; q < BPL; ++q) {
-        if (mb[q] < 0x7F800000u) {
-          finite_max = max(finite_max, mb[q]);
-        } else {
-          float x[kNvfp4Block];
-          unpack_block<T>(cur[q], x);
-          finite_max = max(finite_max, max_abs_bits_finite(x));
-        }
+        fold_block_finite_max<T>(finite_max, mb[q], cur[q]);
       }
     }
     if (w.team_warps > 1u) {  // the common case first: one compare on the way
@@ -1521,13 +1522,14 @@ bool launch_rowg_lean(const QuantParams& p, cudaStream_t stream, const char* op,
 }
 
 // nvfp4_quant_rowg_lean3_kernel (the default; TRACE_EXT_QUANT_IMPL=sr-row takes nvfp4_quant_rowg_lean_kernel) for RTN
-// quantize with g None: 16-bit x with 2 <= kb <= 512 (two blocks per lane; the caller launches no fp32 x here, whose
-// kernel, one block per lane, disagreed with the reference in round 45); the same team, grid and walk. false if not
-// (16-bit x with kb = 1 included: the caller then runs the previous kernels).
+// quantize of 16-bit x with g None, 2 <= kb <= 512 (two blocks per lane); the same team, grid and walk. false if not
+// (kb = 1 included: the caller then runs the previous kernels). fp32 x is not launched here (the kernel's one-block-
+// per-lane form has not been timed).
 template <typename T>
 bool launch_rowg_lean3(const QuantParams& p, cudaStream_t stream, const char* op) {
+  static_assert(sizeof(T) == 2, "rowg-lean3 runs 16-bit x only");
   if (p.y != nullptr || p.codes == nullptr || p.scales == nullptr || p.g_out == nullptr) return false;
-  constexpr int kBpl = sizeof(T) == 2 ? 2 : 1;  // as the default: two blocks per lane for 16-bit x, one for fp32
+  constexpr int kBpl = 2;  // as the previous kernel for 16-bit x
   if (p.kb > int64_t(kRowLeanThreads) * kBpl || p.kb < kBpl) return false;
   RowLeanPlan plan;
   if (!rowg_lean_plan(p, kBpl, kRowLeanCtasPerSm, plan)) return false;
