@@ -65,11 +65,13 @@ def _check(y, a64, w64, what):
 
 
 def _w64(w: NVFP4Tensor, e: int | None = None):
-    """float64 dequantized weight (of expert e for a grouped weight)."""
-    if e is not None:
-        return R.dequantize_f64(w.codes[e], w.scales[e]) * float(w.g.reshape(-1)[e])
-    g = w.g.double().reshape(-1)
-    return R.dequantize_f64(w.codes, w.scales) * (g[:, None] if g.numel() > 1 else g)
+    """float64 dequantized weight (of expert e for a grouped weight); g per matrix / expert or per channel."""
+    if e is None:
+        codes, scales, g = w.codes, w.scales, w.g
+    else:  # g [E] or [E, N]
+        codes, scales, g = w.codes[e], w.scales[e], w.g.reshape(w.codes.shape[0], -1)[e]
+    g = g.double().reshape(-1)
+    return R.dequantize_f64(codes, scales) * (g[:, None] if g.numel() > 1 else g)
 
 
 def _a64(a):
@@ -1159,21 +1161,15 @@ def test_kslab_per_channel_g_w(monkeypatch, mode):
             a = torch.randn(M, 2048, device=DEV).bfloat16()
             if mode == "w4a4":
                 a = ref.nvfp4_quantize(a)
-            a64 = _a64(a)
             if not grouped:
                 _impl(monkeypatch, None)
-                _check(O.fp4_linear(a, wp, backend="cuda"), a64, _w64(w), f"dense g_w [N] M={M} {mode}")
+                _check(O.fp4_linear(a, wp, backend="cuda"), _a64(a), _w64(w), f"dense g_w [N] M={M} {mode}")
                 continue
             offsets = _offsets(counts)
-            off = offsets.tolist()
             for impl in (None,) + GROUPED_KSLAB_IMPLS:
                 _impl(monkeypatch, impl)
-                y = O.fp4_grouped_linear(a, wp, offsets, backend="cuda")
-                for e in range(len(off) - 1):
-                    lo, hi = off[e], off[e + 1]
-                    if hi > lo:
-                        w64 = R.dequantize_f64(w.codes[e], w.scales[e]) * g[e].double()[:, None]
-                        _check(y[lo:hi], a64[lo:hi], w64, f"grouped g_w [E, N] T={rows} {mode} {impl} expert {e}")
+                _check_experts(O.fp4_grouped_linear(a, wp, offsets, backend="cuda"), a, w, offsets,
+                               f"grouped g_w [E, N] T={rows} {mode} {impl}")
     _impl(monkeypatch, None)
 
 
