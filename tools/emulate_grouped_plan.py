@@ -7,8 +7,10 @@ for 8- and 16-row units, and, over random uniform top-k routings, the real unit 
 ceil(rows / R)) and the probability that the whole-job order needs one more round of jobs than the plan sized its grid
 for (real units * S * C > rounds * CTAs). That extra round is what made 8-row units lose 0.62-0.65x at 5 rows per
 expert on the H200 (notes/GPU_RESULTS.md, seventh session, rounds 31-32); the default takes 8-row units up to 4 rows
-per expert (kKsGrp8RowsMaxHint), where this gives 0-3%. Above 8 rows per expert the default takes 24-row units in flat
-ranges (round 40), which have no extra round; skewed routing (not emulated here) spills whole jobs far more often.
+per expert (kKsGrp8RowsMaxHint), where this gives 0-3%. Above 4 rows per expert the default's 16- and 24-row units
+take the order decided on the device from the real unit count (kGrpAuto, rounds 42-44), so no extra round is possible
+there; the 16-row rows below show the host's estimate that TRACE_EXT_KSLAB_GRP_AUTO16=0 keeps. --spill tabulates the
+whole-job spill probabilities under skewed routing.
 
 Keep the constants and formulas in step with the .cu file when either changes.
     python3 tools/emulate_grouped_plan.py [--trials 100] [--sms 132] [--spill]
