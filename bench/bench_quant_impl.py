@@ -21,6 +21,8 @@ SR's lean element code (=sr-lean: NVFP4 SR quantize / fake-quantize and MXFP4 SR
 The guided-lean kernel (=guided-lean: guided quantize through nvfp4_quant_guided_lean_kernel; everything else the
 default's), guided compact / full on 2^26 and 2^28 elements, ~20 s:
   QUANT_IMPL_VARIANTS=guided-lean QUANT_IMPL_OPS=guided python bench/bench_quant_impl.py
+RTN fake quantization with g None through the lean3 kernel (=fake-lean3), without and with emit_guidance, ~20 s:
+  QUANT_IMPL_VARIANTS=fake-lean3 QUANT_IMPL_OPS="fake-quant rtn" python bench/bench_quant_impl.py
 """
 from __future__ import annotations
 
@@ -80,6 +82,10 @@ def main() -> None:
              lambda: op.nvfp4_quantize(x_train, None, 2, 0, 0, scales, g_out, mbits, False, False)),
             ("nvfp4 guided full", q_bytes + 4 * R + full,
              lambda: op.nvfp4_quantize(x_train, None, 3, 0, 0, scales, g_out, codes, False, False)),
+            ("nvfp4 fake-quant rtn (per-row g fused)", 4 * n,
+             lambda: op.nvfp4_fake_quantize(x, None, 0, 0, 0, None, None, None, False)),
+            ("nvfp4 fake-quant rtn + emit guidance", 4 * n + n // 8 + n // 16 + 4 * R,
+             lambda: op.nvfp4_fake_quantize(x, None, 0, 0, 0, None, None, None, True)),
             ("nvfp4 fake-quant sr (per-row g fused)", 4 * n,
              lambda: op.nvfp4_fake_quantize(x, None, 1, 7, 0, None, None, None, False)),
             ("mxfp4 sr", 2 * n + n // 2 + n // 32, lambda: op.mxfp4_quantize(x, 1, 7, 0, False)),

@@ -615,3 +615,41 @@ def test_append_warp_kernel_rtn_rounding_is_exhaustively_exact():
         bad = ((h >> 9) != ref) | ((h & 0xF1FF) != 0)
         assert not bad.any(), f"first mismatch at u bits {hex(int(b[bad.nonzero()[0]]))}"
         del b, u, m, g, h, a, ref, bad
+
+
+# ---- fused split finish with more loads in flight (TRACE_EXT_KV_FINISH=batched, read per call): the same products
+# in the same split order per output column, so the same bits as the default one-column-at-a-time finish.
+@pytest.mark.parametrize("impl", [None, "heads"])
+@pytest.mark.parametrize("lens, Hq, Hkv, D, splits", [
+    ([8192] * 4, 32, 4, 128, 0), ([4096] * 6, 32, 4, 128, 0), ([32768], 32, 8, 128, 0),
+    ([3000, 5, 0, 777], 16, 4, 128, 7), ([3000, 5, 0, 777], 32, 4, 128, 9), ([5000, 3], 16, 4, 64, 17),
+    ([2049, 100, 1], 4, 4, 128, 8), ([65536], 32, 8, 128, 16), ([1000, 1000], 32, 4, 64, 2)], ids=str)
+def test_decode_batched_finish_is_bit_equal(lens, Hq, Hkv, D, splits, impl, monkeypatch):
+    """Protects the batched finish: output and LSE bit-equal to the default finish and to the combine kernel on the
+    bench shapes (fewer sequences; automatic split counts) and split counts below, at and past the 8-split batch (2, 7,
+    8, 9, 16, 17), G = 1 / 4 / 8, head dims 64 and 128, empty and one-token sequences; heads8 (default) and the 4-warp
+    heads kernel (one column per pass); and back-to-back launches (the arrival counters)."""
+    cache, table, seq_lens, *_ = make_cache(lens, Hkv, D, 16, seed=len(lens) + D + splits)
+    q = torch.randn(len(lens), Hq, D, device=DEV).to(torch.bfloat16)
+    if impl is None:
+        monkeypatch.delenv("TRACE_EXT_KV_DECODE_IMPL", raising=False)
+    else:
+        monkeypatch.setenv("TRACE_EXT_KV_DECODE_IMPL", impl)
+    outs = {}
+    for mode in ("default", "batched", "kernel"):
+        monkeypatch.delenv("TRACE_EXT_KV_FINISH", raising=False)
+        monkeypatch.delenv("TRACE_EXT_KV_DECODE_COMBINE", raising=False)
+        if mode == "batched":
+            monkeypatch.setenv("TRACE_EXT_KV_FINISH", "batched")
+        if mode == "kernel":
+            monkeypatch.setenv("TRACE_EXT_KV_DECODE_COMBINE", "kernel")
+        outs[mode] = [ops.fp4kv_decode_attention(q, cache, table, seq_lens, 0.1, num_splits=splits, backend="cuda")
+                      for _ in range(2)]
+    for mode in ("batched", "kernel"):
+        for (o, l), (o0, l0) in zip(outs[mode], outs["default"]):
+            assert torch.equal(o.view(torch.int16), o0.view(torch.int16)), f"out {mode}"
+            if mode == "batched":
+                assert torch.equal(l.view(torch.int32), l0.view(torch.int32)), "lse batched"
+            else:  # as test_decode_fused_split_combine_matches_combine_kernel
+                torch.testing.assert_close(l, l0, rtol=0, atol=1e-6)
+    monkeypatch.delenv("TRACE_EXT_KV_FINISH", raising=False)

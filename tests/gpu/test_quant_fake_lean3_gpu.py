@@ -1,0 +1,142 @@
+"""TRACE_EXT_QUANT_IMPL=fake-lean3: RTN fake quantization of 16-bit x with g None (the trainer's QAT forward, with or
+without emit_guidance) through nvfp4_quant_rowg_lean3_kernel's FAKE instantiation (the rollout quantizer's walk:
+persistent CTAs, two row steps per loop, next row in flight) instead of the one-row-per-thread nvfp4_quant_rowg_kernel.
+
+Protects: y (every bit, NaN included) and, with emit_guidance, the compact record (mbits, scale bytes, g) equal the
+previous kernel's and the reference's, on the team shapes, row counts and adversarial rows of the lean3 quantize tests
+(lean3_input: zero rows, NaN / +-Inf, rows with no finite value, g at the edges of the reciprocal's range, ties,
+subnormal x and scale bytes), g from 2^-140 to 2^116; the kernel runs exactly where it should (16-bit x, 2 <= K / 16
+<= 512), and SR / guided / g-given fake quantization and plain quantization keep their kernels.
+Run: pytest tests/gpu/test_quant_fake_lean3_gpu.py -q   (on the H200, with the extension built; ~1 min)
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trace_ext import ops
+from trace_ext import reference as ref
+
+from test_quant_rowg_lean3_gpu import DEV, SHAPES, TIES, _set_impl, launched, lean3_input, lean3_takes
+
+pytestmark = pytest.mark.gpu
+
+VARIANT = "fake-lean3"
+PREVIOUS = None  # the default: fake quantization through nvfp4_quant_rowg_kernel
+KERNEL = "nvfp4_quant_rowg_lean3_kernel"
+
+
+def fake_all(x: torch.Tensor):
+    """y without and with emit_guidance, and the emitted record's mbits, scales and g."""
+    y = ops.nvfp4_fake_quantize(x, backend="cuda")
+    y2, rec = ops.nvfp4_fake_quantize(x, capture=True, backend="cuda")
+    return y, y2, rec.payload, rec.scales, rec.g
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def assert_same_fake(got, want, what):
+    names = ("y", "y (emit)", "mbits", "scales", "g")
+    for name, a, b in zip(names, got, want):
+        a, b = (bits(a), bits(b)) if a.is_floating_point() else (a, b)
+        assert torch.equal(a, b), f"{what}: {name} differs in {int((a != b).sum())} places"
+
+
+@pytest.mark.parametrize("R,K", SHAPES)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
+def test_fake_lean3_matches_previous(monkeypatch, R, K, dtype):
+    """=fake-lean3 gives the default's y and emitted record bit for bit, and runs the lean3 kernel exactly where it
+    takes the shape (not for fp32 x, K = 16 or K > 8192)."""
+    x = lean3_input(R, K, dtype, 13 * R + K)
+    _set_impl(monkeypatch, PREVIOUS)
+    want = fake_all(x)
+    assert not any(KERNEL in n for n in launched(lambda: ops.nvfp4_fake_quantize(x, backend="cuda")))
+    _set_impl(monkeypatch, VARIANT)
+    assert_same_fake(fake_all(x), want, f"{VARIANT} {R}x{K} {dtype}")
+    for capture in (False, True):
+        names = launched(lambda: ops.nvfp4_fake_quantize(x, capture=capture, backend="cuda"))
+        assert any(KERNEL in n for n in names) == lean3_takes(K, dtype), (R, K, dtype, capture, names)
+
+
+@pytest.mark.parametrize("R,K", ((257, 64), (129, 1024), (77, 2048), (130, 4096), (61, 4112), (45, 7168), (9, 8192)))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_fake_lean3_against_reference(monkeypatch, R, K, dtype):
+    """y equals the reference's dequantize(quantize(x)) (SPEC 2; NaN where the reference has NaN) and the emitted
+    record the reference's compact record."""
+    x = lean3_input(R, K, dtype, 7 * R + 5 * K)
+    qr = ref.nvfp4_quantize(x)
+    y_ref = ref.nvfp4_dequantize(qr, dtype)
+    rec_ref = ref.guidance_from_quantized(qr, "compact")
+    _set_impl(monkeypatch, VARIANT)
+    y, y2, mbits, scales, g = fake_all(x)
+    what = f"{VARIANT} {R}x{K} {dtype}"
+    for name, got in (("y", y), ("y (emit)", y2)):
+        same = (bits(got) == bits(y_ref)) | (got.isnan() & y_ref.isnan())
+        assert bool(same.all()), f"{what}: {name} differs from the reference in {int((~same).sum())} places"
+    assert torch.equal(mbits, rec_ref.payload), f"{what}: mbits"
+    assert torch.equal(scales, rec_ref.scales), f"{what}: scales"
+    assert torch.equal(bits(g), bits(rec_ref.g)), f"{what}: g"
+
+
+def test_fake_lean3_scale_edges(monkeypatch):
+    """Rows whose g sweeps 2^-133 .. 2^116 by quarter binades with blocks up to 2^-24 below their row (1/g and 1/t
+    outside their fast ranges, t = 0) and rows of exact ties: the variant equals the default and the reference."""
+    K = 2048
+    e = torch.arange(-133.0, 116.0, 0.25, device=DEV, dtype=torch.float64)
+    R = e.numel()
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    x = torch.randn(R, K, generator=gen, device=DEV, dtype=torch.float64)
+    x = x / x.abs().amax(dim=1, keepdim=True) * torch.exp2(e)[:, None] * 2688.0
+    x = x.reshape(R, K // 16, 16) * torch.exp2(-torch.randint(0, 25, (R, K // 16, 1), generator=gen, device=DEV))
+    ties = torch.tensor(TIES, device=DEV).repeat(K // len(TIES) + 1)[:K].reshape(1, K).repeat(8, 1)
+    ties = ties * torch.where(torch.rand(8, K, generator=gen, device=DEV) < 0.5, -1.0, 1.0)
+    ties[:, ::16] = 6.0
+    ties[:, 0] = 2688.0
+    x = torch.cat([x.reshape(R, K).float(), ties.float()]).to(torch.bfloat16)
+    _set_impl(monkeypatch, PREVIOUS)
+    want = fake_all(x)
+    _set_impl(monkeypatch, VARIANT)
+    got = fake_all(x)
+    assert_same_fake(got, want, f"{VARIANT} scale edges")
+    y_ref = ref.nvfp4_dequantize(ref.nvfp4_quantize(x), torch.bfloat16)
+    same = (bits(got[0]) == bits(y_ref)) | (got[0].isnan() & y_ref.isnan())
+    assert bool(same.all()), f"scale edges: {int((~same).sum())} values differ from the reference"
+
+
+def test_fake_lean3_changes_nothing_else(monkeypatch):
+    """The switch changes only RTN fake quantization with g None: SR, guided and g-given fake quantization and RTN
+    quantize give the default's outputs, and none of the fake ones runs the lean3 kernel."""
+    gen = torch.Generator(device=DEV).manual_seed(23)
+    x = torch.randn(333, 2048, generator=gen, device=DEV).to(torch.bfloat16)
+    rec = ref.guidance_from_quantized(ref.nvfp4_quantize((x.float() * 1.001).to(torch.bfloat16)), "compact")
+    g = ref.nvfp4_global_scale(x, "row").contiguous()
+    calls = (lambda: ops.nvfp4_fake_quantize(x, g, backend="cuda"),
+             lambda: ops.nvfp4_fake_quantize(x, rounding="sr", seed=3, offset=1, backend="cuda"),
+             lambda: ops.nvfp4_fake_quantize(x, rounding="guided", guidance=rec, backend="cuda"),
+             lambda: ops.nvfp4_fake_quantize(x, rounding="guided", guidance=rec, capture=True, backend="cuda")[0])
+    for i, call in enumerate(calls):
+        _set_impl(monkeypatch, PREVIOUS)
+        a = call()
+        _set_impl(monkeypatch, VARIANT)
+        assert torch.equal(bits(call()), bits(a)), f"call {i}"
+        assert not any(KERNEL in n for n in launched(call)), f"call {i} ran {KERNEL}"
+    _set_impl(monkeypatch, PREVIOUS)
+    q = ops.nvfp4_quantize(x, backend="cuda")
+    _set_impl(monkeypatch, VARIANT)
+    q2 = ops.nvfp4_quantize(x, backend="cuda")
+    assert torch.equal(q.codes, q2.codes) and torch.equal(q.scales, q2.scales), "RTN quantize"
+
+
+def test_fake_lean3_activations(monkeypatch):
+    """Model-shaped bf16 activations (Qwen3-30B-A3B hidden 2048 at 4099 tokens, DeepSeek-V3 hidden 7168 at 601, K 4096
+    at 8191; randn with per-token scales), 3-D input included: the variant equals the default."""
+    gen = torch.Generator(device=DEV).manual_seed(31)
+    for shape in ((4099, 2048), (601, 7168), (4, 2048, 4096)):
+        x = torch.randn(*shape, generator=gen, device=DEV)
+        x = (x * torch.exp2(torch.randn(*shape[:-1], 1, generator=gen, device=DEV) * 4)).to(torch.bfloat16)
+        _set_impl(monkeypatch, PREVIOUS)
+        want = fake_all(x)
+        _set_impl(monkeypatch, VARIANT)
+        assert_same_fake(fake_all(x), want, f"{VARIANT} activations {shape}")
