@@ -195,7 +195,6 @@ struct DecodeParams {
   // 0 .. num_splits - 1 (atomicInc), so they are back at 0 after every launch; null: the separate combine kernel
   unsigned int* split_counters;
   int heads_q, heads_kv, group, page_size, max_pages, num_splits;
-  int finish_batched;  // heads kernels' fused finish: 1 = heads_finish_columns_batched (TRACE_EXT_KV_FINISH=batched)
   float score_scale;  // softmax_scale * g_k * 2^14 * log2(e)
   float out_scale;    // g_v * 2^14
 };
@@ -1185,77 +1184,6 @@ constexpr bool heads_layout_shortcuts_hold() {
 static_assert(heads_layout_shortcuts_hold<64>() && heads_layout_shortcuts_hold<128>(),
               "heads kernel: the swizzle must map chunk q + 8 and token t + 8 to constant offsets");
 
-// One finished output column group of heads_split_finish: acc / l as bf16 (zeros for an empty row), and the LSE from
-// the thread that holds columns 0..3.
-template <int D>
-__device__ __forceinline__ void heads_finish_store(const DecodeParams& p, const float (&acc)[4], float l, float m,
-                                                   int64_t bh, int c4) {
-  const bool empty = !(l > 0.0f);
-  __nv_bfloat162 lo = __floats2bfloat162_rn(empty ? 0.0f : acc[0] / l, empty ? 0.0f : acc[1] / l);
-  __nv_bfloat162 hi = __floats2bfloat162_rn(empty ? 0.0f : acc[2] / l, empty ? 0.0f : acc[3] / l);
-  *reinterpret_cast<uint2*>(p.out + bh * D + 4 * c4) =
-      make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
-  if (c4 == 0) p.lse[bh] = empty ? -INFINITY : (m + log2f(l)) * kLn2;
-}
-
-// The column sums of heads_split_finish with more loads in flight (TRACE_EXT_KV_FINISH=batched): a thread takes
-// kFinishItems float4 columns at once (2 in the 8-warp heads8 kernel, 128 registers; 1 in the 4-warp kernel, whose 96
-// spilled with 2) and loads kFinishSplits splits of each before the first FMA, instead of 4 loads per round trip,
-// with the stores after all of them. Same products and the same split order per column as the loop it replaces
-// (bit-equal).
-constexpr int kFinishSplits = 8;
-template <int D, int kNT>
-__device__ __forceinline__ void heads_finish_columns_batched(const DecodeParams& p, const float* f_sm,
-                                                             const float* l_sm, const float* m_sm, int rows,
-                                                             int64_t bh0) {
-  constexpr int kFinishItems = kNT >= 256 ? 2 : 1;
-  constexpr int kCols = D / 4;
-  const int n = p.num_splits, total = rows * kCols;
-  for (int idx0 = threadIdx.x; idx0 < total; idx0 += kFinishItems * kNT) {
-    const float4* op[kFinishItems];
-    const float* fw[kFinishItems];
-    bool ok[kFinishItems];
-    float acc[kFinishItems][4];
-#pragma unroll
-    for (int i = 0; i < kFinishItems; ++i) {
-      const int idx = idx0 + i * kNT;
-      ok[i] = idx < total;
-      const int row = ok[i] ? idx / kCols : 0, c4 = idx % kCols;
-      fw[i] = f_sm + row * n;
-      op[i] = reinterpret_cast<const float4*>(p.o_part + (bh0 + row) * n * D) + c4;
-      acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-    }
-    for (int s0 = 0; s0 < n; s0 += kFinishSplits) {
-      float4 v[kFinishItems][kFinishSplits];
-#pragma unroll
-      for (int i = 0; i < kFinishItems; ++i) {
-#pragma unroll
-        for (int j = 0; j < kFinishSplits; ++j) {
-          if (ok[i] && s0 + j < n) v[i][j] = __ldcg(op[i] + (s0 + j) * kCols);
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < kFinishItems; ++i) {
-#pragma unroll
-        for (int j = 0; j < kFinishSplits; ++j) {
-          if (ok[i] && s0 + j < n) {
-            const float w = fw[i][s0 + j];
-            acc[i][0] += w * v[i][j].x;
-            acc[i][1] += w * v[i][j].y;
-            acc[i][2] += w * v[i][j].z;
-            acc[i][3] += w * v[i][j].w;
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kFinishItems; ++i) {
-      const int idx = idx0 + i * kNT;
-      if (ok[i]) heads_finish_store<D>(p, acc[i], l_sm[idx / kCols], m_sm[idx / kCols], bh0 + idx / kCols, idx % kCols);
-    }
-  }
-}
-
 // The fused split finish of the heads kernel (last CTA of a (sequence, head group)): combine_splits' arithmetic
 // (same max, same weights 2^(lse_s - max), l and every output summed in split order, so bit-equal to the combine
 // kernel), restructured for 4 G rows: the weights of each row once into shared memory (the drained stage ring;
@@ -1289,10 +1217,6 @@ __device__ __forceinline__ void heads_split_finish(const DecodeParams& p, uint8_
   }
   __syncthreads();
   constexpr int kCols = D / 4;
-  if (p.finish_batched) {
-    heads_finish_columns_batched<D, kNT>(p, f_sm, l_sm, m_sm, rows, bh0);
-    return;
-  }
   for (int idx = threadIdx.x; idx < rows * kCols; idx += kNT) {
     const int row = idx / kCols, c4 = idx % kCols;
     const float* fw = f_sm + row * n;
@@ -1898,13 +1822,6 @@ bool fused_combine() {
   return !(env != nullptr && std::strcmp(env, "kernel") == 0);
 }
 
-// TRACE_EXT_KV_FINISH=batched (read per call; an A/B knob): the heads kernels' fused finish sums its columns with
-// heads_finish_columns_batched (more loads in flight per thread); default: one column at a time.
-bool finish_batched() {
-  const char* env = std::getenv("TRACE_EXT_KV_FINISH");
-  return env != nullptr && std::strcmp(env, "batched") == 0;
-}
-
 // Arrival counters of the fused split-K finish: zeroed once, kept per (device, stream) (launches on one stream
 // are ordered, so they never share counters concurrently), grown on demand. Every launch leaves them at 0.
 unsigned int* split_counters(int64_t n, const at::Tensor& like) {
@@ -1981,7 +1898,6 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
     wide = (kImpl == kImplHeads || kImpl == kImplHeads8) && (int64_t)splits * kHeadsPerCta * p.group * D > kHeadsFusedMax;
     p.split_counters = fused_combine() && !wide ? split_counters((int64_t)batch * p.heads_kv, q) : nullptr;
   }
-  p.finish_batched = finish_batched() ? 1 : 0;
   DecodeKernelFn kernel = decode_kernel<D, kImpl>();
   int smem = decode_smem<D, kImpl>();
   if constexpr (kImpl == kImplHeads8) {  // TRACE_EXT_KV_DECODE_RING=2 / 4: another stage ring, same splits

@@ -142,8 +142,6 @@ constexpr int kImplRowgLean3 = 9;  // default (TRACE_EXT_QUANT_IMPL=rowg-lean3):
                                    // per-row work; same bits)
 constexpr int kImplFakeLean3 = 10;  // TRACE_EXT_QUANT_IMPL=fake-lean3: kImplRowgLean3, except RTN fake quantization
                                     // of 16-bit x with g None through the same kernel (FAKE instantiation)
-constexpr int kImplSwzLean3 = 11;  // TRACE_EXT_QUANT_IMPL=swz-lean3: kImplRowgLean3, except swizzled RTN quantize
-                                   // through its SWZ_INC instantiations (offset register, row stride % 128 == 0)
 static_assert(kChunkElems % 8 == 0, "a chunk must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kNvfp4Block % 8 == 0, "a block must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 2 blocks x 16 elements");
@@ -1187,7 +1185,6 @@ struct RowLean3Walk {
   uint32_t row_stride;    // rows between a thread's consecutive rows: gridDim.x * rows_per_cta
   uint32_t tile_bytes;    // swizzled scales: bytes of one 128-row tile (kb_pad / 4 * 512); rows_pad * kb_pad < 2^31
   uint32_t swz_team;      // swizzled offset of block kbi + team minus that of kbi (team >= 4: team * 128, else team)
-  uint32_t swz_step;      // SWZ_INC: swizzled offset of row + row_stride minus that of row (row_stride / 128 tiles)
 };
 
 // threadIdx.x read where it is used: values derived from it are recomputed in the loop instead of being hoisted out
@@ -1201,16 +1198,11 @@ __device__ __forceinline__ uint32_t tid_in_loop() {
 // FAKE (TRACE_EXT_QUANT_IMPL=fake-lean3): fake quantization instead (y = the dequantized codes in x's dtype, as
 // process_block's FAKE path; no codes); CAPTURE then means emit_guidance (mbits, linear scales and g_out), and without
 // it only y is written.
-// SWZ_INC (TRACE_EXT_QUANT_IMPL=swz-lean3; SWIZZLE only): the swizzled offset of the thread's first block kept in a
-// register and advanced by w.swz_step per row step, instead of derived from row and lane per block; the host then
-// makes the row stride a multiple of 128 rows wherever a CTA takes more than one step, so that row % 128 (the offset
-// inside a 128-row tile) is the same in every step.
-template <typename T, int BPL, bool SWIZZLE, bool CAPTURE, bool FAKE = false, bool SWZ_INC = false>
+template <typename T, int BPL, bool SWIZZLE, bool CAPTURE, bool FAKE = false>
 __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
     nvfp4_quant_rowg_lean3_kernel(const QuantParams p, const RowLean3Walk w) {
   static_assert(BPL == 1 || BPL == 2, "one or two blocks per lane");
   static_assert(!(FAKE && SWIZZLE), "fake quantization emits linear scales");
-  static_assert(!SWZ_INC || SWIZZLE, "the offset register is the swizzled layout's");
   constexpr bool kScalesOut = !FAKE || CAPTURE;  // scale bytes and g_out exist
   __shared__ uint32_t warp_max[2][kRowLeanThreads / 32];
   const uint32_t lane = threadIdx.x & w.team_mask;
@@ -1218,10 +1210,6 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
   const T* xp = reinterpret_cast<const T*>(p.x);
   uint32_t base = blockIdx.x * w.rows_per_cta;  // the CTA's row group (uniform: every thread runs every iteration)
   uint32_t row = base + (threadIdx.x >> w.team_shift);
-  uint32_t swz = 0u;  // SWZ_INC: the swizzled offset of block `lane` of `row`
-  if constexpr (SWZ_INC) {
-    swz = (row >> 7) * w.tile_bytes + (row & 31u) * 16u + ((row >> 5) & 3u) * 4u + (lane >> 2) * 512u + (lane & 3u);
-  }
   auto load = [&](uint32_t r, BlockRaw<T>(&buf)[BPL]) {
     const uint32_t i0 = min(r, w.last_row) * w.kb + lane;
 #pragma unroll
@@ -1290,13 +1278,11 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
             reinterpret_cast<uint16_t*>(p.mbits)[fb] =
                 (uint16_t)(nibble_lsbs(codes[0]) | (nibble_lsbs(codes[1]) << 8));
           }
-          if constexpr (SWZ_INC) {
-            p.scales[swz + q * w.swz_team] = s;
-          } else if constexpr (SWIZZLE) {
+          if constexpr (SWIZZLE) {
             // the swizzled offset of block lane of the row, computed here (kept across the element code, it spilled)
-            const uint32_t swz_b = (row >> 7) * w.tile_bytes + (row & 31u) * 16u + ((row >> 5) & 3u) * 4u +
-                                   (lane >> 2) * 512u + (lane & 3u);
-            p.scales[swz_b + q * w.swz_team] = s;
+            const uint32_t swz = (row >> 7) * w.tile_bytes + (row & 31u) * 16u + ((row >> 5) & 3u) * 4u +
+                                 (lane >> 2) * 512u + (lane & 3u);
+            p.scales[swz + q * w.swz_team] = s;
           } else if constexpr (kScalesOut) {
             p.scales[fb] = s;
           }
@@ -1305,7 +1291,6 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
     }
     base += w.row_stride;
     row += w.row_stride;
-    if constexpr (SWZ_INC) swz += w.swz_step;
   };
   BlockRaw<T> buf0[BPL], buf1[BPL];
   buf0[BPL - 1] = BlockRaw<T>{};  // a lane without a last block never loads it (its amax is masked)
@@ -1505,20 +1490,14 @@ struct RowLeanPlan {
   int64_t rows_per_cta, grid, row_stride;
 };
 
-// stride_rows (a power of two): where a CTA takes more than one row step, the row stride is made a multiple of it
-// (the grid rounded to a multiple of stride_rows / rows_per_cta CTAs, within the CTA budget).
-bool rowg_lean_plan(const QuantParams& p, int bpl, int ctas_per_sm, RowLeanPlan& plan, int64_t stride_rows = 1) {
+bool rowg_lean_plan(const QuantParams& p, int bpl, int ctas_per_sm, RowLeanPlan& plan) {
   uint32_t shift = 0;
   while ((int64_t(1) << shift) * bpl < p.kb) ++shift;
   const int64_t rows_per_cta = kRowLeanThreads >> shift;
   const int64_t groups = div_up(p.rows, rows_per_cta);
   const int64_t max_ctas = int64_t(current_sm_count()) * ctas_per_sm;
   const int64_t iters = div_up(groups, max_ctas);
-  int64_t grid = div_up(groups, iters);
-  if (iters > 1 && stride_rows > rows_per_cta) {
-    const int64_t m = stride_rows / rows_per_cta;
-    grid = std::min(div_up(grid, m) * m, max_ctas / m * m);
-  }
+  const int64_t grid = div_up(groups, iters);
   const int64_t row_stride = grid * rows_per_cta;
   if (p.rows + row_stride >= (int64_t(1) << 31) || (p.rows + row_stride) * p.kb >= (int64_t(1) << 31)) return false;
   if (p.swizzle && p.rows_pad * p.kb_pad >= (int64_t(1) << 31)) return false;
@@ -1561,9 +1540,8 @@ bool launch_rowg_lean(const QuantParams& p, cudaStream_t stream, const char* op,
 // per-lane form has not been timed).
 // FAKE (=fake-lean3): RTN fake quantization with g None, linear outputs; with emit_guidance (mbits, scales and g_out
 // all present) or without (only y).
-// swz_inc (=swz-lean3): swizzled scales through the SWZ_INC kernels (the row stride a multiple of 128 rows).
 template <typename T, bool FAKE = false>
-bool launch_rowg_lean3(const QuantParams& p, cudaStream_t stream, const char* op, bool swz_inc = false) {
+bool launch_rowg_lean3(const QuantParams& p, cudaStream_t stream, const char* op) {
   static_assert(sizeof(T) == 2, "rowg-lean3 runs 16-bit x only");
   if constexpr (FAKE) {
     const bool emit = p.mbits != nullptr;
@@ -1576,9 +1554,8 @@ bool launch_rowg_lean3(const QuantParams& p, cudaStream_t stream, const char* op
   constexpr int kBpl = 2;  // as the previous kernel for 16-bit x
   if (p.kb > int64_t(kRowLeanThreads) * kBpl || p.kb < kBpl) return false;
   RowLeanPlan plan;
-  if (!rowg_lean_plan(p, kBpl, kRowLeanCtasPerSm, plan, swz_inc ? 128 : 1)) return false;
+  if (!rowg_lean_plan(p, kBpl, kRowLeanCtasPerSm, plan)) return false;
   const uint32_t team = 1u << plan.shift, team_warps = team / 32u;
-  const uint32_t tile_bytes = (uint32_t)(p.kb_pad / 4 * 512);
   const RowLean3Walk w{(uint32_t)p.rows,
                        (uint32_t)(p.rows - 1),
                        (uint32_t)p.kb,
@@ -1590,9 +1567,8 @@ bool launch_rowg_lean3(const QuantParams& p, cudaStream_t stream, const char* op
                        (uint32_t)(p.kb - (kBpl - 1) * int64_t(team)),
                        (uint32_t)plan.rows_per_cta,
                        (uint32_t)plan.row_stride,
-                       tile_bytes,
-                       team >= 4u ? team * 128u : team,
-                       plan.row_stride % 128 == 0 ? (uint32_t)(plan.row_stride / 128) * tile_bytes : 0u};
+                       (uint32_t)(p.kb_pad / 4 * 512),
+                       team >= 4u ? team * 128u : team};
   auto go = [&](auto kernel) {
     require_kernel_image(kernel, op);
     kernel<<<(unsigned)plan.grid, kRowLeanThreads, 0, stream>>>(p, w);
@@ -1602,9 +1578,6 @@ bool launch_rowg_lean3(const QuantParams& p, cudaStream_t stream, const char* op
   if constexpr (FAKE) {
     capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, true, true>)
             : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, false, true>);
-  } else if (p.swizzle && swz_inc) {
-    capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, true, true, false, true>)
-            : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, true, false, false, true>);
   } else if (p.swizzle) {
     capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, true, true>)
             : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, true, false>);
@@ -1648,8 +1621,7 @@ void launch_quant_impl(const QuantParams& p, int64_t rounding, bool rowg, cudaSt
 // sr-lean except SR quantize with g None through nvfp4_quant_rowg_lean_kernel (the default until round 46); unset (or
 // anything else, e.g. "rowg-lean3"): kImplRowgLean3 = sr-row except RTN quantize of 16-bit x with g None through
 // nvfp4_quant_rowg_lean3_kernel; "fake-lean3": kImplFakeLean3 = rowg-lean3 except RTN fake quantization of 16-bit
-// x with g None through the same kernel (its FAKE instantiation); "swz-lean3": kImplSwzLean3 = rowg-lean3 except
-// swizzled RTN quantize through its SWZ_INC instantiations.
+// x with g None through the same kernel (its FAKE instantiation).
 int quant_impl() {
   const char* v = std::getenv("TRACE_EXT_QUANT_IMPL");
   if (v != nullptr && std::strcmp(v, "bits") == 0) return kImplBits;
@@ -1662,7 +1634,6 @@ int quant_impl() {
   if (v != nullptr && std::strcmp(v, "sr-lean") == 0) return kImplSrLean;
   if (v != nullptr && std::strcmp(v, "sr-row") == 0) return kImplSrRow;
   if (v != nullptr && std::strcmp(v, "fake-lean3") == 0) return kImplFakeLean3;
-  if (v != nullptr && std::strcmp(v, "swz-lean3") == 0) return kImplSwzLean3;
   return kImplRowgLean3;
 }
 
@@ -1679,11 +1650,6 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
     case kImplLean:
       launch_quant_impl<FAKE, T, kImplLean>(p, rounding, rowg, stream, op);
       break;
-    case kImplSwzLean3:  // rowg-lean3, except swizzled RTN quantize through the SWZ_INC kernels
-      if constexpr (sizeof(T) == 2) {
-        if (!FAKE && rowg && rounding == kRTN && p.K <= kFusedMaxK && launch_rowg_lean3<T>(p, stream, op, true)) break;
-      }
-      [[fallthrough]];
     case kImplFakeLean3:  // rowg-lean3, except RTN fake quantization of 16-bit x with g None through the lean3 kernel
       if constexpr (sizeof(T) == 2) {
         if (FAKE && rowg && rounding == kRTN && p.K <= kFusedMaxK && launch_rowg_lean3<T, true>(p, stream, op)) break;

@@ -238,33 +238,3 @@ def test_rowg_lean3_activations(monkeypatch):
         want = quantize_all(x)
         _set_impl(monkeypatch, VARIANT)
         assert_same_all(quantize_all(x), want, f"{VARIANT} activations {R}x{K}")
-
-
-# ---- TRACE_EXT_QUANT_IMPL=swz-lean3: swizzled scales through the SWZ_INC kernels (the offset of the thread's block
-# in a register advanced per row step; the host rounds the grid so that the row stride is a multiple of 128 rows
-# wherever a CTA takes more than one step). Extra shapes: many row steps per CTA with the grid rounded down to a
-# multiple of 64 CTAs (20000 x 4096) or up to one of 4 (70000 x 256), one step per CTA (3000 x 256).
-SWZ_VARIANT = "swz-lean3"
-
-
-@pytest.mark.parametrize("R,K", SHAPES + ((20000, 4096), (70000, 256), (3000, 256)))
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
-def test_swz_lean3_matches_default(monkeypatch, R, K, dtype):
-    """=swz-lean3 gives the default's swizzled scales (padding included), codes, g and capture outputs bit for bit,
-    and runs the lean3 kernel where the default does."""
-    x = lean3_input(R, K, dtype, 19 * R + K)
-    _set_impl(monkeypatch, None)
-    want = quantize_all(x)
-    _set_impl(monkeypatch, SWZ_VARIANT)
-    assert_same_all(quantize_all(x), want, f"{SWZ_VARIANT} {R}x{K} {dtype}")
-    names = launched(lambda: ops.nvfp4_quantize(x, swizzle=True, backend="cuda"))
-    assert any(KERNEL in n for n in names) == lean3_takes(K, dtype), (R, K, dtype, names)
-
-
-def test_swz_lean3_against_reference(monkeypatch):
-    """The swizzled scales of =swz-lean3 equal the reference's (SPEC 6 layout) on rows that take several steps."""
-    x = lean3_input(2600, 4096, torch.bfloat16, 77)
-    want = ops.nvfp4_quantize(x, swizzle=True, backend="reference")
-    _set_impl(monkeypatch, SWZ_VARIANT)
-    dirty_allocator(2 * 2688 * 256)
-    assert_same_q(ops.nvfp4_quantize(x, swizzle=True, backend="cuda"), want, f"{SWZ_VARIANT} vs reference")
