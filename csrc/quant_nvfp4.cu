@@ -84,6 +84,11 @@
 //   541-543 (16.9; overhead ~51), swizzled 666 -> 555-558, capture 682 -> 573-575, both 698 -> 587-590. 64 registers,
 //   no spills (sm_90a, sm_100a); the loop holds two row steps (3413 instructions with the slow paths, the previous
 //   kernel's 1808).
+// - Default since the H200 rounds 48-49 (TRACE_EXT_QUANT_IMPL=sr-row keeps the previous kernel, =fake-lean3 takes the
+//   lean3 kernel for every kb): RTN fake quantization (the trainer's QAT forward, with or without emit_guidance) of
+//   16-bit x with g None where the row's block count is not a power of two runs nvfp4_quant_rowg_lean3_kernel's FAKE
+//   instantiation (y = the dequantized codes, as process_block's FAKE path): K 5120 1.20-1.23x, K 7168 1.07-1.10x,
+//   K 768 0.99-1.05x; at powers of two the previous kernel stays (0.94-1.04x there; fake_lean3_default).
 // - Swizzled scales: written at their 128x4 offsets; the zero padding is written by the same launch
 //   (a grid-stride pass over the padded bytes of the last row tile and the last column chunk of each tile).
 #include <ATen/ATen.h>
@@ -139,9 +144,11 @@ constexpr int kImplSrRow = 8;   // TRACE_EXT_QUANT_IMPL=sr-row (the default unti
                                 // lane, as rowg-lean2)
 constexpr int kImplRowgLean3 = 9;  // default (TRACE_EXT_QUANT_IMPL=rowg-lean3): kImplSrRow, except RTN quantize of
                                    // 16-bit x with g None through nvfp4_quant_rowg_lean3_kernel (same walk, less
-                                   // per-row work; same bits)
-constexpr int kImplFakeLean3 = 10;  // TRACE_EXT_QUANT_IMPL=fake-lean3: kImplRowgLean3, except RTN fake quantization
-                                    // of 16-bit x with g None through the same kernel (FAKE instantiation)
+                                   // per-row work; same bits), and RTN fake quantization of 16-bit x with g None
+                                   // where kb is not a power of two through its FAKE instantiation
+constexpr int kImplFakeLean3 = 10;  // TRACE_EXT_QUANT_IMPL=fake-lean3: kImplRowgLean3, with RTN fake quantization
+                                    // of 16-bit x with g None through its FAKE instantiation for every kb (the
+                                    // default: only where kb is not a power of two)
 static_assert(kChunkElems % 8 == 0, "a chunk must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kNvfp4Block % 8 == 0, "a block must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 2 blocks x 16 elements");
@@ -1620,8 +1627,9 @@ void launch_quant_impl(const QuantParams& p, int64_t rounding, bool rowg, cudaSt
 // guided-lean except SR's element code (sr_elems_lean_x2m14; the default from 12:45 to 13:00); "sr-row": kImplSrRow =
 // sr-lean except SR quantize with g None through nvfp4_quant_rowg_lean_kernel (the default until round 46); unset (or
 // anything else, e.g. "rowg-lean3"): kImplRowgLean3 = sr-row except RTN quantize of 16-bit x with g None through
-// nvfp4_quant_rowg_lean3_kernel; "fake-lean3": kImplFakeLean3 = rowg-lean3 except RTN fake quantization of 16-bit
-// x with g None through the same kernel (its FAKE instantiation).
+// nvfp4_quant_rowg_lean3_kernel, and RTN fake quantization of 16-bit x with g None where kb is not a power of two
+// through the same kernel (its FAKE instantiation); "fake-lean3": kImplFakeLean3 = the default, with every such fake
+// quantization through the lean3 kernel (A/B).
 int quant_impl() {
   const char* v = std::getenv("TRACE_EXT_QUANT_IMPL");
   if (v != nullptr && std::strcmp(v, "bits") == 0) return kImplBits;
@@ -1637,6 +1645,15 @@ int quant_impl() {
   return kImplRowgLean3;
 }
 
+// Where the default runs RTN fake quantization with g None through the lean3 kernel: rows whose block count kb is not
+// a power of two. The previous kernel (nvfp4_quant_rowg_kernel, one row group per CTA, no prefetch) gives each lane
+// of its power-of-two team two blocks only when kb is a power of two; otherwise part of its lanes hold one block and
+// fewer bytes are in flight, which the lean3 walk (next row's loads in flight) covers. H200 round 49
+// (bench/results/fake_lean3_k_ab_h200.md, =fake-lean3 vs the previous kernel, with / without emit_guidance): kb 320
+// (K 5120) 1.20-1.23x, kb 448 (K 7168) 1.07-1.10x, kb 48 (K 768) 0.99-1.05x; powers of two 0.94-1.04x (kb 64 at
+// 2^26 elements 0.94-0.95x), so those keep the previous kernel.
+inline bool fake_lean3_default(int64_t kb) { return (kb & (kb - 1)) != 0; }
+
 template <bool FAKE, typename T>
 void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_t stream, const char* op) {
   const int impl = quant_impl();
@@ -1650,7 +1667,7 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
     case kImplLean:
       launch_quant_impl<FAKE, T, kImplLean>(p, rounding, rowg, stream, op);
       break;
-    case kImplFakeLean3:  // rowg-lean3, except RTN fake quantization of 16-bit x with g None through the lean3 kernel
+    case kImplFakeLean3:  // the default, with RTN fake quantization of 16-bit x with g None through lean3 for any kb
       if constexpr (sizeof(T) == 2) {
         if (FAKE && rowg && rounding == kRTN && p.K <= kFusedMaxK && launch_rowg_lean3<T, true>(p, stream, op)) break;
       }
@@ -1658,6 +1675,10 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
     case kImplRowgLean3:  // the default: sr-row, except RTN quantize of 16-bit x with g None through the lean3 kernel
       if constexpr (sizeof(T) == 2) {
         if (!FAKE && rowg && rounding == kRTN && p.K <= kFusedMaxK && launch_rowg_lean3<T>(p, stream, op)) break;
+        // ... and RTN fake quantization where the row's block count is not a power of two (fake_lean3_default)
+        if (FAKE && rowg && rounding == kRTN && p.K <= kFusedMaxK && fake_lean3_default(p.kb) &&
+            launch_rowg_lean3<T, true>(p, stream, op))
+          break;
       }
       [[fallthrough]];
     case kImplSrRow:  // sr-lean, except SR quantize with g None through the persistent per-row kernel

@@ -1,12 +1,15 @@
-"""TRACE_EXT_QUANT_IMPL=fake-lean3: RTN fake quantization of 16-bit x with g None (the trainer's QAT forward, with or
-without emit_guidance) through nvfp4_quant_rowg_lean3_kernel's FAKE instantiation (the rollout quantizer's walk:
-persistent CTAs, two row steps per loop, next row in flight) instead of the one-row-per-thread nvfp4_quant_rowg_kernel.
+"""RTN fake quantization of 16-bit x with g None (the trainer's QAT forward, with or without emit_guidance) through
+nvfp4_quant_rowg_lean3_kernel's FAKE instantiation (the rollout quantizer's walk: persistent CTAs, two row steps per
+loop, next row in flight) instead of the one-row-group-per-CTA nvfp4_quant_rowg_kernel: the default where the row's
+block count kb is not a power of two (H200 rounds 48-49), TRACE_EXT_QUANT_IMPL=fake-lean3 for every kb, =sr-row never
+(the previous default).
 
 Protects: y (every bit, NaN included) and, with emit_guidance, the compact record (mbits, scale bytes, g) equal the
 previous kernel's and the reference's, on the team shapes, row counts and adversarial rows of the lean3 quantize tests
 (lean3_input: zero rows, NaN / +-Inf, rows with no finite value, g at the edges of the reciprocal's range, ties,
-subnormal x and scale bytes), g from 2^-140 to 2^116; the kernel runs exactly where it should (16-bit x, 2 <= K / 16
-<= 512), and SR / guided / g-given fake quantization and plain quantization keep their kernels.
+subnormal x and scale bytes), g from 2^-133 to 2^116; the kernel runs exactly where it should (16-bit x,
+2 <= K / 16 <= 512, and by default kb not a power of two), and SR / guided / g-given fake quantization and plain
+quantization keep their kernels.
 Run: pytest tests/gpu/test_quant_fake_lean3_gpu.py -q   (on the H200, with the extension built; ~1 min)
 """
 from __future__ import annotations
@@ -22,8 +25,15 @@ from test_quant_rowg_lean3_gpu import DEV, SHAPES, TIES, _set_impl, launched, le
 pytestmark = pytest.mark.gpu
 
 VARIANT = "fake-lean3"
-PREVIOUS = None  # the default: fake quantization through nvfp4_quant_rowg_kernel
+PREVIOUS = "sr-row"  # the previous default: fake quantization through nvfp4_quant_rowg_kernel
 KERNEL = "nvfp4_quant_rowg_lean3_kernel"
+
+
+def fake_lean3_takes(K: int, dtype: torch.dtype, variant: str | None) -> bool:
+    """Where fake quantization runs the lean3 kernel: its shapes (16-bit x, 2 <= kb <= 512); by default (variant
+    None) only where kb is not a power of two."""
+    kb = K // 16
+    return lean3_takes(K, dtype) and (variant == VARIANT or (kb & (kb - 1)) != 0)
 
 
 def fake_all(x: torch.Tensor):
@@ -47,31 +57,36 @@ def assert_same_fake(got, want, what):
 @pytest.mark.parametrize("R,K", SHAPES)
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
 def test_fake_lean3_matches_previous(monkeypatch, R, K, dtype):
-    """=fake-lean3 gives the default's y and emitted record bit for bit, and runs the lean3 kernel exactly where it
-    takes the shape (not for fp32 x, K = 16 or K > 8192)."""
+    """=fake-lean3 and the default give the previous default's (=sr-row) y and emitted record bit for bit, and run the
+    lean3 kernel exactly where they should (never for fp32 x, K = 16 or K > 8192; by default only for kb not a power
+    of two)."""
     x = lean3_input(R, K, dtype, 13 * R + K)
     _set_impl(monkeypatch, PREVIOUS)
     want = fake_all(x)
     assert not any(KERNEL in n for n in launched(lambda: ops.nvfp4_fake_quantize(x, backend="cuda")))
-    _set_impl(monkeypatch, VARIANT)
-    assert_same_fake(fake_all(x), want, f"{VARIANT} {R}x{K} {dtype}")
-    for capture in (False, True):
-        names = launched(lambda: ops.nvfp4_fake_quantize(x, capture=capture, backend="cuda"))
-        assert any(KERNEL in n for n in names) == lean3_takes(K, dtype), (R, K, dtype, capture, names)
+    for variant in (VARIANT, None):
+        _set_impl(monkeypatch, variant)
+        assert_same_fake(fake_all(x), want, f"{variant} {R}x{K} {dtype}")
+        for capture in (False, True):
+            names = launched(lambda: ops.nvfp4_fake_quantize(x, capture=capture, backend="cuda"))
+            assert any(KERNEL in n for n in names) == fake_lean3_takes(K, dtype, variant), (R, K, dtype, capture,
+                                                                                            variant, names)
 
 
-@pytest.mark.parametrize("R,K", ((257, 64), (129, 1024), (77, 2048), (130, 4096), (61, 4112), (45, 7168), (9, 8192)))
+@pytest.mark.parametrize("R,K", ((257, 64), (129, 1024), (77, 2048), (130, 4096), (61, 4112), (45, 7168), (9, 8192),
+                                 (99, 768), (50, 5120)))
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
-def test_fake_lean3_against_reference(monkeypatch, R, K, dtype):
+@pytest.mark.parametrize("variant", (VARIANT, None))
+def test_fake_lean3_against_reference(monkeypatch, R, K, dtype, variant):
     """y equals the reference's dequantize(quantize(x)) (SPEC 2; NaN where the reference has NaN) and the emitted
-    record the reference's compact record."""
+    record the reference's compact record, forced (=fake-lean3) and by default."""
     x = lean3_input(R, K, dtype, 7 * R + 5 * K)
     qr = ref.nvfp4_quantize(x)
     y_ref = ref.nvfp4_dequantize(qr, dtype)
     rec_ref = ref.guidance_from_quantized(qr, "compact")
-    _set_impl(monkeypatch, VARIANT)
+    _set_impl(monkeypatch, variant)
     y, y2, mbits, scales, g = fake_all(x)
-    what = f"{VARIANT} {R}x{K} {dtype}"
+    what = f"{variant} {R}x{K} {dtype}"
     for name, got in (("y", y), ("y (emit)", y2)):
         same = (bits(got) == bits(y_ref)) | (got.isnan() & y_ref.isnan())
         assert bool(same.all()), f"{what}: {name} differs from the reference in {int((~same).sum())} places"
@@ -82,7 +97,8 @@ def test_fake_lean3_against_reference(monkeypatch, R, K, dtype):
 
 def test_fake_lean3_scale_edges(monkeypatch):
     """Rows whose g sweeps 2^-133 .. 2^116 by quarter binades with blocks up to 2^-24 below their row (1/g and 1/t
-    outside their fast ranges, t = 0) and rows of exact ties: the variant equals the default and the reference."""
+    outside their fast ranges, t = 0) and rows of exact ties: the variant equals the previous default and the
+    reference."""
     K = 2048
     e = torch.arange(-133.0, 116.0, 0.25, device=DEV, dtype=torch.float64)
     R = e.numel()
@@ -130,10 +146,11 @@ def test_fake_lean3_changes_nothing_else(monkeypatch):
 
 
 def test_fake_lean3_activations(monkeypatch):
-    """Model-shaped bf16 activations (Qwen3-30B-A3B hidden 2048 at 4099 tokens, DeepSeek-V3 hidden 7168 at 601, K 4096
-    at 8191; randn with per-token scales), 3-D input included: the variant equals the default."""
+    """Model-shaped bf16 activations (Qwen3-30B-A3B hidden 2048 at 4099 tokens and its expert width 768, DeepSeek-V3
+    hidden 7168 at 601, K 5120 and K 4096 at 8191; randn with per-token scales), 3-D input included: the variant
+    equals the previous default."""
     gen = torch.Generator(device=DEV).manual_seed(31)
-    for shape in ((4099, 2048), (601, 7168), (4, 2048, 4096)):
+    for shape in ((4099, 2048), (4099, 768), (601, 7168), (333, 5120), (4, 2048, 4096)):
         x = torch.randn(*shape, generator=gen, device=DEV)
         x = (x * torch.exp2(torch.randn(*shape[:-1], 1, generator=gen, device=DEV) * 4)).to(torch.bfloat16)
         _set_impl(monkeypatch, PREVIOUS)
