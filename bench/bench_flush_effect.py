@@ -54,7 +54,7 @@ def main() -> None:
     sink = torch.empty((), dtype=torch.int64, device="cuda")
     flushes = {
         "zero": lambda: buf.zero_(),
-        "read": lambda: torch.sum(buf, dtype=torch.int64, out=sink),
+        "read": lambda: torch.sum(buf, dim=0, dtype=torch.int64, out=sink),
     }
     gen = torch.Generator(device="cuda").manual_seed(0)
     cases = []
