@@ -4,11 +4,13 @@ The decode grid is one wave (every CTA resident), so the time of a launch is rou
 ramp, epilogue, the fused split finish) plus the per-CTA token stream. This script keeps the grid fixed (B
 sequences, H_kv / 4 head groups, a fixed split count) and grows the context S, so that only the tokens per CTA
 change; a least-squares line ms = a + b * S gives the fixed part a and the steady-state rate (bytes per token / b),
-reported as % of the copy bandwidth measured in the same run. Two grids: B32 Hq32 Hkv4 at 8 splits (256 CTAs, the
-first bench_kv case at S = 8K) and B8 Hq32 Hkv8 at 16 splits (256 CTAs, the third case at S = 32K).
+reported as % of the copy bandwidth measured in the same run. Grids of 256 CTAs each (the tokens per CTA 128 ..
+4096): B32 Hq32 Hkv4 at 8 splits (the first bench_kv case at S = 8K), B8 Hq32 Hkv8 at 16 splits (the third case at
+S = 32K), B256 Hq32 Hkv4 at 1 split (no partials, no split finish), and the first grid with the separate combine
+kernel (TRACE_EXT_KV_DECODE_COMBINE=kernel) and with the 4-warp heads kernel (TRACE_EXT_KV_DECODE_IMPL=heads).
 
 Timing: bench.common.do_bench_cold (median, L2 flushed before every call), default kernel, explicit split count.
-Run from the repo root with the package installed:  python bench/bench_kv_scaling.py   (~40 s)
+Run from the repo root with the package installed:  python bench/bench_kv_scaling.py   (~60 s)
 """
 from __future__ import annotations
 
@@ -24,8 +26,13 @@ from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, print_table, re
 
 import trace_ext  # noqa: E402, F401
 
-GRIDS = (("B32 Hq32 Hkv4 splits=8", 32, 32, 4, 8), ("B8 Hq32 Hkv8 splits=16", 8, 32, 8, 16))
-CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
+# (name, B, Hq, H_kv, splits, extra environment switches); every grid has 256 CTAs
+GRIDS = (("B32 Hq32 Hkv4 splits=8", 32, 32, 4, 8, {}),
+         ("B8 Hq32 Hkv8 splits=16", 8, 32, 8, 16, {}),
+         ("B256 Hq32 Hkv4 splits=1 (no split finish)", 256, 32, 4, 1, {}),
+         ("B32 Hq32 Hkv4 splits=8 combine kernel", 32, 32, 4, 8, {"TRACE_EXT_KV_DECODE_COMBINE": "kernel"}),
+         ("B32 Hq32 Hkv4 splits=8 impl=heads (4 warps)", 32, 32, 4, 8, {"TRACE_EXT_KV_DECODE_IMPL": "heads"}))
+TOKENS_PER_CTA = (128, 256, 512, 1024, 2048, 4096)
 
 
 def fit_line(xs, ys):
@@ -42,9 +49,11 @@ def main() -> None:
     copy_gbs = copy_bandwidth_gbs()
     print(f"copy bandwidth: {copy_gbs:.1f} GB/s")
     rows = []
-    for name, B, Hq, Hkv, splits in GRIDS:
+    for name, B, Hq, Hkv, splits, env in GRIDS:
+        for k, v in env.items():
+            os.environ[k] = v
         ss, ms_list = [], []
-        for S in CONTEXTS:
+        for S in (t * splits for t in TOKENS_PER_CTA):
             kc, ks, vc, vs, table, seq_lens = random_cache(B, Hkv, S, gen)
             q = torch.randn(B, Hq, D, device="cuda", generator=gen).to(torch.bfloat16)
             nbytes = 2 * B * S * Hkv * (D // 2 + D // 16) + 2 * B * Hq * D * 2 + 4 * B * Hq
@@ -56,6 +65,8 @@ def main() -> None:
             ss.append(S)
             ms_list.append(ms)
             del kc, ks, vc, vs, table
+        for k in env:
+            os.environ.pop(k, None)
         a, b = fit_line(ss, ms_list)
         bytes_per_token = 2 * B * Hkv * (D // 2 + D // 16)
         steady = bytes_per_token / (b * 1e-3) / 1e9
