@@ -1,7 +1,9 @@
 """Probe (H200): the FP4-KV decode launch at almost no work, against the smallest device copy, under do_bench
 (cold L2), to split the decode kernel's ~13.5 us fixed part (bench_kv_scaling.py, 1 split) into launch floor and
 kernel prologue / epilogue. 256 CTAs (B256 Hq32 Hkv4, 1 split) with every sequence 0, 16, 32, 64, 128 tokens long;
-also B32 Hq32 Hkv4 with 8 splits. Prints a table; writes nothing.
+also B32 Hq32 Hkv4 with 8 splits, with the fused split finish (default), the separate combine kernel
+(TRACE_EXT_KV_DECODE_COMBINE=kernel) and, on a build that has it (branch next/round48), the batched finish
+(TRACE_EXT_KV_FINISH=batched). Prints a table; writes nothing.
 Run: python tools/probes/kv_fixed_cost.py   (~10 s)
 """
 import math
@@ -23,10 +25,14 @@ dst = torch.empty_like(src)
 print(f"copy 4 KB: {1e3 * do_bench_cold(lambda: dst.copy_(src)):.2f} us")
 x = torch.zeros(1, device="cuda")
 print(f"add_ on 1 float: {1e3 * do_bench_cold(lambda: x.add_(1.0)):.2f} us")
-for B, Hkv, splits in ((256, 4, 1), (32, 4, 8)):
-    kc, ks, vc, vs, table, seq_lens = random_cache(B, Hkv, 128 * splits, gen)
+for B, Hkv, splits, env in ((256, 4, 1, {}), (32, 4, 8, {}), (32, 4, 8, {"TRACE_EXT_KV_DECODE_COMBINE": "kernel"}),
+                            (32, 4, 8, {"TRACE_EXT_KV_FINISH": "batched"})):
+    os.environ.update(env)
+    kc, ks, vc, vs, table, seq_lens = random_cache(B, Hkv, 1024 * splits, gen)
     q = torch.randn(B, 32, D, device="cuda", generator=gen).to(torch.bfloat16)
-    for n in (0, 16, 32, 64, 128):
+    for n in (0, 16, 32, 64, 128, 1024):
         lens = torch.full_like(seq_lens, n * splits)
         ms = do_bench_cold(lambda: op(q, kc, ks, vc, vs, table, lens, 1.0 / math.sqrt(D), 0.01, 0.02, splits))
-        print(f"B{B} Hkv{Hkv} splits={splits} tokens per CTA {n}: {1e3 * ms:.2f} us")
+        print(f"B{B} Hkv{Hkv} splits={splits} {env or ''} tokens per CTA {n}: {1e3 * ms:.2f} us")
+    for k in env:
+        os.environ.pop(k)
