@@ -615,3 +615,40 @@ def test_append_warp_kernel_rtn_rounding_is_exhaustively_exact():
         bad = ((h >> 9) != ref) | ((h & 0xF1FF) != 0)
         assert not bad.any(), f"first mismatch at u bits {hex(int(b[bad.nonzero()[0]]))}"
         del b, u, m, g, h, a, ref, bad
+
+
+# ---- split finish through distributed shared memory (TRACE_EXT_KV_FINISH=cluster, read per call): the splits of a
+# (sequence, head group) launched as one thread block cluster (<= 16 splits; more fall back to the fused finish) and
+# combined with heads_split_finish's arithmetic, so the same bits as the default fused finish.
+@pytest.mark.parametrize("impl", [None, "heads"])
+@pytest.mark.parametrize("lens, Hq, Hkv, D, splits", [
+    ([8192] * 4, 32, 4, 128, 0), ([4096] * 6, 32, 4, 128, 0), ([32768], 32, 8, 128, 0),
+    ([3000, 5, 0, 777], 16, 4, 128, 7), ([3000, 5, 0, 777], 32, 4, 128, 9), ([5000, 3], 16, 4, 64, 16),
+    ([5000, 3], 32, 4, 64, 17), ([2049, 100, 1], 4, 4, 128, 8), ([65536], 32, 8, 128, 16),
+    ([1000, 1000], 32, 4, 64, 2), ([0, 0], 32, 4, 128, 3)], ids=str)
+def test_decode_cluster_finish_is_bit_equal(lens, Hq, Hkv, D, splits, impl, monkeypatch):
+    """Protects the cluster finish: output and LSE bit-equal to the default fused finish on the bench shapes (fewer
+    sequences; automatic split counts), split counts 2 .. 16 (portable and non-portable cluster sizes) and 17 (past
+    the cluster limit: the fused finish), G = 1 / 4 / 8, head dims 64 and 128, empty and one-token sequences, all
+    sequences empty; heads8 (default) and the 4-warp heads kernel; back-to-back launches."""
+    cache, table, seq_lens, *_ = make_cache(lens, Hkv, D, 16, seed=len(lens) + D + splits)
+    q = torch.randn(len(lens), Hq, D, device=DEV).to(torch.bfloat16)
+    if impl is None:
+        monkeypatch.delenv("TRACE_EXT_KV_DECODE_IMPL", raising=False)
+    else:
+        monkeypatch.setenv("TRACE_EXT_KV_DECODE_IMPL", impl)
+    outs = {}
+    for mode in ("default", "cluster"):
+        if mode == "cluster":
+            monkeypatch.setenv("TRACE_EXT_KV_FINISH", "cluster")
+        else:
+            monkeypatch.delenv("TRACE_EXT_KV_FINISH", raising=False)
+        outs[mode] = [ops.fp4kv_decode_attention(q, cache, table, seq_lens, 0.1, num_splits=splits, backend="cuda")
+                      for _ in range(3)]
+    for (o, l), (o0, l0) in zip(outs["cluster"], outs["default"]):
+        assert torch.equal(o.view(torch.int16), o0.view(torch.int16)), "out"
+        assert torch.equal(l.view(torch.int32), l0.view(torch.int32)), "lse"
+    err, err_sdpa, lse_err = errors_vs_reference(*outs["cluster"][-1], q, cache, table, seq_lens, 0.1)
+    assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
+    monkeypatch.delenv("TRACE_EXT_KV_FINISH", raising=False)
+
