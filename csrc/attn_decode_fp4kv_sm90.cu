@@ -107,7 +107,6 @@
 //   ring is CTA-wide with one barrier per stage, so 2 stages leave a stage's copies exposed behind every barrier.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -119,7 +118,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
-#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -197,9 +195,6 @@ struct DecodeParams {
   // 0 .. num_splits - 1 (atomicInc), so they are back at 0 after every launch; null: the separate combine kernel
   unsigned int* split_counters;
   int heads_q, heads_kv, group, page_size, max_pages, num_splits;
-  // heads kernels, TRACE_EXT_KV_FINISH=cluster: the splits of a (sequence, head group) are one thread block cluster
-  // and combine their partials through distributed shared memory (heads_cluster_finish); no o_part / lse_part
-  int cluster_finish;
   float score_scale;  // softmax_scale * g_k * 2^14 * log2(e)
   float out_scale;    // g_v * 2^14
 };
@@ -1247,79 +1242,6 @@ __device__ __forceinline__ void heads_split_finish(const DecodeParams& p, uint8_
   }
 }
 
-// The split finish through distributed shared memory (TRACE_EXT_KV_FINISH=cluster; the heads kernels launched with
-// the num_splits CTAs of a (sequence, head group) as one cluster, num_splits <= kMaxClusterSplits): every CTA has put
-// the partials it would have written to o_part / lse_part into its own shared memory (cl_o [4 G][D], cl_lse [4 G]);
-// after a cluster barrier the CTA of rank r combines items r * per .. (r + 1) * per of the 4 G x D / 4 float4
-// columns, reading the other CTAs' partials through the cluster's shared-memory window, with heads_split_finish's
-// arithmetic (the same max, weights 2^(lse_s - max), l and every output summed in split order: bit-equal to it and
-// to the combine kernel); a second barrier keeps every CTA's shared memory alive until all reads are done. Instead
-// of the partials' round trip through global memory, the fences and the arrival counter, and the last CTA's serial
-// combine of all columns.
-constexpr int kMaxClusterSplits = 16;  // H100 / H200 clusters: 8 portable, 16 with the non-portable attribute
-template <int D, int kNT>
-__device__ __forceinline__ void heads_cluster_finish(const DecodeParams& p, float* cl_o, float* cl_lse, int hg, int b,
-                                                     int rank) {
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();  // every split's partials are in its shared memory (barrier.cluster arrive.release / wait.acquire)
-  const int rows = kHeadsPerCta * p.group, n = p.num_splits;
-  constexpr int kCols = D / 4;
-  const int total = rows * kCols, per = (total + n - 1) / n;
-  (void)rank;  // == cluster.block_rank(): the cluster spans the grid's x (the splits)
-  const int first = (int)cluster.block_rank() * per, last = min(total, first + per);
-  const int64_t bh0 = (int64_t)b * p.heads_q + (int64_t)hg * kHeadsPerCta * p.group;
-  for (int idx = first + threadIdx.x; idx < last; idx += kNT) {
-    const int row = idx / kCols, c4 = idx % kCols;
-    // every LSE and the first kBatch partial columns in flight together; the rest (n > kBatch) after them
-    constexpr int kBatch = kMaxClusterSplits / 2;
-    float ls[kMaxClusterSplits];
-    float4 v[kBatch];
-#pragma unroll
-    for (int s = 0; s < kMaxClusterSplits; ++s) {
-      if (s < n) ls[s] = *cluster.map_shared_rank(cl_lse + row, s);
-    }
-    float m = -INFINITY;
-    float l = 0.0f;
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int s0 = 0; s0 < kMaxClusterSplits; s0 += kBatch) {
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        if (s0 + j < n) v[j] = *reinterpret_cast<const float4*>(cluster.map_shared_rank(cl_o + row * D + 4 * c4, s0 + j));
-      }
-      if (s0 == 0) {
-#pragma unroll
-        for (int s = 0; s < kMaxClusterSplits; ++s) {
-          if (s < n) m = fmaxf(m, ls[s]);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        if (s0 + j < n) {
-          float w = 0.0f;  // empty splits (and rows) weigh 0; their partials are exact zeros
-          if (m != -INFINITY && ls[s0 + j] != -INFINITY) {
-            w = exp2f(ls[s0 + j] - m);
-            l += w;
-          }
-          acc[0] += w * v[j].x;
-          acc[1] += w * v[j].y;
-          acc[2] += w * v[j].z;
-          acc[3] += w * v[j].w;
-        }
-      }
-    }
-    const bool empty = !(l > 0.0f);
-    const int64_t bh = bh0 + row;
-    __nv_bfloat162 lo = __floats2bfloat162_rn(empty ? 0.0f : acc[0] / l, empty ? 0.0f : acc[1] / l);
-    __nv_bfloat162 hi = __floats2bfloat162_rn(empty ? 0.0f : acc[2] / l, empty ? 0.0f : acc[3] / l);
-    *reinterpret_cast<uint2*>(p.out + bh * D + 4 * c4) =
-        make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
-    if (c4 == 0) p.lse[bh] = empty ? -INFINITY : (m + log2f(l)) * kLn2;
-  }
-  cluster.sync();  // no CTA of the cluster exits (its shared memory) while another may still read it
-}
-
 // heads8: the cross-warp merge of the two warps of one KV head (sets 0 and 1, the same lane layout): set 1 stores
 // its (O, m, l) lane-major in the drained ring ([head][value][lane] floats: conflict free), set 0 rescales both to
 // the common max (weights 2^(m_set - m), 0 for a set that saw no token, as in merge_warps) and adds them in
@@ -1679,11 +1601,6 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
   }
   // heads8: set 1's (m, l, O) joins set 0's warp of the same head; set 0 writes the result
   if constexpr (kSets > 1) merge_warp_sets<D>(smem, warp, set, lane, o, m_run, l_run);
-  // cluster finish: the partials go to the front of the drained ring (after every read of the merge buffer)
-  float* cl_o = reinterpret_cast<float*>(smem);
-  float* cl_lse = cl_o + kHeadsPerCta * p.group * D;
-  static_assert(kHeadsPerCta * 8 * (D + 1) * 4 <= HGeo<D>::kSmem, "cluster partials (G <= 8) fit in the ring");
-  if (p.cluster_finish) __syncthreads();
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int head = 2 * c + h;
@@ -1710,22 +1627,12 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
       for (int j = 0; j < D / 64; ++j)
         dst[j] = make_uint4(packed[4 * j], packed[4 * j + 1], packed[4 * j + 2], packed[4 * j + 3]);
       if (r == 0) p.lse[bh] = empty ? -INFINITY : lse2 * kLn2;
-    } else if (p.cluster_finish) {
-      const int row = warp * p.group + head;
-      float4* dst = reinterpret_cast<float4*>(cl_o + row * D + r * (D / 8));
-#pragma unroll
-      for (int j = 0; j < D / 32; ++j) dst[j] = make_float4(val[4 * j], val[4 * j + 1], val[4 * j + 2], val[4 * j + 3]);
-      if (r == 0) cl_lse[row] = lse2;
     } else {
       float4* dst = reinterpret_cast<float4*>(p.o_part + (bh * p.num_splits + split) * D + r * (D / 8));
 #pragma unroll
       for (int j = 0; j < D / 32; ++j) dst[j] = make_float4(val[4 * j], val[4 * j + 1], val[4 * j + 2], val[4 * j + 3]);
       if (r == 0) p.lse_part[bh * p.num_splits + split] = lse2;
     }
-  }
-  if (p.num_splits > 1 && p.cluster_finish) {
-    heads_cluster_finish<D, kSets * kThreads>(p, cl_o, cl_lse, hg, b, split);
-    return;
   }
   if (p.num_splits == 1 || p.split_counters == nullptr) return;
   // Fused split-K finish, as in merge_warps: the last CTA of the (sequence, head group) combines all splits of its
@@ -1915,48 +1822,6 @@ bool fused_combine() {
   return !(env != nullptr && std::strcmp(env, "kernel") == 0);
 }
 
-// TRACE_EXT_KV_FINISH=cluster (read per call; an A/B knob): the heads kernels combine up to kMaxClusterSplits splits
-// through distributed shared memory (heads_cluster_finish), launched with the splits of a (sequence, head group) as
-// one thread block cluster; default: the fused finish by the last-arriving CTA.
-bool cluster_finish_selected() {
-  const char* env = std::getenv("TRACE_EXT_KV_FINISH");
-  return env != nullptr && std::strcmp(env, "cluster") == 0;
-}
-
-// Whether `kernel` can run with clusters of `splits` CTAs (x) and `smem` bytes of dynamic shared memory each on this
-// device (cudaOccupancyMaxActiveClusters > 0); clusters of more than 8 need the non-portable attribute, set here.
-// Cached per kernel, device and split count.
-bool cluster_launch_ok(DecodeKernelFn kernel, int splits, int smem, int threads, int device, dim3 grid) {
-  static std::mutex mu;
-  static std::vector<std::tuple<DecodeKernelFn, int, int, bool>> cache;  // (kernel, device, splits) -> ok
-  std::lock_guard<std::mutex> lock(mu);
-  for (const auto& e : cache) {
-    if (std::get<0>(e) == kernel && std::get<1>(e) == device && std::get<2>(e) == splits) return std::get<3>(e);
-  }
-  bool ok = splits >= 2 && splits <= kMaxClusterSplits;
-  if (ok && splits > 8) {
-    ok = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess;
-  }
-  if (ok) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(threads);
-    cfg.dynamicSmemBytes = smem;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = splits;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    int clusters = 0;
-    ok = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
-  }
-  (void)cudaGetLastError();  // a refused query leaves no error behind
-  cache.emplace_back(kernel, device, splits, ok);
-  return ok;
-}
-
 // Arrival counters of the fused split-K finish: zeroed once, kept per (device, stream) (launches on one stream
 // are ordered, so they never share counters concurrently), grown on demand. Every launch leaves them at 0.
 unsigned int* split_counters(int64_t n, const at::Tensor& like) {
@@ -2022,7 +1887,6 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
   p.num_splits = splits;
   at::Tensor o_part, lse_part;
   bool wide = false;
-  p.cluster_finish = 0;
   if (splits > 1) {
     o_part = at::empty({batch, p.heads_q, splits, D}, q.options().dtype(at::kFloat));
     lse_part = at::empty({batch, p.heads_q, splits}, q.options().dtype(at::kFloat));
@@ -2046,39 +1910,14 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
   require_kernel_image(kernel, "fp4kv_decode_attention");
   auto stream = c10::cuda::getCurrentCUDAStream();
   dim3 grid(splits, head_ctas<kImpl>(p.heads_kv), batch);
-  // TRACE_EXT_KV_FINISH=cluster: the splits of a (sequence, head group) as one cluster, combined on chip
-  if constexpr (kImpl == kImplHeads || kImpl == kImplHeads8) {
-    if (splits > 1 && !wide && fused_combine() && cluster_finish_selected() &&
-        cluster_launch_ok(kernel, splits, smem, decode_threads<kImpl>(), device, grid)) {
-      p.cluster_finish = 1;
-      p.split_counters = nullptr;
-    }
-  }
-  if (p.cluster_finish) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(decode_threads<kImpl>());
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = splits;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, p);
-    TORCH_CHECK(err == cudaSuccess, "trace_ext.fp4kv_decode_attention: cluster launch failed: ", cudaGetErrorString(err));
-  } else {
-    kernel<<<grid, decode_threads<kImpl>(), smem, stream>>>(p);
-  }
+  kernel<<<grid, decode_threads<kImpl>(), smem, stream>>>(p);
   check_launch("fp4kv_decode_attention");
   if (splits > 1 && wide) {
     fp4kv_decode_combine_wide_kernel<D><<<batch * p.heads_q, kWideWarps * 32, 0, stream>>>(
         o_part.data_ptr<float>(), lse_part.data_ptr<float>(), reinterpret_cast<uint16_t*>(out.data_ptr()),
         lse.data_ptr<float>(), splits);
     check_launch("fp4kv_decode_attention (combine)");
-  } else if (splits > 1 && p.split_counters == nullptr && !p.cluster_finish) {
+  } else if (splits > 1 && p.split_counters == nullptr) {
     fp4kv_decode_combine_kernel<D><<<batch * p.heads_q, D, 0, stream>>>(
         o_part.data_ptr<float>(), lse_part.data_ptr<float>(), reinterpret_cast<uint16_t*>(out.data_ptr()),
         lse.data_ptr<float>(), splits);
