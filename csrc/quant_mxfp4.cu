@@ -178,12 +178,13 @@ __global__ void __launch_bounds__(kThreads) mxfp4_dequant_kernel(const uint8_t* 
   }
 }
 
-// SR through mx_block_codes_sr_lean: the default (TRACE_EXT_QUANT_IMPL unset, "rowg-lean3", "sr-row" or "sr-lean", read
-// per call); any other value (the NVFP4 variants from before it, e.g. "guided-lean") keeps the per-element code.
+// SR through mx_block_codes_sr_lean: the default (TRACE_EXT_QUANT_IMPL unset, "rowg-lean3", "fake-lean3", "sr-row" or
+// "sr-lean", read per call); any other value (the NVFP4 variants from before it, e.g. "guided-lean") keeps the
+// per-element code.
 bool mx_sr_lean_selected() {
   const char* v = std::getenv("TRACE_EXT_QUANT_IMPL");
   return v == nullptr || *v == '\0' || std::strcmp(v, "sr-lean") == 0 || std::strcmp(v, "sr-row") == 0 ||
-         std::strcmp(v, "rowg-lean3") == 0;
+         std::strcmp(v, "rowg-lean3") == 0 || std::strcmp(v, "fake-lean3") == 0;
 }
 
 std::tuple<at::Tensor, at::Tensor> mxfp4_quantize_cuda(const at::Tensor& x, int64_t rounding, int64_t seed,
