@@ -21,8 +21,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kv import D, random_cache  # noqa: E402
-from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, print_table, require_kernels_usable, write_results  # noqa: E402
+from bench_kv import D, decode_ab_start, random_cache  # noqa: E402
+from common import do_bench_cold, env_stamp, print_table, write_results  # noqa: E402
 
 import trace_ext  # noqa: E402, F401
 
@@ -43,11 +43,7 @@ def fit_line(xs, ys):
 
 
 def main() -> None:
-    require_kernels_usable()
-    op = torch.ops.trace_ext.fp4kv_decode_attention
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    copy_gbs = copy_bandwidth_gbs()
-    print(f"copy bandwidth: {copy_gbs:.1f} GB/s")
+    gen, copy_gbs, op = decode_ab_start("TRACE_EXT_KV_DECODE_IMPL", "TRACE_EXT_KV_DECODE_COMBINE")
     rows = []
     for name, B, Hq, Hkv, splits, env in GRIDS:
         for k, v in env.items():

@@ -20,7 +20,8 @@ import torch
 from trace_ext import ops
 from trace_ext import reference as ref
 
-from test_quant_rowg_lean3_gpu import DEV, SHAPES, TIES, _set_impl, launched, lean3_input, lean3_takes
+from test_quant_rowg_lean3_gpu import (DEV, SHAPES, _set_impl, launched, lean3_input, lean3_takes,
+                                      scale_edge_input)
 
 pytestmark = pytest.mark.gpu
 
@@ -99,18 +100,7 @@ def test_fake_lean3_scale_edges(monkeypatch):
     """Rows whose g sweeps 2^-133 .. 2^116 by quarter binades with blocks up to 2^-24 below their row (1/g and 1/t
     outside their fast ranges, t = 0) and rows of exact ties: the variant equals the previous default and the
     reference."""
-    K = 2048
-    e = torch.arange(-133.0, 116.0, 0.25, device=DEV, dtype=torch.float64)
-    R = e.numel()
-    gen = torch.Generator(device=DEV).manual_seed(5)
-    x = torch.randn(R, K, generator=gen, device=DEV, dtype=torch.float64)
-    x = x / x.abs().amax(dim=1, keepdim=True) * torch.exp2(e)[:, None] * 2688.0
-    x = x.reshape(R, K // 16, 16) * torch.exp2(-torch.randint(0, 25, (R, K // 16, 1), generator=gen, device=DEV))
-    ties = torch.tensor(TIES, device=DEV).repeat(K // len(TIES) + 1)[:K].reshape(1, K).repeat(8, 1)
-    ties = ties * torch.where(torch.rand(8, K, generator=gen, device=DEV) < 0.5, -1.0, 1.0)
-    ties[:, ::16] = 6.0
-    ties[:, 0] = 2688.0
-    x = torch.cat([x.reshape(R, K).float(), ties.float()]).to(torch.bfloat16)
+    x = scale_edge_input(2048, -133.0, 5, torch.bfloat16)
     _set_impl(monkeypatch, PREVIOUS)
     want = fake_all(x)
     _set_impl(monkeypatch, VARIANT)

@@ -178,15 +178,12 @@ def test_rowg_lean3_against_reference(monkeypatch, R, K, dtype):
     assert_same_q(swz, qsr, f"{what} swizzled")
 
 
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
-def test_rowg_lean3_scale_edges(monkeypatch, dtype):
-    """Rows whose g sweeps every binade from 2^-140 to 2^116 in steps of a quarter binade (g below / above the 1/g
-    range [2^-50, 2^50], amax below 2^-80 where g is a true division, block divisors t below 2^-100 and above 2^100,
-    t = 0 from a block 2^-24 below its row), and rows of exact ties at t = 1: the previous default, the variant and the reference agree."""
-    K = 4096
-    e = torch.arange(-140.0, 116.0, 0.25, device=DEV, dtype=torch.float64)
+def scale_edge_input(K: int, e_lo: float, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows whose g = 2^e (e from e_lo to 116 by quarter binades) with every block 2^-0 .. 2^-24 below its row's
+    amax, then 8 rows of exact ties at t = 1 (g = 1 from a 2688 lead, blocks led by 6), as dtype."""
+    e = torch.arange(e_lo, 116.0, 0.25, device=DEV, dtype=torch.float64)
     R = e.numel()
-    gen = torch.Generator(device=DEV).manual_seed(3)
+    gen = torch.Generator(device=DEV).manual_seed(seed)
     x = torch.randn(R, K, generator=gen, device=DEV, dtype=torch.float64)
     x = x / x.abs().amax(dim=1, keepdim=True) * torch.exp2(e)[:, None] * 2688.0
     x = x.reshape(R, K // 16, 16) * torch.exp2(-torch.randint(0, 25, (R, K // 16, 1), generator=gen, device=DEV))
@@ -195,7 +192,15 @@ def test_rowg_lean3_scale_edges(monkeypatch, dtype):
     ties = ties * torch.where(torch.rand(8, K, generator=gen, device=DEV) < 0.5, -1.0, 1.0)
     ties[:, ::16] = 6.0
     ties[:, 0] = 2688.0
-    x = torch.cat([x, ties.to(dtype)])
+    return torch.cat([x, ties.to(dtype)])
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
+def test_rowg_lean3_scale_edges(monkeypatch, dtype):
+    """Rows whose g sweeps every binade from 2^-140 to 2^116 in steps of a quarter binade (g below / above the 1/g
+    range [2^-50, 2^50], amax below 2^-80 where g is a true division, block divisors t below 2^-100 and above 2^100,
+    t = 0 from a block 2^-24 below its row), and rows of exact ties at t = 1: the previous default, the variant and the reference agree."""
+    x = scale_edge_input(4096, -140.0, 3, dtype)
     _set_impl(monkeypatch, PREVIOUS)
     want = quantize_all(x)
     _set_impl(monkeypatch, VARIANT)
