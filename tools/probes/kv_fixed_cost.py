@@ -3,7 +3,10 @@
 kernel prologue / epilogue. 256 CTAs (B256 Hq32 Hkv4, 1 split) with every sequence 0, 16, 32, 64, 128 tokens long;
 also B32 Hq32 Hkv4 with 8 splits, with the fused split finish (default), the separate combine kernel
 (TRACE_EXT_KV_DECODE_COMBINE=kernel) and, on a build that has it (branch next/round48), the batched finish
-(TRACE_EXT_KV_FINISH=batched). Prints a table; writes nothing.
+(TRACE_EXT_KV_FINISH=batched). Then back-to-back calls: do_bench of one call and of two calls of the same decode
+(the second follows a kernel with the same shared-memory carveout and finds its cache pages cold again only in L2):
+if the second call costs much less than the first, part of the fixed cost is launch-side (carveout
+reconfiguration, ramp), not the kernel's prologue. Prints a table; writes nothing.
 Run: python tools/probes/kv_fixed_cost.py   (~10 s)
 """
 import math
@@ -36,3 +39,14 @@ for B, Hkv, splits, env in ((256, 4, 1, {}), (32, 4, 8, {}), (32, 4, 8, {"TRACE_
         print(f"B{B} Hkv{Hkv} splits={splits} {env or ''} tokens per CTA {n}: {1e3 * ms:.2f} us")
     for k in env:
         os.environ.pop(k)
+
+for B, Hkv, splits in ((256, 4, 1), (32, 4, 8)):
+    kc, ks, vc, vs, table, seq_lens = random_cache(B, Hkv, 1024 * splits, gen)
+    q = torch.randn(B, 32, D, device="cuda", generator=gen).to(torch.bfloat16)
+    for n in (0, 128, 1024):
+        lens = torch.full_like(seq_lens, n * splits)
+        one = lambda: op(q, kc, ks, vc, vs, table, lens, 1.0 / math.sqrt(D), 0.01, 0.02, splits)  # noqa: E731
+        t1 = do_bench_cold(one)
+        t2 = do_bench_cold(lambda: (one(), one()))
+        print(f"B{B} Hkv{Hkv} splits={splits} tokens per CTA {n}: one call {1e3 * t1:.2f} us, two calls "
+              f"{1e3 * t2:.2f} us, second call {1e3 * (t2 - t1):.2f} us")
