@@ -4,9 +4,10 @@ kernel prologue / epilogue. 256 CTAs (B256 Hq32 Hkv4, 1 split) with every sequen
 also B32 Hq32 Hkv4 with 8 splits, with the fused split finish (default), the separate combine kernel
 (TRACE_EXT_KV_DECODE_COMBINE=kernel) and, on a build that has it (branch next/round48), the batched finish
 (TRACE_EXT_KV_FINISH=batched). Then back-to-back calls: do_bench of one call and of two calls of the same decode
-(the second follows a kernel with the same shared-memory carveout and finds its cache pages cold again only in L2):
-if the second call costs much less than the first, part of the fixed cost is launch-side (carveout
-reconfiguration, ramp), not the kernel's prologue. Prints a table; writes nothing.
+(the second follows a kernel with the same shared-memory carveout; at 0 tokens it reads nothing but the block table
+and Q, at 128 tokens per CTA its 19 MB are still in L2, at 1024 its 151 MB mostly not): if the second call at 0
+tokens costs much less than the first, part of the fixed cost is launch-side (carveout reconfiguration, ramp), not
+the kernel's prologue. Prints a table; writes nothing.
 Run: python tools/probes/kv_fixed_cost.py   (~10 s)
 """
 import math
