@@ -1657,6 +1657,7 @@ inline bool fake_lean3_default(int64_t kb) { return (kb & (kb - 1)) != 0; }
 template <bool FAKE, typename T>
 void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_t stream, const char* op) {
   const int impl = quant_impl();
+  const bool rtn_fused_g = rowg && rounding == kRTN && p.K <= kFusedMaxK;  // RTN, per-row g, rows fit on chip
   switch (impl) {
     case kImplBits:
       launch_quant_impl<FAKE, T, kImplBits>(p, rounding, rowg, stream, op);
@@ -1668,17 +1669,14 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
       launch_quant_impl<FAKE, T, kImplLean>(p, rounding, rowg, stream, op);
       break;
     case kImplFakeLean3:  // the default, with RTN fake quantization of 16-bit x with g None through lean3 for any kb
-      if constexpr (sizeof(T) == 2) {
-        if (FAKE && rowg && rounding == kRTN && p.K <= kFusedMaxK && launch_rowg_lean3<T, true>(p, stream, op)) break;
+      if constexpr (sizeof(T) == 2 && FAKE) {
+        if (rtn_fused_g && launch_rowg_lean3<T, FAKE>(p, stream, op)) break;
       }
       [[fallthrough]];
-    case kImplRowgLean3:  // the default: sr-row, except RTN quantize of 16-bit x with g None through the lean3 kernel
+    case kImplRowgLean3:  // the default: sr-row, except RTN quantize of 16-bit x with g None through the lean3 kernel,
+                          // and RTN fake quantization where the row's block count is not a power of two
       if constexpr (sizeof(T) == 2) {
-        if (!FAKE && rowg && rounding == kRTN && p.K <= kFusedMaxK && launch_rowg_lean3<T>(p, stream, op)) break;
-        // ... and RTN fake quantization where the row's block count is not a power of two (fake_lean3_default)
-        if (FAKE && rowg && rounding == kRTN && p.K <= kFusedMaxK && fake_lean3_default(p.kb) &&
-            launch_rowg_lean3<T, true>(p, stream, op))
-          break;
+        if (rtn_fused_g && (!FAKE || fake_lean3_default(p.kb)) && launch_rowg_lean3<T, FAKE>(p, stream, op)) break;
       }
       [[fallthrough]];
     case kImplSrRow:  // sr-lean, except SR quantize with g None through the persistent per-row kernel
@@ -1699,7 +1697,7 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
       [[fallthrough]];
     case kImplRowgLean:  // the default's kernels except RTN quantize with g None (no duplicate instantiations)
     case kImplRowgLean2:
-      if (!(!FAKE && rowg && rounding == kRTN && p.K <= kFusedMaxK &&
+      if (!(!FAKE && rtn_fused_g &&
             launch_rowg_lean<T>(p, stream, op, impl != kImplRowgLean))) {  // two blocks per lane but =rowg-lean
         launch_quant_impl<FAKE, T, kImplLean>(p, rounding, rowg, stream, op);
       }
