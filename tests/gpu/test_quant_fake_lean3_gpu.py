@@ -48,6 +48,12 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
 
 
+def assert_same_as_reference(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Every value of got has want's bits, or both are NaN (the reference's NaN payload is not specified)."""
+    same = (bits(got) == bits(want)) | (got.isnan() & want.isnan())
+    assert bool(same.all()), f"{what}: differs from the reference in {int((~same).sum())} places"
+
+
 def assert_same_fake(got, want, what):
     names = ("y", "y (emit)", "mbits", "scales", "g")
     for name, a, b in zip(names, got, want):
@@ -89,8 +95,7 @@ def test_fake_lean3_against_reference(monkeypatch, R, K, dtype, variant):
     y, y2, mbits, scales, g = fake_all(x)
     what = f"{variant} {R}x{K} {dtype}"
     for name, got in (("y", y), ("y (emit)", y2)):
-        same = (bits(got) == bits(y_ref)) | (got.isnan() & y_ref.isnan())
-        assert bool(same.all()), f"{what}: {name} differs from the reference in {int((~same).sum())} places"
+        assert_same_as_reference(got, y_ref, f"{what}: {name}")
     assert torch.equal(mbits, rec_ref.payload), f"{what}: mbits"
     assert torch.equal(scales, rec_ref.scales), f"{what}: scales"
     assert torch.equal(bits(g), bits(rec_ref.g)), f"{what}: g"
@@ -106,9 +111,7 @@ def test_fake_lean3_scale_edges(monkeypatch):
     _set_impl(monkeypatch, VARIANT)
     got = fake_all(x)
     assert_same_fake(got, want, f"{VARIANT} scale edges")
-    y_ref = ref.nvfp4_dequantize(ref.nvfp4_quantize(x), torch.bfloat16)
-    same = (bits(got[0]) == bits(y_ref)) | (got[0].isnan() & y_ref.isnan())
-    assert bool(same.all()), f"scale edges: {int((~same).sum())} values differ from the reference"
+    assert_same_as_reference(got[0], ref.nvfp4_dequantize(ref.nvfp4_quantize(x), torch.bfloat16), "scale edges: y")
 
 
 def test_fake_lean3_changes_nothing_else(monkeypatch):
