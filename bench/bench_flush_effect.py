@@ -23,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kv import D, random_cache  # noqa: E402
+from bench_kv import D, decode_bytes, random_cache  # noqa: E402
 from common import do_bench_cold, env_stamp, print_table, require_kernels_usable, write_results  # noqa: E402
 
 import trace_ext  # noqa: E402, F401
@@ -66,7 +66,7 @@ def main() -> None:
     B, Hq, Hkv, S = 32, 32, 4, 8192
     kc, ks, vc, vs, table, seq_lens = random_cache(B, Hkv, S, gen)
     q = torch.randn(B, Hq, D, device="cuda", generator=gen).to(torch.bfloat16)
-    kv_bytes = 2 * B * S * Hkv * (D // 2 + D // 16) + 2 * B * Hq * D * 2 + 4 * B * Hq
+    kv_bytes = decode_bytes(B, Hq, Hkv, S)
     cases.append(("kv decode B32 Hq32 Hkv4 S8K", kv_bytes,
                   lambda: op.fp4kv_decode_attention(q, kc, ks, vc, vs, table, seq_lens, 1.0 / math.sqrt(D), 0.01,
                                                     0.02, 0)))

@@ -79,6 +79,11 @@ def random_cache(B, Hkv, S, gen, page=PAGE):
     return kc, ks, vc, vs, table, seq_lens
 
 
+def decode_bytes(B, Hq, Hkv, S):
+    """Bytes a decode call must move: the codes and scales of K and V of B sequences of S tokens, q, out and lse."""
+    return 2 * B * S * Hkv * (D // 2 + D // 16) + 2 * B * Hq * D * 2 + 4 * B * Hq
+
+
 def decode_ab_start(*switches):
     """The KV decode A/B benches' start: kernels usable, `switches` unset (each impl sets its own), the case
     generator, the copy bandwidth (printed) and the decode op."""
@@ -97,7 +102,7 @@ def decode_case_inputs(gen):
     for name, B, Hq, Hkv, S, _ in DECODE_CASES:
         kc, ks, vc, vs, table, seq_lens = random_cache(B, Hkv, S, gen)
         q = torch.randn(B, Hq, D, device="cuda", generator=gen).to(torch.bfloat16)
-        nbytes = 2 * B * S * Hkv * (D // 2 + D // 16) + 2 * B * Hq * D * 2 + 4 * B * Hq
+        nbytes = decode_bytes(B, Hq, Hkv, S)
         yield name, nbytes, (q, kc, ks, vc, vs, table, seq_lens, 1.0 / math.sqrt(D), 0.01, 0.02)
 
 
@@ -118,7 +123,7 @@ def decode_rows(copy_gbs, gen):
         q = torch.randn(B, Hq, D, device="cuda", generator=gen).to(torch.bfloat16)
         scale = 1.0 / math.sqrt(D)
         g_k, g_v = 0.01, 0.02
-        nbytes = 2 * B * S * Hkv * (D // 2 + D // 16) + 2 * B * Hq * D * 2 + 4 * B * Hq
+        nbytes = decode_bytes(B, Hq, Hkv, S)
         ms = do_bench_cold(lambda: op(q, kc, ks, vc, vs, table, seq_lens, scale, g_k, g_v, 0))
         # the anchor: SDPA over bf16 K/V of the same shapes
         kb = torch.randn(B, Hkv, S, D, device="cuda", generator=gen).to(torch.bfloat16)

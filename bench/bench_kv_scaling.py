@@ -21,17 +21,19 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kv import D, decode_ab_start, random_cache  # noqa: E402
-from common import do_bench_cold, env_stamp, print_table, write_results  # noqa: E402
+from bench_kv import D, decode_ab_start, decode_bytes, random_cache  # noqa: E402
+from common import do_bench_cold, env_stamp, impl_env, print_table, write_results  # noqa: E402
 
 import trace_ext  # noqa: E402, F401
 
-# (name, B, Hq, H_kv, splits, extra environment switches); every grid has 256 CTAs
-GRIDS = (("B32 Hq32 Hkv4 splits=8", 32, 32, 4, 8, {}),
-         ("B8 Hq32 Hkv8 splits=16", 8, 32, 8, 16, {}),
-         ("B256 Hq32 Hkv4 splits=1 (no split finish)", 256, 32, 4, 1, {}),
-         ("B32 Hq32 Hkv4 splits=8 combine kernel", 32, 32, 4, 8, {"TRACE_EXT_KV_DECODE_COMBINE": "kernel"}),
-         ("B32 Hq32 Hkv4 splits=8 impl=heads (4 warps)", 32, 32, 4, 8, {"TRACE_EXT_KV_DECODE_IMPL": "heads"}))
+# (name, B, Hq, H_kv, splits, variant: a TRACE_EXT_KV_DECODE_IMPL value with optional @VAR=VALUE switches, as in
+# the A/B benches); every grid has 256 CTAs
+IMPL = "TRACE_EXT_KV_DECODE_IMPL"
+GRIDS = (("B32 Hq32 Hkv4 splits=8", 32, 32, 4, 8, "default"),
+         ("B8 Hq32 Hkv8 splits=16", 8, 32, 8, 16, "default"),
+         ("B256 Hq32 Hkv4 splits=1 (no split finish)", 256, 32, 4, 1, "default"),
+         ("B32 Hq32 Hkv4 splits=8 combine kernel", 32, 32, 4, 8, "default@TRACE_EXT_KV_DECODE_COMBINE=kernel"),
+         ("B32 Hq32 Hkv4 splits=8 impl=heads (4 warps)", 32, 32, 4, 8, "heads"))
 TOKENS_PER_CTA = (128, 256, 512, 1024, 2048, 4096)
 
 
@@ -43,28 +45,25 @@ def fit_line(xs, ys):
 
 
 def main() -> None:
-    gen, copy_gbs, op = decode_ab_start("TRACE_EXT_KV_DECODE_IMPL", "TRACE_EXT_KV_DECODE_COMBINE")
+    gen, copy_gbs, op = decode_ab_start(IMPL, "TRACE_EXT_KV_DECODE_COMBINE")
     rows = []
-    for name, B, Hq, Hkv, splits, env in GRIDS:
-        for k, v in env.items():
-            os.environ[k] = v
+    for name, B, Hq, Hkv, splits, variant in GRIDS:
         ss, ms_list = [], []
         for S in (t * splits for t in TOKENS_PER_CTA):
             kc, ks, vc, vs, table, seq_lens = random_cache(B, Hkv, S, gen)
             q = torch.randn(B, Hq, D, device="cuda", generator=gen).to(torch.bfloat16)
-            nbytes = 2 * B * S * Hkv * (D // 2 + D // 16) + 2 * B * Hq * D * 2 + 4 * B * Hq
-            ms = do_bench_cold(lambda: op(q, kc, ks, vc, vs, table, seq_lens, 1.0 / math.sqrt(D), 0.01, 0.02,
-                                          splits))
+            nbytes = decode_bytes(B, Hq, Hkv, S)
+            with impl_env(IMPL, variant):
+                ms = do_bench_cold(lambda: op(q, kc, ks, vc, vs, table, seq_lens, 1.0 / math.sqrt(D), 0.01, 0.02,
+                                              splits))
             gbs = nbytes / (ms * 1e-3) / 1e9
             rows.append({"grid": name, "S": S, "tokens per CTA": S // splits, "ms": ms, "MB": nbytes / 1e6,
                          "GB/s": gbs, "% copy": 100.0 * gbs / copy_gbs, "fit": ""})
             ss.append(S)
             ms_list.append(ms)
             del kc, ks, vc, vs, table
-        for k in env:
-            os.environ.pop(k, None)
         a, b = fit_line(ss, ms_list)
-        bytes_per_token = 2 * B * Hkv * (D // 2 + D // 16)
+        bytes_per_token = decode_bytes(B, Hq, Hkv, 1) - decode_bytes(B, Hq, Hkv, 0)
         steady = bytes_per_token / (b * 1e-3) / 1e9
         resid = max(abs(a + b * s - m) for s, m in zip(ss, ms_list))
         rows.append({"grid": name, "S": "fit", "tokens per CTA": "", "ms": a, "MB": float("nan"), "GB/s": steady,
