@@ -23,6 +23,9 @@ default's), guided compact / full on 2^26 and 2^28 elements, ~20 s:
   QUANT_IMPL_VARIANTS=guided-lean QUANT_IMPL_OPS=guided python bench/bench_quant_impl.py
 RTN fake quantization with g None through the lean3 kernel (=fake-lean3), without and with emit_guidance, ~20 s:
   QUANT_IMPL_VARIANTS=fake-lean3 QUANT_IMPL_OPS="fake-quant rtn" python bench/bench_quant_impl.py
+A variant may set further switches after "@": the per-row lean kernels with at most 4 row groups per CTA (several
+waves instead of one persistent wave), ~20 s:
+  QUANT_IMPL_VARIANTS=default@TRACE_EXT_QUANT_LEAN_ITERS=4 QUANT_IMPL_OPS="rtn (per-row" python bench/bench_quant_impl.py
 """
 from __future__ import annotations
 
@@ -48,11 +51,24 @@ if os.environ.get("QUANT_IMPL_SHAPES"):
 OPS = tuple(w for w in os.environ.get("QUANT_IMPL_OPS", "").split(",") if w)
 
 
+_EXTRA: set[str] = set()  # further switches set by the current variant's @VAR=VALUE settings
+
+
 def set_variant(v: str) -> None:
-    if v == "default":
+    """A variant is a TRACE_EXT_QUANT_IMPL value ("default": unset), optionally followed by @VAR=VALUE settings of
+    further switches (e.g. default@TRACE_EXT_QUANT_LEAN_ITERS=4); the previous variant's settings are undone."""
+    value, *extra = v.split("@")
+    for var in _EXTRA:
+        os.environ.pop(var, None)
+    _EXTRA.clear()
+    if value == "default":
         os.environ.pop(ENV, None)
     else:
-        os.environ[ENV] = v
+        os.environ[ENV] = value
+    for setting in extra:
+        var, val = setting.split("=", 1)
+        os.environ[var] = val
+        _EXTRA.add(var)
 
 
 def main() -> None:

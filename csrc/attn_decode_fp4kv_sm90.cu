@@ -1855,8 +1855,13 @@ int heads_ring_selected() {
 
 // The largest shared-memory carveout, so that the register limit (not the L1 / shared split) sets the CTAs per SM,
 // and the dynamic shared-memory limit where a kernel takes more than the 48 KB default (heads8: 59 KB at D = 128).
+// TRACE_EXT_KV_CARVEOUT=driver (read once per process, at the first launch of each kernel; a probe knob): leave the
+// carveout to the driver (tests whether the launch after a kernel of another L1 / shared split pays a reconfiguration).
 void set_decode_kernel_attrs(DecodeKernelFn kernel, int smem) {
-  cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+  const char* env = std::getenv("TRACE_EXT_KV_CARVEOUT");
+  if (!(env != nullptr && std::strcmp(env, "driver") == 0)) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+  }
   if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
 }
 

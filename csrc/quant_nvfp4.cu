@@ -1497,13 +1497,22 @@ struct RowLeanPlan {
   int64_t rows_per_cta, grid, row_stride;
 };
 
+// TRACE_EXT_QUANT_LEAN_ITERS=n (read per call; an A/B knob): at most n row groups per CTA, i.e. a grid of several
+// waves of the hardware's block scheduler instead of one persistent wave (tests whether a static split of the rows
+// leaves CTAs waiting for the slowest at the end); unset or 0: one wave.
+int64_t lean_iters_cap() {
+  const char* v = std::getenv("TRACE_EXT_QUANT_LEAN_ITERS");
+  return v != nullptr ? std::max<int64_t>(std::atoll(v), 0) : 0;
+}
+
 bool rowg_lean_plan(const QuantParams& p, int bpl, int ctas_per_sm, RowLeanPlan& plan) {
   uint32_t shift = 0;
   while ((int64_t(1) << shift) * bpl < p.kb) ++shift;
   const int64_t rows_per_cta = kRowLeanThreads >> shift;
   const int64_t groups = div_up(p.rows, rows_per_cta);
   const int64_t max_ctas = int64_t(current_sm_count()) * ctas_per_sm;
-  const int64_t iters = div_up(groups, max_ctas);
+  const int64_t cap = lean_iters_cap();
+  const int64_t iters = cap > 0 ? std::min(div_up(groups, max_ctas), cap) : div_up(groups, max_ctas);
   const int64_t grid = div_up(groups, iters);
   const int64_t row_stride = grid * rows_per_cta;
   if (p.rows + row_stride >= (int64_t(1) << 31) || (p.rows + row_stride) * p.kb >= (int64_t(1) << 31)) return false;

@@ -7,7 +7,9 @@ also B32 Hq32 Hkv4 with 8 splits, with the fused split finish (default), the sep
 (the second follows a kernel with the same shared-memory carveout; at 0 tokens it reads nothing but the block table
 and Q, at 128 tokens per CTA its 19 MB are still in L2, at 1024 its 151 MB mostly not): if the second call at 0
 tokens costs much less than the first, part of the fixed cost is launch-side (carveout reconfiguration, ramp), not
-the kernel's prologue. Prints a table; writes nothing.
+the kernel's prologue. With TRACE_EXT_KV_CARVEOUT=driver set (a fresh process: the attribute is set once) the decode
+kernels leave the L1 / shared split to the driver instead of asking for the largest shared carveout. Prints a table;
+writes nothing.
 Run: python tools/probes/kv_fixed_cost.py   (~10 s)
 """
 import math
