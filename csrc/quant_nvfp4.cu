@@ -89,6 +89,9 @@
 //   16-bit x with g None where the row's block count is not a power of two runs nvfp4_quant_rowg_lean3_kernel's FAKE
 //   instantiation (y = the dequantized codes, as process_block's FAKE path): K 5120 1.20-1.23x, K 7168 1.07-1.10x,
 //   K 768 0.99-1.05x; at powers of two the previous kernel stays (0.94-1.04x there; fake_lean3_default).
+// - Default since the H200 round 52 (TRACE_EXT_QUANT_LEAN_ITERS=0 keeps the previous grid): the lean per-row kernels
+//   (lean3 quantize / fake quantization, SR's per-row lean kernel) walk at most kLeanItersMax = 4 row groups per CTA,
+//   a grid of several waves instead of one persistent wave (rowg_lean_plan); same bits.
 // - Swizzled scales: written at their 128x4 offsets; the zero padding is written by the same launch
 //   (a grid-stride pass over the padded bytes of the last row tile and the last column chunk of each tile).
 #include <ATen/ATen.h>
@@ -1489,20 +1492,26 @@ void launch_rowg(const QuantParams& p, cudaStream_t stream, const char* op) {
   check_launch(op);
 }
 
-// The persistent grid of the lean per-row kernels for bpl blocks per lane: the team (2^shift threads, the smallest
-// with 2^shift * bpl >= kb), rows per CTA, a balanced grid of at most ctas_per_sm CTAs per SM (every CTA walks iters or
-// iters - 1 row groups) and its stride in rows; false where a 32-bit index could overflow.
+// The grid of the lean per-row kernels for bpl blocks per lane: the team (2^shift threads, the smallest with
+// 2^shift * bpl >= kb), rows per CTA, a balanced grid where every CTA walks iters or iters - 1 row groups, and its
+// stride in rows; false where a 32-bit index could overflow. iters is at most kLeanItersMax: the grid is then several
+// waves of the block scheduler rather than one persistent wave of ctas_per_sm CTAs per SM. H200 round 52
+// (bench/results/lean_iters_ab_h200.md): with one wave the kernel waits for its slowest CTAs (a static split of the
+// rows); at most 4 row groups per CTA ran per-row RTN 1.03x (2^26) / 1.06x (2^28), swizzled 1.06x / 1.06x, capture
+// 1.03x / 1.06x at K 4096, 1.04-1.05x at K 7168 (2^26); 1 group per CTA (no next-row prefetch) 0.92-0.97x, 8 groups
+// 1.00-1.06x.
 struct RowLeanPlan {
   uint32_t shift;
   int64_t rows_per_cta, grid, row_stride;
 };
 
-// TRACE_EXT_QUANT_LEAN_ITERS=n (read per call; an A/B knob): at most n row groups per CTA, i.e. a grid of several
-// waves of the hardware's block scheduler instead of one persistent wave (tests whether a static split of the rows
-// leaves CTAs waiting for the slowest at the end); unset or 0: one wave.
+constexpr int64_t kLeanItersMax = 4;
+
+// TRACE_EXT_QUANT_LEAN_ITERS=n (read per call; an A/B knob): at most n row groups per CTA instead of kLeanItersMax;
+// n = 0: no limit (one persistent wave, the grid before round 52).
 int64_t lean_iters_cap() {
   const char* v = std::getenv("TRACE_EXT_QUANT_LEAN_ITERS");
-  return v != nullptr ? std::max<int64_t>(std::atoll(v), 0) : 0;
+  return v != nullptr ? std::max<int64_t>(std::atoll(v), 0) : kLeanItersMax;
 }
 
 bool rowg_lean_plan(const QuantParams& p, int bpl, int ctas_per_sm, RowLeanPlan& plan) {
@@ -1510,15 +1519,21 @@ bool rowg_lean_plan(const QuantParams& p, int bpl, int ctas_per_sm, RowLeanPlan&
   while ((int64_t(1) << shift) * bpl < p.kb) ++shift;
   const int64_t rows_per_cta = kRowLeanThreads >> shift;
   const int64_t groups = div_up(p.rows, rows_per_cta);
-  const int64_t max_ctas = int64_t(current_sm_count()) * ctas_per_sm;
+  const int64_t one_wave_iters = div_up(groups, int64_t(current_sm_count()) * ctas_per_sm);
   const int64_t cap = lean_iters_cap();
-  const int64_t iters = cap > 0 ? std::min(div_up(groups, max_ctas), cap) : div_up(groups, max_ctas);
-  const int64_t grid = div_up(groups, iters);
-  const int64_t row_stride = grid * rows_per_cta;
-  if (p.rows + row_stride >= (int64_t(1) << 31) || (p.rows + row_stride) * p.kb >= (int64_t(1) << 31)) return false;
-  if (p.swizzle && p.rows_pad * p.kb_pad >= (int64_t(1) << 31)) return false;
-  plan = RowLeanPlan{shift, rows_per_cta, grid, row_stride};
-  return true;
+  const auto fits = [&](int64_t row_stride) {  // 32-bit row and block indices of the walk, and swizzled offsets
+    return p.rows + row_stride < (int64_t(1) << 31) && (p.rows + row_stride) * p.kb < (int64_t(1) << 31) &&
+           !(p.swizzle && p.rows_pad * p.kb_pad >= (int64_t(1) << 31));
+  };
+  // the capped grid where its longer stride keeps 32-bit indices, else the one-wave grid
+  for (const int64_t iters : {cap > 0 ? std::min(one_wave_iters, cap) : one_wave_iters, one_wave_iters}) {
+    const int64_t grid = div_up(groups, iters);
+    if (fits(grid * rows_per_cta)) {
+      plan = RowLeanPlan{shift, rows_per_cta, grid, grid * rows_per_cta};
+      return true;
+    }
+  }
+  return false;
 }
 
 // nvfp4_quant_rowg_lean_kernel where it applies (TRACE_EXT_QUANT_IMPL=rowg-lean; RTN quantize with g None, rows of
