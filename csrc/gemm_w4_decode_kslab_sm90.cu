@@ -837,14 +837,6 @@ int kslab_forced_slabs() {
   return v != nullptr ? std::max(0, std::atoi(v)) : 0;
 }
 
-// TRACE_EXT_KSLAB_WAVES=w (read per call; an A/B knob): the plan's slab count with w times its chunks of N (up to one
-// block each), i.e. about w waves of CTAs (the block scheduler starts a CTA where one finishes) instead of one resident
-// wave; unset or < 2: one wave.
-int kslab_waves() {
-  const char* v = std::getenv("TRACE_EXT_KSLAB_WAVES");
-  return v != nullptr ? std::max(1, std::atoi(v)) : 1;
-}
-
 KslabPlan kslab_plan(int n_blocks, int KT, int rows, int max_l, int sms) {
   KslabPlan best{0, 0, 0};  // S = 0: no plan
   double best_cost = -1.0;
@@ -922,8 +914,7 @@ bool launch_decode_kslab(const GemmParams& p, const at::Tensor& like, cudaStream
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   const int n_blocks = p.N / 16, KT = p.K / kKsSuperK;
   const bool alt = kslab_alt_ring_selected();
-  KslabPlan plan = kslab_plan(n_blocks, KT, 8 * MT8, kslab_max_l(MT8, alt), sm_count(dev));
-  plan.C = std::min(n_blocks, plan.C * kslab_waves());
+  const KslabPlan plan = kslab_plan(n_blocks, KT, 8 * MT8, kslab_max_l(MT8, alt), sm_count(dev));
   if (plan.S == 0) return false;
   const int smem = kslab_ring_smem(MT8, alt) + 8 * MT8 * (plan.L * kKsRowBytes + kKsRowPad);
   constexpr int64_t kFragFloats = MT8 * 4 * 32;

@@ -1398,11 +1398,19 @@ void check_float_x(const at::Tensor& x, int64_t block, const char* op) {
 }
 
 
+// TRACE_EXT_QUANT_FLAT_TILES=n (read per call; an A/B knob): about n tiles per warp of the flat kernels instead of
+// kFlatTilesPerWarp (fewer: more waves of smaller CTAs' work; more: fewer, longer-lived warps).
+int64_t flat_tiles_per_warp() {
+  const char* v = std::getenv("TRACE_EXT_QUANT_FLAT_TILES");
+  const int64_t n = v != nullptr ? std::atoll(v) : 0;
+  return n > 0 ? n : kFlatTilesPerWarp;
+}
+
 // Warps of the flat kernels: about kFlatTilesPerWarp tiles each, but never fewer warps than the GPU holds.
 int64_t flat_warps(const QuantParams& p) {
   const int64_t n_tiles = div_up(p.rows * p.kb, kWarpBlocks);
   const int64_t resident_warps = int64_t(current_sm_count()) * 64;
-  return std::max(div_up(n_tiles, kFlatTilesPerWarp), std::min(n_tiles, resident_warps));
+  return std::max(div_up(n_tiles, flat_tiles_per_warp()), std::min(n_tiles, resident_warps));
 }
 
 // nvfp4_quant_lean_kernel where it applies (quantize with codes and linear scales, 32-bit block walk); false if not.
