@@ -21,11 +21,12 @@ SR's lean element code (=sr-lean: NVFP4 SR quantize / fake-quantize and MXFP4 SR
 The guided-lean kernel (=guided-lean: guided quantize through nvfp4_quant_guided_lean_kernel; everything else the
 default's), guided compact / full on 2^26 and 2^28 elements, ~20 s:
   QUANT_IMPL_VARIANTS=guided-lean QUANT_IMPL_OPS=guided python bench/bench_quant_impl.py
-RTN fake quantization with g None through the lean3 kernel (=fake-lean3), without and with emit_guidance, ~20 s:
-  QUANT_IMPL_VARIANTS=fake-lean3 QUANT_IMPL_OPS="fake-quant rtn" python bench/bench_quant_impl.py
-A variant may set further switches after "@": the per-row lean kernels with at most 4 row groups per CTA (several
-waves instead of one persistent wave), ~20 s:
-  QUANT_IMPL_VARIANTS=default@TRACE_EXT_QUANT_LEAN_ITERS=4 QUANT_IMPL_OPS="rtn (per-row" python bench/bench_quant_impl.py
+RTN fake quantization with g None through the lean3 kernel (the default since round 54, =fake-lean3) against the
+previous kernel (=sr-row), without and with emit_guidance, ~20 s:
+  QUANT_IMPL_VARIANTS=sr-row QUANT_IMPL_OPS="fake-quant rtn" python bench/bench_quant_impl.py
+A variant may set further switches after "@": the per-row lean kernels as one persistent wave of CTAs (the grid before
+round 52; the default walks at most 4 row groups per CTA), ~20 s:
+  QUANT_IMPL_VARIANTS=default@TRACE_EXT_QUANT_LEAN_ITERS=0 QUANT_IMPL_OPS="rtn (per-row" python bench/bench_quant_impl.py
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ _EXTRA: set[str] = set()  # further switches set by the current variant's @VAR=V
 
 def set_variant(v: str) -> None:
     """A variant is a TRACE_EXT_QUANT_IMPL value ("default": unset), optionally followed by @VAR=VALUE settings of
-    further switches (e.g. default@TRACE_EXT_QUANT_LEAN_ITERS=4); the previous variant's settings are undone."""
+    further switches (e.g. default@TRACE_EXT_QUANT_LEAN_ITERS=0); the previous variant's settings are undone."""
     value, *extra = v.split("@")
     for var in _EXTRA:
         os.environ.pop(var, None)

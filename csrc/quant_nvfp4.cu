@@ -88,7 +88,10 @@
 //   lean3 kernel for every kb): RTN fake quantization (the trainer's QAT forward, with or without emit_guidance) of
 //   16-bit x with g None where the row's block count is not a power of two runs nvfp4_quant_rowg_lean3_kernel's FAKE
 //   instantiation (y = the dequantized codes, as process_block's FAKE path): K 5120 1.20-1.23x, K 7168 1.07-1.10x,
-//   K 768 0.99-1.05x; at powers of two the previous kernel stays (0.94-1.04x there; fake_lean3_default).
+//   K 768 0.99-1.05x; at powers of two the previous kernel stayed (0.94-1.04x there) until round 54: with the grid
+//   of round 52 below, lean3 fake quantization at kb a power of two ran 1.03-1.15x the previous kernel (K 1024 to
+//   8192, 2^26 and 2^28 elements, with / without emit_guidance, two timings; fake_lean3_pow2_ab_h200{,_run2}.md),
+//   so the default takes it for every kb; =fake-lean3 names the default.
 // - Default since the H200 round 52 (TRACE_EXT_QUANT_LEAN_ITERS=0 keeps the previous grid): the lean per-row kernels
 //   (lean3 quantize / fake quantization, SR's per-row lean kernel) walk at most kLeanItersMax = 4 row groups per CTA,
 //   a grid of several waves instead of one persistent wave (rowg_lean_plan); same bits.
@@ -148,10 +151,7 @@ constexpr int kImplSrRow = 8;   // TRACE_EXT_QUANT_IMPL=sr-row (the default unti
 constexpr int kImplRowgLean3 = 9;  // default (TRACE_EXT_QUANT_IMPL=rowg-lean3): kImplSrRow, except RTN quantize of
                                    // 16-bit x with g None through nvfp4_quant_rowg_lean3_kernel (same walk, less
                                    // per-row work; same bits), and RTN fake quantization of 16-bit x with g None
-                                   // where kb is not a power of two through its FAKE instantiation
-constexpr int kImplFakeLean3 = 10;  // TRACE_EXT_QUANT_IMPL=fake-lean3: kImplRowgLean3, with RTN fake quantization
-                                    // of 16-bit x with g None through its FAKE instantiation for every kb (the
-                                    // default: only where kb is not a power of two)
+                                   // through its FAKE instantiation (also named =fake-lean3)
 static_assert(kChunkElems % 8 == 0, "a chunk must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kNvfp4Block % 8 == 0, "a block must be whole 16-byte vectors of bf16 / fp16 (and of fp32)");
 static_assert(kFusedMaxK == 16384, "fused per-row path: 512 threads x 2 blocks x 16 elements");
@@ -1205,7 +1205,7 @@ __device__ __forceinline__ uint32_t tid_in_loop() {
   return t;
 }
 
-// FAKE (TRACE_EXT_QUANT_IMPL=fake-lean3): fake quantization instead (y = the dequantized codes in x's dtype, as
+// FAKE (the default for RTN fake quantization with g None): fake quantization instead (y = the dequantized codes in x's dtype, as
 // process_block's FAKE path; no codes); CAPTURE then means emit_guidance (mbits, linear scales and g_out), and without
 // it only y is written.
 template <typename T, int BPL, bool SWIZZLE, bool CAPTURE, bool FAKE = false>
@@ -1398,19 +1398,11 @@ void check_float_x(const at::Tensor& x, int64_t block, const char* op) {
 }
 
 
-// TRACE_EXT_QUANT_FLAT_TILES=n (read per call; an A/B knob): about n tiles per warp of the flat kernels instead of
-// kFlatTilesPerWarp (fewer: more waves of smaller CTAs' work; more: fewer, longer-lived warps).
-int64_t flat_tiles_per_warp() {
-  const char* v = std::getenv("TRACE_EXT_QUANT_FLAT_TILES");
-  const int64_t n = v != nullptr ? std::atoll(v) : 0;
-  return n > 0 ? n : kFlatTilesPerWarp;
-}
-
 // Warps of the flat kernels: about kFlatTilesPerWarp tiles each, but never fewer warps than the GPU holds.
 int64_t flat_warps(const QuantParams& p) {
   const int64_t n_tiles = div_up(p.rows * p.kb, kWarpBlocks);
   const int64_t resident_warps = int64_t(current_sm_count()) * 64;
-  return std::max(div_up(n_tiles, flat_tiles_per_warp()), std::min(n_tiles, resident_warps));
+  return std::max(div_up(n_tiles, kFlatTilesPerWarp), std::min(n_tiles, resident_warps));
 }
 
 // nvfp4_quant_lean_kernel where it applies (quantize with codes and linear scales, 32-bit block walk); false if not.
@@ -1577,7 +1569,7 @@ bool launch_rowg_lean(const QuantParams& p, cudaStream_t stream, const char* op,
 // quantize of 16-bit x with g None, 2 <= kb <= 512 (two blocks per lane); the same team, grid and walk. false if not
 // (kb = 1 included: the caller then runs the previous kernels). fp32 x is not launched here (the kernel's one-block-
 // per-lane form has not been timed).
-// FAKE (=fake-lean3): RTN fake quantization with g None, linear outputs; with emit_guidance (mbits, scales and g_out
+// FAKE: RTN fake quantization with g None (the default), linear outputs; with emit_guidance (mbits, scales and g_out
 // all present) or without (only y).
 template <typename T, bool FAKE = false>
 bool launch_rowg_lean3(const QuantParams& p, cudaStream_t stream, const char* op) {
@@ -1659,9 +1651,8 @@ void launch_quant_impl(const QuantParams& p, int64_t rounding, bool rowg, cudaSt
 // guided-lean except SR's element code (sr_elems_lean_x2m14; the default from 12:45 to 13:00); "sr-row": kImplSrRow =
 // sr-lean except SR quantize with g None through nvfp4_quant_rowg_lean_kernel (the default until round 46); unset (or
 // anything else, e.g. "rowg-lean3"): kImplRowgLean3 = sr-row except RTN quantize of 16-bit x with g None through
-// nvfp4_quant_rowg_lean3_kernel, and RTN fake quantization of 16-bit x with g None where kb is not a power of two
-// through the same kernel (its FAKE instantiation); "fake-lean3": kImplFakeLean3 = the default, with every such fake
-// quantization through the lean3 kernel (A/B).
+// nvfp4_quant_rowg_lean3_kernel, and RTN fake quantization of 16-bit x with g None
+// through the same kernel (its FAKE instantiation); "fake-lean3" names the default (the A/B name of that fake path).
 int quant_impl() {
   const char* v = std::getenv("TRACE_EXT_QUANT_IMPL");
   if (v != nullptr && std::strcmp(v, "bits") == 0) return kImplBits;
@@ -1673,18 +1664,8 @@ int quant_impl() {
   if (v != nullptr && std::strcmp(v, "guided-lean") == 0) return kImplGuidedLean;
   if (v != nullptr && std::strcmp(v, "sr-lean") == 0) return kImplSrLean;
   if (v != nullptr && std::strcmp(v, "sr-row") == 0) return kImplSrRow;
-  if (v != nullptr && std::strcmp(v, "fake-lean3") == 0) return kImplFakeLean3;
   return kImplRowgLean3;
 }
-
-// Where the default runs RTN fake quantization with g None through the lean3 kernel: rows whose block count kb is not
-// a power of two. The previous kernel (nvfp4_quant_rowg_kernel, one row group per CTA, no prefetch) gives each lane
-// of its power-of-two team two blocks only when kb is a power of two; otherwise part of its lanes hold one block and
-// fewer bytes are in flight, which the lean3 walk (next row's loads in flight) covers. H200 round 49
-// (bench/results/fake_lean3_k_ab_h200.md, =fake-lean3 vs the previous kernel, with / without emit_guidance): kb 320
-// (K 5120) 1.20-1.23x, kb 448 (K 7168) 1.07-1.10x, kb 48 (K 768) 0.99-1.05x; powers of two 0.94-1.04x (kb 64 at
-// 2^26 elements 0.94-0.95x), so those keep the previous kernel.
-inline bool fake_lean3_default(int64_t kb) { return (kb & (kb - 1)) != 0; }
 
 template <bool FAKE, typename T>
 void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_t stream, const char* op) {
@@ -1700,15 +1681,10 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
     case kImplLean:
       launch_quant_impl<FAKE, T, kImplLean>(p, rounding, rowg, stream, op);
       break;
-    case kImplFakeLean3:  // the default, with RTN fake quantization of 16-bit x with g None through lean3 for any kb
-      if constexpr (sizeof(T) == 2 && FAKE) {
-        if (rtn_fused_g && launch_rowg_lean3<T, FAKE>(p, stream, op)) break;
-      }
-      [[fallthrough]];
-    case kImplRowgLean3:  // the default: sr-row, except RTN quantize of 16-bit x with g None through the lean3 kernel,
-                          // and RTN fake quantization where the row's block count is not a power of two
+    case kImplRowgLean3:  // the default: sr-row, except RTN quantize and RTN fake quantization of 16-bit x with
+                          // g None through the lean3 kernel
       if constexpr (sizeof(T) == 2) {
-        if (rtn_fused_g && (!FAKE || fake_lean3_default(p.kb)) && launch_rowg_lean3<T, FAKE>(p, stream, op)) break;
+        if (rtn_fused_g && launch_rowg_lean3<T, FAKE>(p, stream, op)) break;
       }
       [[fallthrough]];
     case kImplSrRow:  // sr-lean, except SR quantize with g None through the persistent per-row kernel

@@ -1,14 +1,14 @@
 """RTN fake quantization of 16-bit x with g None (the trainer's QAT forward, with or without emit_guidance) through
 nvfp4_quant_rowg_lean3_kernel's FAKE instantiation (the rollout quantizer's walk: persistent CTAs, two row steps per
-loop, next row in flight) instead of the one-row-group-per-CTA nvfp4_quant_rowg_kernel: the default where the row's
-block count kb is not a power of two (H200 rounds 48-49), TRACE_EXT_QUANT_IMPL=fake-lean3 for every kb, =sr-row never
-(the previous default).
+loop, next row in flight) instead of the one-row-group-per-CTA nvfp4_quant_rowg_kernel: the default (where the row's
+block count kb is not a power of two since H200 rounds 48-49, for every kb since round 54), also named
+TRACE_EXT_QUANT_IMPL=fake-lean3; =sr-row never (the previous kernel).
 
 Protects: y (every bit, NaN included) and, with emit_guidance, the compact record (mbits, scale bytes, g) equal the
 previous kernel's and the reference's, on the team shapes, row counts and adversarial rows of the lean3 quantize tests
 (lean3_input: zero rows, NaN / +-Inf, rows with no finite value, g at the edges of the reciprocal's range, ties,
 subnormal x and scale bytes), g from 2^-133 to 2^116; the kernel runs exactly where it should (16-bit x,
-2 <= K / 16 <= 512, and by default kb not a power of two), and SR / guided / g-given fake quantization and plain
+2 <= K / 16 <= 512), and SR / guided / g-given fake quantization and plain
 quantization keep their kernels.
 Run: pytest tests/gpu/test_quant_fake_lean3_gpu.py -q   (on the H200, with the extension built; ~1 min)
 """
@@ -28,13 +28,6 @@ pytestmark = pytest.mark.gpu
 VARIANT = "fake-lean3"
 PREVIOUS = "sr-row"  # the previous default: fake quantization through nvfp4_quant_rowg_kernel
 KERNEL = "nvfp4_quant_rowg_lean3_kernel"
-
-
-def fake_lean3_takes(K: int, dtype: torch.dtype, variant: str | None) -> bool:
-    """Where fake quantization runs the lean3 kernel: its shapes (16-bit x, 2 <= kb <= 512); by default (variant
-    None) only where kb is not a power of two."""
-    kb = K // 16
-    return lean3_takes(K, dtype) and (variant == VARIANT or (kb & (kb - 1)) != 0)
 
 
 def fake_all(x: torch.Tensor):
@@ -65,8 +58,7 @@ def assert_same_fake(got, want, what):
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
 def test_fake_lean3_matches_previous(monkeypatch, R, K, dtype):
     """=fake-lean3 and the default give the previous default's (=sr-row) y and emitted record bit for bit, and run the
-    lean3 kernel exactly where they should (never for fp32 x, K = 16 or K > 8192; by default only for kb not a power
-    of two)."""
+    lean3 kernel exactly where they should (never for fp32 x, K = 16 or K > 8192)."""
     x = lean3_input(R, K, dtype, 13 * R + K)
     _set_impl(monkeypatch, PREVIOUS)
     want = fake_all(x)
@@ -76,8 +68,7 @@ def test_fake_lean3_matches_previous(monkeypatch, R, K, dtype):
         assert_same_fake(fake_all(x), want, f"{variant} {R}x{K} {dtype}")
         for capture in (False, True):
             names = launched(lambda: ops.nvfp4_fake_quantize(x, capture=capture, backend="cuda"))
-            assert any(KERNEL in n for n in names) == fake_lean3_takes(K, dtype, variant), (R, K, dtype, capture,
-                                                                                            variant, names)
+            assert any(KERNEL in n for n in names) == lean3_takes(K, dtype), (R, K, dtype, capture, variant, names)
 
 
 @pytest.mark.parametrize("R,K", ((257, 64), (129, 1024), (77, 2048), (130, 4096), (61, 4112), (45, 7168), (9, 8192),
