@@ -104,8 +104,6 @@
 
 #include <cstdlib>
 #include <cstring>
-#include <map>
-#include <mutex>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -1210,32 +1208,18 @@ __device__ __forceinline__ uint32_t tid_in_loop() {
 // FAKE (the default for RTN fake quantization with g None): fake quantization instead (y = the dequantized codes in x's dtype, as
 // process_block's FAKE path; no codes); CAPTURE then means emit_guidance (mbits, linear scales and g_out), and without
 // it only y is written.
-// DYN (TRACE_EXT_QUANT_LEAN_DYN=1, teams of several warps only): one wave of CTAs that take their row groups from a
-// counter instead of a fixed grid stride, so that no CTA waits at the end for a slower one's static share. Every CTA
-// starts with groups blockIdx.x and blockIdx.x + gridDim.x; then thread 0 holds the ticket of the group after next
-// (fetched a whole step before it is needed, so the atomic's round trip is hidden), publishes it at the step's barrier
-// and fetches the next: ticket t is group 2 gridDim.x + t.
-template <typename T, int BPL, bool SWIZZLE, bool CAPTURE, bool FAKE = false, bool DYN = false>
+template <typename T, int BPL, bool SWIZZLE, bool CAPTURE, bool FAKE = false>
 __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
-    nvfp4_quant_rowg_lean3_kernel(const QuantParams p, const RowLean3Walk w, uint32_t* dyn_counters) {
-  // dyn_counters (DYN; a parameter of its own, so that the static kernels' parameter layout stays that of their timed
-  // builds): [0] row groups handed out past the first two per CTA, [1] CTAs done; zero between launches (the last
-  // CTA resets both)
+    nvfp4_quant_rowg_lean3_kernel(const QuantParams p, const RowLean3Walk w) {
   static_assert(BPL == 1 || BPL == 2, "one or two blocks per lane");
   static_assert(!(FAKE && SWIZZLE), "fake quantization emits linear scales");
   constexpr bool kScalesOut = !FAKE || CAPTURE;  // scale bytes and g_out exist
   __shared__ uint32_t warp_max[2][kRowLeanThreads / 32];
-  __shared__ uint32_t dyn_ticket[3];  // DYN: the group after the next one, per shared-memory half; [2]: see the end
   const uint32_t lane = threadIdx.x & w.team_mask;
   const bool has_last = lane < w.last_lanes;  // blocks q < BPL - 1 always exist (the host's team: team * BPL >= kb)
   const T* xp = reinterpret_cast<const T*>(p.x);
   uint32_t base = blockIdx.x * w.rows_per_cta;  // the CTA's row group (uniform: every thread runs every iteration)
   uint32_t row = base + (threadIdx.x >> w.team_shift);
-  uint32_t next_base = base + w.row_stride;  // DYN: the first row of the next group (static: base + row_stride)
-  uint32_t pending = 0u;                      // DYN, thread 0: the ticket of the group after next
-  if constexpr (DYN) {
-    if (threadIdx.x == 0u) pending = atomicAdd(dyn_counters, 1u);
-  }
   auto load = [&](uint32_t r, BlockRaw<T>(&buf)[BPL]) {
     const uint32_t i0 = min(r, w.last_row) * w.kb + lane;
 #pragma unroll
@@ -1246,11 +1230,7 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
   // row's work), cur's row reduced and quantized.
   auto step = [&](auto parity, BlockRaw<T>(&cur)[BPL], BlockRaw<T>(&nxt)[BPL]) {
     constexpr int kPar = decltype(parity)::value;
-    if constexpr (DYN) {
-      load(next_base + (tid_in_loop() >> w.team_shift), nxt);
-    } else {
-      load(row + w.row_stride, nxt);
-    }
+    load(row + w.row_stride, nxt);
     uint32_t mb[BPL];
 #pragma unroll
     for (int q = 0; q < BPL; ++q) mb[q] = block_max_abs_bits<T>(cur[q]);
@@ -1269,12 +1249,6 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
       finite_max = __reduce_max_sync(0xFFFFFFFFu, finite_max);
       const uint32_t tid = tid_in_loop();
       warp_max[kPar][tid / 32] = finite_max;  // every lane stores the warp's max (no lane test)
-      if constexpr (DYN) {
-        if (tid == 0u) {
-          dyn_ticket[kPar] = pending;                // the group after next, fetched one step ago
-          pending = atomicAdd(dyn_counters, 1u);       // the one after it
-        }
-      }
       __syncthreads();  // the other half is rewritten only after the next step's barrier: no second barrier
       // lane l reads its team's slot first_warp + l % team_warps (first_warp: the warp index with the low bits
       // cleared; every slot of the team is read by some lane)
@@ -1325,14 +1299,8 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
         }
       }
     }
-    if constexpr (DYN) {
-      base = next_base;
-      row = base + (tid_in_loop() >> w.team_shift);
-      next_base = (2u * gridDim.x + dyn_ticket[kPar]) * w.rows_per_cta;  // its slot is rewritten two barriers later
-    } else {
-      base += w.row_stride;
-      row += w.row_stride;
-    }
+    base += w.row_stride;
+    row += w.row_stride;
   };
   BlockRaw<T> buf0[BPL], buf1[BPL];
   buf0[BPL - 1] = BlockRaw<T>{};  // a lane without a last block never loads it (its amax is masked)
@@ -1342,16 +1310,6 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
     step(std::integral_constant<int, 0>{}, buf0, buf1);
     if (base >= w.rows) break;
     step(std::integral_constant<int, 1>{}, buf1, buf0);
-  }
-  if constexpr (DYN) {  // the last CTA to finish resets the counters, once every CTA's last ticket has returned
-    if (threadIdx.x == 0u) {
-      dyn_ticket[2] = pending;  // a use of the last ticket: its atomic has been performed
-      __threadfence();
-      if (atomicAdd(dyn_counters + 1, 1u) == gridDim.x - 1u) {
-        atomicExch(dyn_counters, 0u);
-        atomicExch(dyn_counters + 1, 0u);
-      }
-    }
   }
   if constexpr (SWIZZLE) {
     swizzle_pad_zero(p, (int64_t)blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
@@ -1556,17 +1514,15 @@ int64_t lean_iters_cap() {
   return v != nullptr ? std::max<int64_t>(std::atoll(v), 0) : kLeanItersMax;
 }
 
-// cap: at most that many row groups per CTA (0: one wave); strides: the walk's row indices reach rows + strides *
-// row_stride (the DYN walk's group numbers run up to two strides past the last group).
-bool rowg_lean_plan(const QuantParams& p, int bpl, int ctas_per_sm, RowLeanPlan& plan, int64_t cap = lean_iters_cap(),
-                    int64_t strides = 1) {
+bool rowg_lean_plan(const QuantParams& p, int bpl, int ctas_per_sm, RowLeanPlan& plan) {
   uint32_t shift = 0;
   while ((int64_t(1) << shift) * bpl < p.kb) ++shift;
   const int64_t rows_per_cta = kRowLeanThreads >> shift;
   const int64_t groups = div_up(p.rows, rows_per_cta);
   const int64_t one_wave_iters = div_up(groups, int64_t(current_sm_count()) * ctas_per_sm);
+  const int64_t cap = lean_iters_cap();
   const auto fits = [&](int64_t row_stride) {  // 32-bit row and block indices of the walk, and swizzled offsets
-    return p.rows + strides * row_stride < (int64_t(1) << 31) && (p.rows + row_stride) * p.kb < (int64_t(1) << 31) &&
+    return p.rows + row_stride < (int64_t(1) << 31) && (p.rows + row_stride) * p.kb < (int64_t(1) << 31) &&
            !(p.swizzle && p.rows_pad * p.kb_pad >= (int64_t(1) << 31));
   };
   // the capped grid where its longer stride keeps 32-bit indices, else the one-wave grid
@@ -1615,25 +1571,6 @@ bool launch_rowg_lean(const QuantParams& p, cudaStream_t stream, const char* op,
 // per-lane form has not been timed).
 // FAKE: RTN fake quantization with g None (the default), linear outputs; with emit_guidance (mbits, scales and g_out
 // all present) or without (only y).
-// TRACE_EXT_QUANT_LEAN_DYN=1 (read per call; an A/B knob): the lean3 kernel's DYN walk (one wave, row groups from a
-// counter) where the team spans several warps (K > 1024 for 16-bit x); elsewhere, or unset, the grid of rowg_lean_plan.
-bool lean_dyn_selected() {
-  const char* v = std::getenv("TRACE_EXT_QUANT_LEAN_DYN");
-  return v != nullptr && std::strcmp(v, "1") == 0;
-}
-
-// The DYN walk's two counters per (device, stream): zeroed once; every launch leaves them at zero (launches on one
-// stream are ordered, so they never share the counters concurrently).
-uint32_t* lean_dyn_counters(cudaStream_t stream) {
-  static std::mutex mu;
-  static auto* buffers = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();  // never destroyed (no frees at exit)
-  const int dev = c10::cuda::current_device();
-  std::lock_guard<std::mutex> lock(mu);
-  at::Tensor& buf = (*buffers)[{dev, stream}];
-  if (!buf.defined()) buf = at::zeros({2}, at::TensorOptions().device(at::kCUDA, dev).dtype(at::kInt));
-  return reinterpret_cast<uint32_t*>(buf.data_ptr<int32_t>());
-}
-
 template <typename T, bool FAKE = false>
 bool launch_rowg_lean3(const QuantParams& p, cudaStream_t stream, const char* op) {
   static_assert(sizeof(T) == 2, "rowg-lean3 runs 16-bit x only");
@@ -1649,9 +1586,7 @@ bool launch_rowg_lean3(const QuantParams& p, cudaStream_t stream, const char* op
   if (p.kb > int64_t(kRowLeanThreads) * kBpl || p.kb < kBpl) return false;
   RowLeanPlan plan;
   if (!rowg_lean_plan(p, kBpl, kRowLeanCtasPerSm, plan)) return false;
-  const uint32_t team = 1u << plan.shift;
-  const bool dyn = lean_dyn_selected() && team > 32u && rowg_lean_plan(p, kBpl, kRowLeanCtasPerSm, plan, 0, 3);
-  const uint32_t team_warps = team / 32u;
+  const uint32_t team = 1u << plan.shift, team_warps = team / 32u;
   const RowLean3Walk w{(uint32_t)p.rows,
                        (uint32_t)(p.rows - 1),
                        (uint32_t)p.kb,
@@ -1665,27 +1600,22 @@ bool launch_rowg_lean3(const QuantParams& p, cudaStream_t stream, const char* op
                        (uint32_t)plan.row_stride,
                        (uint32_t)(p.kb_pad / 4 * 512),
                        team >= 4u ? team * 128u : team};
-  uint32_t* const counters = dyn ? lean_dyn_counters(stream) : nullptr;
   auto go = [&](auto kernel) {
     require_kernel_image(kernel, op);
-    kernel<<<(unsigned)plan.grid, kRowLeanThreads, 0, stream>>>(p, w, counters);
+    kernel<<<(unsigned)plan.grid, kRowLeanThreads, 0, stream>>>(p, w);
     check_launch(op);
   };
   const bool capture = p.mbits != nullptr;
-  auto pick = [&](auto dyn_tag) {
-    constexpr bool kDyn = decltype(dyn_tag)::value;
-    if constexpr (FAKE) {
-      capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, true, true, kDyn>)
-              : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, false, true, kDyn>);
-    } else if (p.swizzle) {
-      capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, true, true, false, kDyn>)
-              : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, true, false, false, kDyn>);
-    } else {
-      capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, true, false, kDyn>)
-              : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, false, false, kDyn>);
-    }
-  };
-  dyn ? pick(std::true_type{}) : pick(std::false_type{});
+  if constexpr (FAKE) {
+    capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, true, true>)
+            : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, false, true>);
+  } else if (p.swizzle) {
+    capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, true, true>)
+            : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, true, false>);
+  } else {
+    capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, true>)
+            : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, false>);
+  }
   return true;
 }
 

@@ -1,12 +1,11 @@
 """The grid of the lean per-row quantize kernels (rowg_lean_plan): since H200 round 52 every CTA walks at most 4 row
 groups (a grid of several waves of the block scheduler); TRACE_EXT_QUANT_LEAN_ITERS=n sets another limit, =0 none
-(one persistent wave of CTAs, the grid before round 52); TRACE_EXT_QUANT_LEAN_DYN=1 runs the lean3 kernel's DYN walk
-where its team spans several warps (one wave of CTAs taking row groups from a counter that the last CTA resets).
+(one persistent wave of CTAs, the grid before round 52).
 
 Protects: the outputs do not depend on the grid. Under every limit (1, 2, 3, the default 4, none) the lean3 kernel's
 RTN quantize (linear, capture mbits, swizzled scales with their padding), its fake quantization (y, and with
-emit_guidance the record) and SR through the per-row lean kernel give the same bits, and so does the DYN walk (over
-several launches in a row: its counters start from zero every time), and the default's equal the reference's. Shapes are chosen so that the default grid is really several waves (more row groups than 4 x the
+emit_guidance the record) and SR through the per-row lean kernel give the same bits, and the default's equal the
+reference's. Shapes are chosen so that the default grid is really several waves (more row groups than 4 x the
 CTAs one wave holds) and the row groups do not divide evenly (some CTAs walk one group fewer; odd rows leave the
 last group part empty), at teams of 32 (K 768: 8 rows per CTA), 128 (K 4096: 2 rows) and 256 threads (K 7168,
 one row, lanes without a second block). The kernel names recorded by the profiler show that the lean kernels ran.
@@ -26,9 +25,7 @@ from test_quant_rowg_lean3_gpu import DEV, assert_same_all, assert_same_q, launc
 pytestmark = pytest.mark.gpu
 
 ENV = "TRACE_EXT_QUANT_LEAN_ITERS"
-DYN_ENV = "TRACE_EXT_QUANT_LEAN_DYN"
-# grid settings: (TRACE_EXT_QUANT_LEAN_ITERS, TRACE_EXT_QUANT_LEAN_DYN); None: unset (the default limit, 4)
-LIMITS = (("1", None), ("2", None), ("3", None), (None, None), ("0", None), (None, "1"))
+LIMITS = ("1", "2", "3", None, "0")  # None: the default (4)
 LEAN3 = "nvfp4_quant_rowg_lean3_kernel"
 SR_ROW = "nvfp4_quant_rowg_lean_kernel"
 # (R, K): row groups past 4 x 4 CTAs x 132 SMs = 2112 at the default, not a multiple of 4, odd R
@@ -45,22 +42,10 @@ def one_wave_groups(R: int, K: int) -> int:
 
 
 def _limit(monkeypatch, value):
-    for name, v in zip((ENV, DYN_ENV), value if isinstance(value, tuple) else (value, None)):
-        if v is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, v)
-
-
-def test_dyn_walk_runs_where_the_team_spans_warps(monkeypatch):
-    """Under TRACE_EXT_QUANT_LEAN_DYN=1 the lean3 kernel's DYN instantiation (last template argument true) runs at
-    K 4096 and 7168 (teams of 128 and 256 threads) and not at K 768 (a team of 32: no barrier to share the ticket)."""
-    _limit(monkeypatch, (None, "1"))
-    for K, dyn in ((768, False), (4096, True), (7168, True)):
-        x = torch.randn(999, K, device=DEV).to(torch.bfloat16)
-        names = [n for n in launched(lambda: ops.nvfp4_quantize(x, backend="cuda")) if LEAN3 in n]
-        # the last template argument: ", true>(" demangled, "Lb1EEEv" mangled
-        assert len(names) == 1 and (", true>(" in names[0] or "Lb1EEEv" in names[0]) == dyn, (K, names)
+    if value is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, value)
 
 
 @pytest.fixture(autouse=True)
