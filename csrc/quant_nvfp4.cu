@@ -993,14 +993,15 @@ __global__ void __launch_bounds__(kMaxTeam) nvfp4_quant_rowg_kernel(const QuantP
 // ---- lean per-row-g kernel (default, two blocks per lane; TRACE_EXT_QUANT_IMPL=rowg-lean: one) ----------------
 // RTN quantize (not fake) with g None and rows of up to kRowLeanThreads * 2 blocks (bf16 / fp16: K <= 8192) or
 // kRowLeanThreads blocks (fp32: K <= 4096); linear or swizzled scales, mbits (capture) optional. Differences from
-// nvfp4_quant_rowg_kernel: persistent CTAs of kRowLeanThreads threads (4 per SM, <= 64 registers) walk row groups
-// with a grid stride, and each thread issues the loads of its next row before it reduces and quantizes the current
-// one (two rows in flight per team: the load latency the profile showed at the first use of x and at the amax
-// reduction overlaps the previous row's work); lane l of a team of 2^team_shift threads owns blocks l + team q
-// (q < BPL) of its row; all indices 32-bit (host-checked), the swizzled offset split into a per-row and a per-block
-// part (no 64-bit divisions); the cross-warp amax in double-buffered shared memory (one __syncthreads per row group);
-// codes, scales and g_out always exist (no pointer tests). Elements: quantize_block<kRTN, ..., kImplLean>, the
-// default's element code, so the results are the default's bit for bit.
+// nvfp4_quant_rowg_kernel: CTAs of kRowLeanThreads threads (4 per SM, <= 64 registers) walk row groups with a grid
+// stride (persistent until round 52, now at most kLeanItersMax groups each: rowg_lean_plan), and each thread issues the
+// loads of its next row before it reduces and quantizes the current one (two rows in flight per team: the load latency
+// the profile showed at the first use of x and at the amax reduction overlaps the previous row's work); lane l of a
+// team of 2^team_shift threads owns blocks l + team q (q < BPL) of its row; all indices 32-bit (host-checked), the
+// swizzled offset split into a per-row and a per-block part (no 64-bit divisions); the cross-warp amax in
+// double-buffered shared memory (one __syncthreads per row group); codes, scales and g_out always exist (no pointer
+// tests). Elements: quantize_block<kRTN, ..., kImplLean>, the default's element code, so the results are the default's
+// bit for bit.
 constexpr int kRowLeanThreads = 256;  // CTA of the lean per-row kernel (4 resident per SM at <= 64 registers)
 constexpr int kRowLeanCtasPerSm = 4;
 constexpr int kRowLeanSrCtasPerSm = 3;  // SR: > 64 registers without spills (4 CTAs at 64 spilled: 0.93-0.95x)
@@ -1205,9 +1206,9 @@ __device__ __forceinline__ uint32_t tid_in_loop() {
   return t;
 }
 
-// FAKE (the default for RTN fake quantization with g None): fake quantization instead (y = the dequantized codes in x's dtype, as
-// process_block's FAKE path; no codes); CAPTURE then means emit_guidance (mbits, linear scales and g_out), and without
-// it only y is written.
+// FAKE (the default for RTN fake quantization with g None): fake quantization instead (y = the dequantized codes in
+// x's dtype, as process_block's FAKE path; no codes); CAPTURE then means emit_guidance (mbits, linear scales and
+// g_out), and without it only y is written.
 template <typename T, int BPL, bool SWIZZLE, bool CAPTURE, bool FAKE = false>
 __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
     nvfp4_quant_rowg_lean3_kernel(const QuantParams p, const RowLean3Walk w) {
@@ -1651,8 +1652,8 @@ void launch_quant_impl(const QuantParams& p, int64_t rounding, bool rowg, cudaSt
 // guided-lean except SR's element code (sr_elems_lean_x2m14; the default from 12:45 to 13:00); "sr-row": kImplSrRow =
 // sr-lean except SR quantize with g None through nvfp4_quant_rowg_lean_kernel (the default until round 46); unset (or
 // anything else, e.g. "rowg-lean3"): kImplRowgLean3 = sr-row except RTN quantize of 16-bit x with g None through
-// nvfp4_quant_rowg_lean3_kernel, and RTN fake quantization of 16-bit x with g None
-// through the same kernel (its FAKE instantiation); "fake-lean3" names the default (the A/B name of that fake path).
+// nvfp4_quant_rowg_lean3_kernel, and RTN fake quantization of 16-bit x with g None through the same kernel (its FAKE
+// instantiation); "fake-lean3" names the default (the A/B name of that fake path).
 int quant_impl() {
   const char* v = std::getenv("TRACE_EXT_QUANT_IMPL");
   if (v != nullptr && std::strcmp(v, "bits") == 0) return kImplBits;
