@@ -37,7 +37,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_quant import nvfp4_inputs  # noqa: E402
-from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, print_table, require_kernels_usable, write_results  # noqa: E402
+from common import (  # noqa: E402
+    copy_bandwidth_gbs, do_bench_cold, env_stamp, impl_env, print_table, require_kernels_usable, write_results)
 
 import trace_ext  # noqa: E402
 
@@ -52,24 +53,11 @@ if os.environ.get("QUANT_IMPL_SHAPES"):
 OPS = tuple(w for w in os.environ.get("QUANT_IMPL_OPS", "").split(",") if w)
 
 
-_EXTRA: set[str] = set()  # further switches set by the current variant's @VAR=VALUE settings
-
-
-def set_variant(v: str) -> None:
-    """A variant is a TRACE_EXT_QUANT_IMPL value ("default": unset), optionally followed by @VAR=VALUE settings of
-    further switches (e.g. default@TRACE_EXT_QUANT_LEAN_ITERS=0); the previous variant's settings are undone."""
-    value, *extra = v.split("@")
-    for var in _EXTRA:
-        os.environ.pop(var, None)
-    _EXTRA.clear()
-    if value == "default":
-        os.environ.pop(ENV, None)
-    else:
-        os.environ[ENV] = value
-    for setting in extra:
-        var, val = setting.split("=", 1)
-        os.environ[var] = val
-        _EXTRA.add(var)
+def with_variant(v: str, fn):
+    """fn() under variant v: a TRACE_EXT_QUANT_IMPL value ("default": unset), optionally followed by @VAR=VALUE
+    settings of further switches (e.g. default@TRACE_EXT_QUANT_LEAN_ITERS=0; common.impl_env)."""
+    with impl_env(ENV, v):
+        return fn()
 
 
 def main() -> None:
@@ -80,8 +68,8 @@ def main() -> None:
     rows = []
     for R, K in SHAPES:
         n = R * K
-        set_variant("default")
-        x, g, codes, scales, g_out, x_train, mbits, q_bytes, compact, full = nvfp4_inputs(op, R, K)
+        x, g, codes, scales, g_out, x_train, mbits, q_bytes, compact, full = with_variant(
+            "default", lambda: nvfp4_inputs(op, R, K))
         cases = [
             ("nvfp4 rtn (per-row g fused)", q_bytes + 4 * R,
              lambda: op.nvfp4_quantize(x, None, 0, 0, 0, None, None, None, False, False)),
@@ -109,23 +97,18 @@ def main() -> None:
         ]
         cases = [c for c in cases if not OPS or any(w in c[0] for w in OPS)]
         for name, nbytes, fn in cases:
-            outs = {}
-            for v in VARIANTS:
-                set_variant(v)
-                outs[v] = fn()
+            outs = {v: with_variant(v, fn) for v in VARIANTS}
             same = all(torch.equal(a, b) for v in VARIANTS for a, b in zip(outs[v], outs["default"]))
             best = {v: float("inf") for v in VARIANTS}
             for _ in range(2):
                 for v in VARIANTS:
-                    set_variant(v)
-                    best[v] = min(best[v], do_bench_cold(fn))
+                    best[v] = min(best[v], with_variant(v, lambda: do_bench_cold(fn)))
             for v in VARIANTS:
                 gbs = nbytes / (best[v] * 1e-3) / 1e9
                 rows.append({"op": name, "shape": f"{R}x{K}", "variant": v, "ms": best[v], "GB/s": gbs,
                              "% copy": 100.0 * gbs / copy_gbs,
                              "vs default": best["default"] / best[v],
                              "codes equal": same})
-        set_variant("default")
         del x, x_train, codes, scales, g_out, mbits
         torch.cuda.empty_cache()
     print_table(rows)
