@@ -48,6 +48,13 @@ def _limit(monkeypatch, value):
         monkeypatch.setenv(ENV, value)
 
 
+def assert_same_under_every_limit(monkeypatch, run, want, assert_same, what):
+    """run()'s outputs equal want (by assert_same) under every grid limit."""
+    for value in LIMITS:
+        _limit(monkeypatch, value)
+        assert_same(run(), want, f"{ENV}={value} {what}")
+
+
 @pytest.fixture(autouse=True)
 def _default_impl(monkeypatch):
     monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
@@ -70,9 +77,7 @@ def test_quantize_same_under_every_grid(monkeypatch, R, K):
     assert_same_q(want[0], ops.nvfp4_quantize(x, backend="reference"), f"default {R}x{K} vs reference")
     assert torch.equal(want[2], ref.guidance_from_quantized(want[0], "compact").payload), f"{R}x{K} mbits"
     assert_same_q(want[3], ops.nvfp4_quantize(x, swizzle=True, backend="reference"), f"{R}x{K} swizzled vs reference")
-    for value in LIMITS:
-        _limit(monkeypatch, value)
-        assert_same_all(quantize_all(x), want, f"{ENV}={value} {R}x{K}")
+    assert_same_under_every_limit(monkeypatch, lambda: quantize_all(x), want, assert_same_all, f"{R}x{K}")
 
 
 @pytest.mark.parametrize("R,K", SHAPES)
@@ -83,9 +88,7 @@ def test_fake_quantize_same_under_every_grid(monkeypatch, R, K):
     want = fake_all(x)
     assert any(LEAN3 in n for n in launched(lambda: ops.nvfp4_fake_quantize(x, backend="cuda")))
     assert_same_as_reference(want[0], ops.nvfp4_fake_quantize(x, backend="reference"), f"fake {R}x{K}")
-    for value in LIMITS:
-        _limit(monkeypatch, value)
-        assert_same_fake(fake_all(x), want, f"{ENV}={value} fake {R}x{K}")
+    assert_same_under_every_limit(monkeypatch, lambda: fake_all(x), want, assert_same_fake, f"fake {R}x{K}")
 
 
 def test_sr_same_under_every_grid(monkeypatch):
@@ -101,7 +104,5 @@ def test_sr_same_under_every_grid(monkeypatch):
     assert any(SR_ROW in n for n in launched(sr))
     want_ref = ops.nvfp4_quantize(x, rounding="sr", seed=1234, offset=77, backend="reference")
     assert_same_q(want, want_ref, "sr vs reference")
-    for value in LIMITS:
-        _limit(monkeypatch, value)
-        assert_same_q(sr(), want, f"{ENV}={value} sr")
-        assert_same_q(sr(True), want_swz, f"{ENV}={value} sr swizzled")
+    assert_same_under_every_limit(monkeypatch, sr, want, assert_same_q, "sr")
+    assert_same_under_every_limit(monkeypatch, lambda: sr(True), want_swz, assert_same_q, "sr swizzled")
