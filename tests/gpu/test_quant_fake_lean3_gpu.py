@@ -20,6 +20,7 @@ import torch
 from trace_ext import ops
 from trace_ext import reference as ref
 
+from test_quant_gpu import assert_same as assert_same_as_reference  # bit equality, NaN where the other has NaN
 from test_quant_rowg_lean3_gpu import (DEV, SHAPES, _set_impl, launched, lean3_input, lean3_takes,
                                       scale_edge_input)
 
@@ -39,12 +40,6 @@ def fake_all(x: torch.Tensor):
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
-
-
-def assert_same_as_reference(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """Every value of got has want's bits, or both are NaN (the reference's NaN payload is not specified)."""
-    same = (bits(got) == bits(want)) | (got.isnan() & want.isnan())
-    assert bool(same.all()), f"{what}: differs from the reference in {int((~same).sum())} places"
 
 
 def assert_same_fake(got, want, what):
