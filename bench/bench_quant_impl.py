@@ -24,6 +24,9 @@ default's), guided compact / full on 2^26 and 2^28 elements, ~20 s:
 RTN fake quantization with g None through the lean3 kernel (the default since round 54, =fake-lean3) against the
 previous kernel (=sr-row), without and with emit_guidance, ~20 s:
   QUANT_IMPL_VARIANTS=sr-row QUANT_IMPL_OPS="fake-quant rtn" python bench/bench_quant_impl.py
+RTN quantize / fake quantization with g given (per row, or one g) through the lean3 kernel's GIVEN instantiations
+(=default@TRACE_EXT_QUANT_GIVEN_LEAN3=1) against the flat kernels, ~30 s:
+  QUANT_IMPL_VARIANTS=default@TRACE_EXT_QUANT_GIVEN_LEAN3=1 QUANT_IMPL_OPS="g given,g scalar" python bench/bench_quant_impl.py
 A variant may set further switches after "@": the per-row lean kernels as one persistent wave of CTAs (the grid before
 round 52; the default walks at most 4 row groups per CTA), ~20 s:
   QUANT_IMPL_VARIANTS=default@TRACE_EXT_QUANT_LEAN_ITERS=0 QUANT_IMPL_OPS="rtn (per-row" python bench/bench_quant_impl.py
@@ -70,11 +73,14 @@ def main() -> None:
         n = R * K
         x, g, codes, scales, g_out, x_train, mbits, q_bytes, compact, full = with_variant(
             "default", lambda: nvfp4_inputs(op, R, K))
+        g1 = g[:1].contiguous()  # one g for every row (a weight's per-tensor g)
         cases = [
             ("nvfp4 rtn (per-row g fused)", q_bytes + 4 * R,
              lambda: op.nvfp4_quantize(x, None, 0, 0, 0, None, None, None, False, False)),
             ("nvfp4 rtn (g given)", q_bytes + 8 * R,
              lambda: op.nvfp4_quantize(x, g, 0, 0, 0, None, None, None, False, False)),
+            ("nvfp4 rtn (g scalar)", q_bytes + 4 * R,
+             lambda: op.nvfp4_quantize(x, g1, 0, 0, 0, None, None, None, False, False)),
             ("nvfp4 rtn swizzled", q_bytes + 4 * R,
              lambda: op.nvfp4_quantize(x, None, 0, 0, 0, None, None, None, True, False)),
             ("nvfp4 capture (rtn + mbits)", q_bytes + 4 * R + n // 8,
@@ -89,6 +95,8 @@ def main() -> None:
              lambda: op.nvfp4_quantize(x_train, None, 3, 0, 0, scales, g_out, codes, False, False)),
             ("nvfp4 fake-quant rtn (per-row g fused)", 4 * n,
              lambda: op.nvfp4_fake_quantize(x, None, 0, 0, 0, None, None, None, False)),
+            ("nvfp4 fake-quant rtn (g given)", 4 * n + 4 * R,
+             lambda: op.nvfp4_fake_quantize(x, g, 0, 0, 0, None, None, None, False)),
             ("nvfp4 fake-quant rtn + emit guidance", 4 * n + n // 8 + n // 16 + 4 * R,
              lambda: op.nvfp4_fake_quantize(x, None, 0, 0, 0, None, None, None, True)),
             ("nvfp4 fake-quant sr (per-row g fused)", 4 * n,

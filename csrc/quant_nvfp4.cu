@@ -1209,7 +1209,10 @@ __device__ __forceinline__ uint32_t tid_in_loop() {
 // FAKE (the default for RTN fake quantization with g None): fake quantization instead (y = the dequantized codes in
 // x's dtype, as process_block's FAKE path; no codes); CAPTURE then means emit_guidance (mbits, linear scales and
 // g_out), and without it only y is written.
-template <typename T, int BPL, bool SWIZZLE, bool CAPTURE, bool FAKE = false>
+// GIVEN (TRACE_EXT_QUANT_GIVEN_LEAN3=1, an A/B variant): RTN with g given (p.g, per row or one for all rows through
+// p.g_stride) instead of g from the row's amax: the same walk, loads and element code without the team's amax
+// reduction (no shared memory, no barrier); the next row's g is loaded with its x.
+template <typename T, int BPL, bool SWIZZLE, bool CAPTURE, bool FAKE = false, bool GIVEN = false>
 __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
     nvfp4_quant_rowg_lean3_kernel(const QuantParams p, const RowLean3Walk w) {
   static_assert(BPL == 1 || BPL == 2, "one or two blocks per lane");
@@ -1227,15 +1230,9 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
     for (int q = 0; q < BPL - 1; ++q) buf[q] = load_block<T>(xp, i0 + q * w.team, true);
     if (has_last) buf[BPL - 1] = load_block<T>(xp, i0 + (BPL - 1) * w.team, true);
   };
-  // One row group with the shared-memory half `parity`: the thread's next row loaded into nxt (in flight during this
-  // row's work), cur's row reduced and quantized.
-  auto step = [&](auto parity, BlockRaw<T>(&cur)[BPL], BlockRaw<T>(&nxt)[BPL]) {
+  // g of the thread's row from its team's finite amax (SPEC 2): the blocks' max |x| bits mb, reduced over the team
+  auto row_g = [&](auto parity, const BlockRaw<T>(&cur)[BPL], const uint32_t (&mb)[BPL]) {
     constexpr int kPar = decltype(parity)::value;
-    load(row + w.row_stride, nxt);
-    uint32_t mb[BPL];
-#pragma unroll
-    for (int q = 0; q < BPL; ++q) mb[q] = block_max_abs_bits<T>(cur[q]);
-    if (!has_last) mb[BPL - 1] = 0u;
     uint32_t finite_max = mb[0];
 #pragma unroll
     for (int q = 1; q < BPL; ++q) finite_max = max(finite_max, mb[q]);
@@ -1259,7 +1256,25 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
         finite_max = max(finite_max, __shfl_xor_sync(0xFFFFFFFFu, finite_max, off, w.team));
       }
     }
-    const float g = nvfp4_global_scale_rcp(__uint_as_float(finite_max));
+    return nvfp4_global_scale_rcp(__uint_as_float(finite_max));
+  };
+  // GIVEN: the given g of row r (rows past R read row R - 1's, as the loads of x do)
+  auto load_g = [&](uint32_t r) { return GIVEN ? __ldg(p.g + min(r, w.last_row) * p.g_stride) : 0.0f; };
+  // One row group with the shared-memory half `parity`: the thread's next row (and GIVEN: its g) loaded into nxt (in
+  // flight during this row's work), cur's row reduced and quantized.
+  auto step = [&](auto parity, BlockRaw<T>(&cur)[BPL], BlockRaw<T>(&nxt)[BPL], float& g_cur, float& g_nxt) {
+    load(row + w.row_stride, nxt);
+    g_nxt = load_g(row + w.row_stride);
+    uint32_t mb[BPL];
+#pragma unroll
+    for (int q = 0; q < BPL; ++q) mb[q] = block_max_abs_bits<T>(cur[q]);
+    if (!has_last) mb[BPL - 1] = 0u;
+    float g;
+    if constexpr (GIVEN) {
+      g = g_cur;
+    } else {
+      g = row_g(parity, cur, mb);
+    }
     const float rg = g >= 0x1p-50f && g <= 0x1p50f ? frcp_rn_mid(g) : 0.0f;  // rcp_g_in_range(g)
     if (row < w.rows) {
       if (kScalesOut && lane == 0u) p.g_out[row] = g;
@@ -1306,11 +1321,13 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
   BlockRaw<T> buf0[BPL], buf1[BPL];
   buf0[BPL - 1] = BlockRaw<T>{};  // a lane without a last block never loads it (its amax is masked)
   buf1[BPL - 1] = BlockRaw<T>{};
+  float g0 = 0.0f, g1 = 0.0f;
   load(row, buf0);
+  g0 = load_g(row);
   while (base < w.rows) {
-    step(std::integral_constant<int, 0>{}, buf0, buf1);
+    step(std::integral_constant<int, 0>{}, buf0, buf1, g0, g1);
     if (base >= w.rows) break;
-    step(std::integral_constant<int, 1>{}, buf1, buf0);
+    step(std::integral_constant<int, 1>{}, buf1, buf0, g1, g0);
   }
   if constexpr (SWIZZLE) {
     swizzle_pad_zero(p, (int64_t)blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
@@ -1572,9 +1589,11 @@ bool launch_rowg_lean(const QuantParams& p, cudaStream_t stream, const char* op,
 // per-lane form has not been timed).
 // FAKE: RTN fake quantization with g None (the default), linear outputs; with emit_guidance (mbits, scales and g_out
 // all present) or without (only y).
-template <typename T, bool FAKE = false>
+// GIVEN (TRACE_EXT_QUANT_GIVEN_LEAN3=1): RTN with g given (p.g) through the kernel's GIVEN instantiations instead.
+template <typename T, bool FAKE = false, bool GIVEN = false>
 bool launch_rowg_lean3(const QuantParams& p, cudaStream_t stream, const char* op) {
   static_assert(sizeof(T) == 2, "rowg-lean3 runs 16-bit x only");
+  if (GIVEN != (p.g != nullptr)) return false;
   if constexpr (FAKE) {
     const bool emit = p.mbits != nullptr;
     if (p.y == nullptr || p.codes != nullptr || p.swizzle || (p.scales != nullptr) != emit ||
@@ -1608,14 +1627,14 @@ bool launch_rowg_lean3(const QuantParams& p, cudaStream_t stream, const char* op
   };
   const bool capture = p.mbits != nullptr;
   if constexpr (FAKE) {
-    capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, true, true>)
-            : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, false, true>);
+    capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, true, true, GIVEN>)
+            : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, false, true, GIVEN>);
   } else if (p.swizzle) {
-    capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, true, true>)
-            : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, true, false>);
+    capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, true, true, false, GIVEN>)
+            : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, true, false, false, GIVEN>);
   } else {
-    capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, true>)
-            : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, false>);
+    capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, true, false, GIVEN>)
+            : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, false, false, GIVEN>);
   }
   return true;
 }
@@ -1668,6 +1687,13 @@ int quant_impl() {
   return kImplRowgLean3;
 }
 
+// TRACE_EXT_QUANT_GIVEN_LEAN3=1 (read per call; an A/B knob): RTN quantize and fake quantization of 16-bit x with g
+// given through nvfp4_quant_rowg_lean3_kernel's GIVEN instantiations (2 <= kb <= 512) instead of the flat kernels.
+bool given_lean3() {
+  const char* v = std::getenv("TRACE_EXT_QUANT_GIVEN_LEAN3");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
 template <bool FAKE, typename T>
 void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_t stream, const char* op) {
   const int impl = quant_impl();
@@ -1686,6 +1712,7 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
                           // g None through the lean3 kernel
       if constexpr (sizeof(T) == 2) {
         if (rtn_fused_g && launch_rowg_lean3<T, FAKE>(p, stream, op)) break;
+        if (!rowg && rounding == kRTN && given_lean3() && launch_rowg_lean3<T, FAKE, true>(p, stream, op)) break;
       }
       [[fallthrough]];
     case kImplSrRow:  // sr-lean, except SR quantize with g None through the persistent per-row kernel

@@ -1,0 +1,124 @@
+"""TRACE_EXT_QUANT_GIVEN_LEAN3=1 (an A/B variant): RTN quantize and fake quantization of 16-bit x with g given (per row,
+or one value: scope="tensor" / "matrix" weights) through nvfp4_quant_rowg_lean3_kernel's GIVEN instantiations (the
+per-row kernel's walk and next-row prefetch, g read with the next row's x instead of reduced over the team) instead of
+the flat kernels.
+
+Protects: every output - codes, scale bytes, g, capture mbits, swizzled scales with their zero padding, fake-quantized
+y and its emitted record - equals the default's (the flat kernels) bit for bit and the reference's, on the lean3 team
+shapes and row counts (lean3_input's adversarial rows: zero rows, NaN / +-Inf, no finite value, ties, subnormal x and
+scale bytes) with g per row spread over factors of the row's own g and edge values (2^-50 / 2^50 where 1/g is taken and
+one binade beyond, subnormal g, 0), and with one g for all rows; the variant runs the lean3 kernel exactly where it
+should (16-bit x, 2 <= K / 16 <= 512, RTN) and the default never does for g given.
+Run: pytest tests/gpu/test_quant_given_lean3_gpu.py -q   (on the H200, with the extension built; ~1 min)
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trace_ext import ops
+from trace_ext import reference as ref
+
+from test_quant_fake_lean3_gpu import assert_same_as_reference, assert_same_fake
+from test_quant_rowg_lean3_gpu import (DEV, assert_same_all, assert_same_q, dirty_allocator, launched, lean3_input,
+                                      lean3_takes)
+
+pytestmark = pytest.mark.gpu
+
+ENV = "TRACE_EXT_QUANT_GIVEN_LEAN3"
+KERNEL = "nvfp4_quant_rowg_lean3_kernel"
+# (R, K): teams of 2 (shuffles), 32 (one warp), 128 / 256 threads (2..8 warps, with and without lanes lacking a second
+# block), odd row counts over several waves; K 16 and 8208 fall back to the flat kernels
+SHAPES = ((3, 48), (4099, 64), (1031, 1024), (9001, 4096), (1001, 4112), (1201, 7168), (7, 8192), (65, 16), (33, 8208))
+G_EDGES = (2.0**-50, 2.0**50, 2.0**-51, 2.0**51, 2.0**-140, 0.0, 2.0**100)
+
+
+@pytest.fixture(autouse=True)
+def _default_impl(monkeypatch):
+    monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
+    monkeypatch.delenv(ENV, raising=False)
+
+
+def given_g(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """Per-row g: the row's own g (SPEC 2) times a factor in [1/4, 4) (scale bytes saturate at 448 or underflow
+    differently than with the row's g), every G_EDGES value in some rows."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    g = ref.nvfp4_global_scale(x, "row").reshape(-1).float()
+    g = g * torch.exp2(torch.rand(g.shape, generator=gen, device=DEV) * 4.0 - 2.0)
+    for i, v in enumerate(G_EDGES):
+        if i < g.numel():
+            g[(7 * i + 3) % g.numel()] = v
+    return g.contiguous()
+
+
+def quantize_all_g(x: torch.Tensor, g: torch.Tensor):
+    """Linear, capture (codes + mbits) and swizzled outputs with g given, under the current environment."""
+    R, K = x.shape
+    lin = ops.nvfp4_quantize(x, g, backend="cuda")
+    cap, rec = ops.nvfp4_quantize(x, g, capture=True, backend="cuda")
+    dirty_allocator(2 * ((R + 127) // 128 * 128) * ((K // 16 + 3) // 4 * 4))
+    swz = ops.nvfp4_quantize(x, g, swizzle=True, backend="cuda")
+    return lin, cap, rec.payload, swz
+
+
+def fake_all_g(x: torch.Tensor, g: torch.Tensor):
+    """y without and with emit_guidance (and the record's mbits, scales, g) with g given."""
+    y = ops.nvfp4_fake_quantize(x, g, backend="cuda")
+    y2, rec = ops.nvfp4_fake_quantize(x, g, capture=True, backend="cuda")
+    return y, y2, rec.payload, rec.scales, rec.g
+
+
+def variant_runs(monkeypatch, fn) -> bool:
+    monkeypatch.setenv(ENV, "1")
+    return any(KERNEL in n for n in launched(fn))
+
+
+@pytest.mark.parametrize("R,K", SHAPES)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
+@pytest.mark.parametrize("per_row", (True, False))
+def test_given_lean3_matches_default(monkeypatch, R, K, dtype, per_row):
+    """The variant gives the default's quantize and fake-quantize outputs bit for bit, g per row and one g, and runs
+    the lean3 kernel exactly where it should (the default never does with g given)."""
+    x = lean3_input(R, K, dtype, 11 * R + K)
+    g = given_g(x, R + K) if per_row else torch.tensor([0.37], device=DEV)
+    want_q, want_f = quantize_all_g(x, g), fake_all_g(x, g)
+    assert not any(KERNEL in n for n in launched(lambda: ops.nvfp4_quantize(x, g, backend="cuda")))
+    takes = lean3_takes(K, dtype)
+    assert variant_runs(monkeypatch, lambda: ops.nvfp4_quantize(x, g, backend="cuda")) == takes, (R, K, dtype)
+    assert variant_runs(monkeypatch, lambda: ops.nvfp4_fake_quantize(x, g, backend="cuda")) == takes, (R, K, dtype)
+    what = f"{R}x{K} {dtype} per_row={per_row}"
+    assert_same_all(quantize_all_g(x, g), want_q, what)
+    assert_same_fake(fake_all_g(x, g), want_f, f"fake {what}")
+
+
+@pytest.mark.parametrize("R,K", ((4099, 64), (1031, 1024), (130, 4096), (61, 4112), (45, 7168)))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_given_lean3_against_reference(monkeypatch, R, K, dtype):
+    """The variant's outputs equal the reference's (SPEC 2), g per row with its edge values: linear, capture, swizzled,
+    fake quantization."""
+    x = lean3_input(R, K, dtype, 5 * R + 3 * K)
+    g = given_g(x, 3 * R + K)
+    qr = ops.nvfp4_quantize(x, g, backend="reference")
+    mbits = ref.guidance_from_quantized(qr, "compact").payload
+    qsr = ops.nvfp4_quantize(x, g, swizzle=True, backend="reference")
+    yr = ops.nvfp4_fake_quantize(x, g, backend="reference")
+    monkeypatch.setenv(ENV, "1")
+    lin, cap, mb, swz = quantize_all_g(x, g)
+    what = f"{R}x{K} {dtype}"
+    assert_same_q(lin, qr, f"{what} linear")
+    assert_same_q(cap, qr, f"{what} capture")
+    assert torch.equal(mb, mbits), f"{what}: capture mbits"
+    assert_same_q(swz, qsr, f"{what} swizzled")
+    assert_same_as_reference(ops.nvfp4_fake_quantize(x, g, backend="cuda"), yr, f"{what} fake")
+
+
+@pytest.mark.parametrize("scope", ("tensor", "matrix"))
+def test_given_lean3_weight_scopes(monkeypatch, scope):
+    """Weights: scope="tensor" (one g) and "matrix" (one g per expert of [E, N, K]) through the variant equal the
+    reference."""
+    x = lean3_input(4 * 768, 2048, torch.bfloat16, 99).reshape(4, 768, 2048)
+    x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)  # a weight: finite
+    want = ops.nvfp4_quantize(x, scope=scope, backend="reference")
+    monkeypatch.setenv(ENV, "1")
+    assert any(KERNEL in n for n in launched(lambda: ops.nvfp4_quantize(x, scope=scope, backend="cuda")))
+    assert_same_q(ops.nvfp4_quantize(x, scope=scope, backend="cuda"), want, f"scope {scope}")
