@@ -1209,14 +1209,27 @@ __device__ __forceinline__ uint32_t tid_in_loop() {
 // FAKE (the default for RTN fake quantization with g None): fake quantization instead (y = the dequantized codes in
 // x's dtype, as process_block's FAKE path; no codes); CAPTURE then means emit_guidance (mbits, linear scales and
 // g_out), and without it only y is written.
-// GIVEN (TRACE_EXT_QUANT_GIVEN_LEAN3=1, an A/B variant): RTN with g given (p.g, per row or one for all rows through
-// p.g_stride) instead of g from the row's amax: the same walk, loads and element code without the team's amax
-// reduction (no shared memory, no barrier); the next row's g is loaded with its x.
-template <typename T, int BPL, bool SWIZZLE, bool CAPTURE, bool FAKE = false, bool GIVEN = false>
+// GIVEN (the default for g given at K >= 4096 since H200 round 58, given_lean3): RTN with g given (p.g, per row or
+// one for all rows through p.g_stride) instead of g from the row's amax: the same walk, loads and element code without
+// the team's amax reduction (no shared memory, no barrier); the next row's g is loaded with its x.
+// MODE kGuidedCompact / kGuidedFull (TRACE_EXT_QUANT_GUIDED_LEAN3=1, an A/B variant; GIVEN, linear scales, not FAKE):
+// guided quantize, the rollout's g, scale bytes and bits / codes loaded with the next row's x, the blocks quantized by
+// nvfp4_quant_guided_lean_kernel's block code (quantize_guided_block_rz).
+template <int BPL>
+struct RowSide {  // a row's inputs besides x, loaded with it: GIVEN: g; guided: the rollout's guidance of its blocks
+  float g;
+  uint32_t bits[BPL];   // compact: the rollout's mantissa bits of the block
+  uint2 codes[BPL];     // full: the rollout's codes of the block
+  uint32_t scale[BPL];  // the rollout's scale byte
+};
+
+template <typename T, int BPL, bool SWIZZLE, bool CAPTURE, bool FAKE = false, bool GIVEN = false, int MODE = kRTN>
 __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
     nvfp4_quant_rowg_lean3_kernel(const QuantParams p, const RowLean3Walk w) {
+  constexpr bool kGuided = MODE == kGuidedCompact || MODE == kGuidedFull;
   static_assert(BPL == 1 || BPL == 2, "one or two blocks per lane");
   static_assert(!(FAKE && SWIZZLE), "fake quantization emits linear scales");
+  static_assert(MODE == kRTN || (kGuided && GIVEN && !FAKE && !SWIZZLE), "guided: the rollout's g, linear codes");
   constexpr bool kScalesOut = !FAKE || CAPTURE;  // scale bytes and g_out exist
   __shared__ uint32_t warp_max[2][kRowLeanThreads / 32];
   const uint32_t lane = threadIdx.x & w.team_mask;
@@ -1259,19 +1272,40 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
     return nvfp4_global_scale_rcp(__uint_as_float(finite_max));
   };
   // GIVEN: the given g of row r (rows past R read row R - 1's, as the loads of x do)
-  auto load_g = [&](uint32_t r) { return GIVEN ? __ldg(p.g + min(r, w.last_row) * p.g_stride) : 0.0f; };
-  // One row group with the shared-memory half `parity`: the thread's next row (and GIVEN: its g) loaded into nxt (in
-  // flight during this row's work), cur's row reduced and quantized.
-  auto step = [&](auto parity, BlockRaw<T>(&cur)[BPL], BlockRaw<T>(&nxt)[BPL], float& g_cur, float& g_nxt) {
+  auto load_side = [&](uint32_t r, RowSide<BPL>& sd) {
+    const uint32_t rc = min(r, w.last_row);
+    if constexpr (kGuided) {
+      sd.g = __ldg(p.guide_g + rc);
+      const uint32_t i0 = rc * w.kb + lane;
+#pragma unroll
+      for (int q = 0; q < BPL; ++q) {
+        if (q < BPL - 1 || has_last) {
+          const uint32_t fb = i0 + q * w.team;
+          if constexpr (MODE == kGuidedCompact) {
+            sd.bits[q] = __ldg(reinterpret_cast<const uint16_t*>(p.guide_payload) + fb);
+          } else {
+            sd.codes[q] = __ldg(reinterpret_cast<const uint2*>(p.guide_payload) + fb);
+          }
+          sd.scale[q] = __ldg(p.guide_scales + fb);
+        }
+      }
+    } else if constexpr (GIVEN) {
+      sd.g = __ldg(p.g + rc * p.g_stride);
+    }
+  };
+  // One row group with the shared-memory half `parity`: the thread's next row (and its side inputs) loaded into nxt
+  // and side_nxt (in flight during this row's work), cur's row reduced and quantized.
+  auto step = [&](auto parity, BlockRaw<T>(&cur)[BPL], BlockRaw<T>(&nxt)[BPL], const RowSide<BPL>& side,
+                  RowSide<BPL>& side_nxt) {
     load(row + w.row_stride, nxt);
-    g_nxt = load_g(row + w.row_stride);
+    load_side(row + w.row_stride, side_nxt);
     uint32_t mb[BPL];
 #pragma unroll
     for (int q = 0; q < BPL; ++q) mb[q] = block_max_abs_bits<T>(cur[q]);
     if (!has_last) mb[BPL - 1] = 0u;
     float g;
     if constexpr (GIVEN) {
-      g = g_cur;
+      g = side.g;
     } else {
       g = row_g(parity, cur, mb);
     }
@@ -1285,13 +1319,25 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
           const uint32_t fb = fb0 + q * w.team;
           float x[kNvfp4Block];
           unpack_block<T>(cur[q], x);
-          uint8_t s = nvfp4_scale_byte_rcp(mb[q], g, rg);
-          const float t = nvfp4_block_divisor(s, g);
           uint32_t codes[2] = {0u, 0u};
-          if (mb[q] < 0x7F800000u) {
-            quantize_block_rtn_mid(x, mb[q], t, p, codes);
+          uint8_t s;
+          if constexpr (kGuided) {
+            s = (uint8_t)side.scale[q];
+            const float t = nvfp4_block_divisor(s, g);
+            if (mb[q] < 0x7F800000u && isfinite(t)) {  // a rollout NaN scale makes the block NaN
+              quantize_guided_block_rz<MODE, T>(cur[q], x, mb[q], raw_min_nonzero_abs_bits<T>(cur[q]), t, p,
+                                                side.bits[q], side.codes[q], codes);
+            } else {
+              s = kE4M3NaN;
+            }
           } else {
-            s = kE4M3NaN;
+            s = nvfp4_scale_byte_rcp(mb[q], g, rg);
+            const float t = nvfp4_block_divisor(s, g);
+            if (mb[q] < 0x7F800000u) {
+              quantize_block_rtn_mid(x, mb[q], t, p, codes);
+            } else {
+              s = kE4M3NaN;
+            }
           }
           if constexpr (FAKE) {
             float y[kNvfp4Block];
@@ -1321,13 +1367,13 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
   BlockRaw<T> buf0[BPL], buf1[BPL];
   buf0[BPL - 1] = BlockRaw<T>{};  // a lane without a last block never loads it (its amax is masked)
   buf1[BPL - 1] = BlockRaw<T>{};
-  float g0 = 0.0f, g1 = 0.0f;
+  RowSide<BPL> side0{}, side1{};  // (a lane without a last block never loads its guidance)
   load(row, buf0);
-  g0 = load_g(row);
+  load_side(row, side0);
   while (base < w.rows) {
-    step(std::integral_constant<int, 0>{}, buf0, buf1, g0, g1);
+    step(std::integral_constant<int, 0>{}, buf0, buf1, side0, side1);
     if (base >= w.rows) break;
-    step(std::integral_constant<int, 1>{}, buf1, buf0, g1, g0);
+    step(std::integral_constant<int, 1>{}, buf1, buf0, side1, side0);
   }
   if constexpr (SWIZZLE) {
     swizzle_pad_zero(p, (int64_t)blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
@@ -1589,11 +1635,15 @@ bool launch_rowg_lean(const QuantParams& p, cudaStream_t stream, const char* op,
 // per-lane form has not been timed).
 // FAKE: RTN fake quantization with g None (the default), linear outputs; with emit_guidance (mbits, scales and g_out
 // all present) or without (only y).
-// GIVEN (TRACE_EXT_QUANT_GIVEN_LEAN3=1): RTN with g given (p.g) through the kernel's GIVEN instantiations instead.
-template <typename T, bool FAKE = false, bool GIVEN = false>
+// GIVEN (given_lean3): RTN with g given (p.g) through the kernel's GIVEN instantiations instead.
+// MODE guided (guided_lean3; GIVEN, not FAKE): guided quantize with linear scales through the kernel's guided
+// instantiations.
+template <typename T, bool FAKE = false, bool GIVEN = false, int MODE = kRTN>
 bool launch_rowg_lean3(const QuantParams& p, cudaStream_t stream, const char* op) {
   static_assert(sizeof(T) == 2, "rowg-lean3 runs 16-bit x only");
-  if (GIVEN != (p.g != nullptr)) return false;
+  constexpr bool kGuided = MODE == kGuidedCompact || MODE == kGuidedFull;
+  static_assert(!kGuided || (GIVEN && !FAKE), "guided: quantize with the rollout's g");
+  if (kGuided ? p.swizzle || p.guide_g == nullptr : GIVEN != (p.g != nullptr)) return false;
   if constexpr (FAKE) {
     const bool emit = p.mbits != nullptr;
     if (p.y == nullptr || p.codes != nullptr || p.swizzle || (p.scales != nullptr) != emit ||
@@ -1626,7 +1676,10 @@ bool launch_rowg_lean3(const QuantParams& p, cudaStream_t stream, const char* op
     check_launch(op);
   };
   const bool capture = p.mbits != nullptr;
-  if constexpr (FAKE) {
+  if constexpr (kGuided) {
+    capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, true, false, true, MODE>)
+            : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, false, false, true, MODE>);
+  } else if constexpr (FAKE) {
     capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, true, true, GIVEN>)
             : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, false, true, GIVEN>);
   } else if (p.swizzle) {
@@ -1687,11 +1740,26 @@ int quant_impl() {
   return kImplRowgLean3;
 }
 
-// TRACE_EXT_QUANT_GIVEN_LEAN3=1 (read per call; an A/B knob): RTN quantize and fake quantization of 16-bit x with g
-// given through nvfp4_quant_rowg_lean3_kernel's GIVEN instantiations (2 <= kb <= 512) instead of the flat kernels.
-bool given_lean3() {
-  const char* v = std::getenv("TRACE_EXT_QUANT_GIVEN_LEAN3");
+// RTN quantize and fake quantization of 16-bit x with g given (per row or one g) go through
+// nvfp4_quant_rowg_lean3_kernel's GIVEN instantiations for rows of kGivenLean3MinKb..512 blocks (K 4096..8192), the
+// flat kernels elsewhere. H200 round 58 (bench/results/given_lean3_ab_h200{,_run2}.md, two timings): g per row
+// 1.09-1.12x at K 4096 / 7168 / 8192 (2^26 and 2^28), one g 1.03-1.06x, fake quantization with g 1.04-1.10x; at K 768
+// (a team of 32 lanes, a quarter of them without a second block) 0.87-0.96x. TRACE_EXT_QUANT_GIVEN_LEAN3 (read per
+// call; an A/B knob): =0 never (the flat kernels), =1 for every kb the kernel takes (2..512).
+constexpr int64_t kGivenLean3MinKb = 256;
+
+// TRACE_EXT_QUANT_GUIDED_LEAN3=1 (read per call; an A/B knob): guided quantize of 16-bit x with linear scales through
+// nvfp4_quant_rowg_lean3_kernel's guided instantiations (2 <= kb <= 512) instead of nvfp4_quant_guided_lean_kernel.
+bool guided_lean3() {
+  const char* v = std::getenv("TRACE_EXT_QUANT_GUIDED_LEAN3");
   return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
+bool given_lean3(int64_t kb) {
+  const char* v = std::getenv("TRACE_EXT_QUANT_GIVEN_LEAN3");
+  if (v != nullptr && std::strcmp(v, "0") == 0) return false;
+  if (v != nullptr && std::strcmp(v, "1") == 0) return true;
+  return kb >= kGivenLean3MinKb;
 }
 
 template <bool FAKE, typename T>
@@ -1709,10 +1777,17 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
       launch_quant_impl<FAKE, T, kImplLean>(p, rounding, rowg, stream, op);
       break;
     case kImplRowgLean3:  // the default: sr-row, except RTN quantize and RTN fake quantization of 16-bit x with
-                          // g None through the lean3 kernel
+                          // g None (and g given at K >= 4096: given_lean3) through the lean3 kernel
       if constexpr (sizeof(T) == 2) {
         if (rtn_fused_g && launch_rowg_lean3<T, FAKE>(p, stream, op)) break;
-        if (!rowg && rounding == kRTN && given_lean3() && launch_rowg_lean3<T, FAKE, true>(p, stream, op)) break;
+        if (!rowg && rounding == kRTN && given_lean3(p.kb) && launch_rowg_lean3<T, FAKE, true>(p, stream, op)) break;
+        if constexpr (!FAKE) {
+          if (rounding == kGuidedCompact && guided_lean3() &&
+              launch_rowg_lean3<T, false, true, kGuidedCompact>(p, stream, op))
+            break;
+          if (rounding == kGuidedFull && guided_lean3() && launch_rowg_lean3<T, false, true, kGuidedFull>(p, stream, op))
+            break;
+        }
       }
       [[fallthrough]];
     case kImplSrRow:  // sr-lean, except SR quantize with g None through the persistent per-row kernel

@@ -1,14 +1,14 @@
-"""TRACE_EXT_QUANT_GIVEN_LEAN3=1 (an A/B variant): RTN quantize and fake quantization of 16-bit x with g given (per row,
-or one value: scope="tensor" / "matrix" weights) through nvfp4_quant_rowg_lean3_kernel's GIVEN instantiations (the
-per-row kernel's walk and next-row prefetch, g read with the next row's x instead of reduced over the team) instead of
-the flat kernels.
+"""RTN quantize and fake quantization of 16-bit x with g given (per row, or one value: scope="tensor" / "matrix"
+weights) through nvfp4_quant_rowg_lean3_kernel's GIVEN instantiations (the per-row kernel's walk and next-row
+prefetch, g read with the next row's x instead of reduced over the team): the default for 256 <= K / 16 <= 512 since
+H200 round 58; TRACE_EXT_QUANT_GIVEN_LEAN3=1 takes it for every 2 <= K / 16 <= 512, =0 never (the flat kernels).
 
 Protects: every output - codes, scale bytes, g, capture mbits, swizzled scales with their zero padding, fake-quantized
-y and its emitted record - equals the default's (the flat kernels) bit for bit and the reference's, on the lean3 team
-shapes and row counts (lean3_input's adversarial rows: zero rows, NaN / +-Inf, no finite value, ties, subnormal x and
-scale bytes) with g per row spread over factors of the row's own g and edge values (2^-50 / 2^50 where 1/g is taken and
-one binade beyond, subnormal g, 0), and with one g for all rows; the variant runs the lean3 kernel exactly where it
-should (16-bit x, 2 <= K / 16 <= 512, RTN) and the default never does for g given.
+y and its emitted record - equals the flat kernels' (=0) bit for bit and the reference's, on the lean3 team shapes and
+row counts (lean3_input's adversarial rows: zero rows, NaN / +-Inf, no finite value, ties, subnormal x and scale
+bytes) with g per row spread over factors of the row's own g and edge values (2^-50 / 2^50 where 1/g is taken and one
+binade beyond, subnormal g, 2^100), and with one g for all rows; the lean3 kernel runs exactly where it should under
+each setting (16-bit x, RTN).
 Run: pytest tests/gpu/test_quant_given_lean3_gpu.py -q   (on the H200, with the extension built; ~1 min)
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ KERNEL = "nvfp4_quant_rowg_lean3_kernel"
 # (R, K): teams of 2 (shuffles), 32 (one warp), 128 / 256 threads (2..8 warps, with and without lanes lacking a second
 # block), odd row counts over several waves; K 16 and 8208 fall back to the flat kernels
 SHAPES = ((3, 48), (4099, 64), (1031, 1024), (9001, 4096), (1001, 4112), (1201, 7168), (7, 8192), (65, 16), (33, 8208))
-G_EDGES = (2.0**-50, 2.0**50, 2.0**-51, 2.0**51, 2.0**-140, 0.0, 2.0**100)
+G_EDGES = (2.0**-50, 2.0**50, 2.0**-51, 2.0**51, 2.0**-140, 2.0**100)  # g must be > 0 (SPEC 10)
 
 
 @pytest.fixture(autouse=True)
@@ -68,27 +68,33 @@ def fake_all_g(x: torch.Tensor, g: torch.Tensor):
     return y, y2, rec.payload, rec.scales, rec.g
 
 
-def variant_runs(monkeypatch, fn) -> bool:
-    monkeypatch.setenv(ENV, "1")
+def lean3_runs(monkeypatch, setting, fn) -> bool:
+    """Whether fn launches the lean3 kernel with TRACE_EXT_QUANT_GIVEN_LEAN3 = setting (None: unset)."""
+    if setting is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, setting)
     return any(KERNEL in n for n in launched(fn))
 
 
 @pytest.mark.parametrize("R,K", SHAPES)
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
 @pytest.mark.parametrize("per_row", (True, False))
-def test_given_lean3_matches_default(monkeypatch, R, K, dtype, per_row):
-    """The variant gives the default's quantize and fake-quantize outputs bit for bit, g per row and one g, and runs
-    the lean3 kernel exactly where it should (the default never does with g given)."""
+def test_given_lean3_matches_flat(monkeypatch, R, K, dtype, per_row):
+    """The default and =1 give the flat kernels' (=0) quantize and fake-quantize outputs bit for bit, g per row and one
+    g, and each setting runs the lean3 kernel exactly where it should."""
     x = lean3_input(R, K, dtype, 11 * R + K)
     g = given_g(x, R + K) if per_row else torch.tensor([0.37], device=DEV)
+    monkeypatch.setenv(ENV, "0")
     want_q, want_f = quantize_all_g(x, g), fake_all_g(x, g)
-    assert not any(KERNEL in n for n in launched(lambda: ops.nvfp4_quantize(x, g, backend="cuda")))
     takes = lean3_takes(K, dtype)
-    assert variant_runs(monkeypatch, lambda: ops.nvfp4_quantize(x, g, backend="cuda")) == takes, (R, K, dtype)
-    assert variant_runs(monkeypatch, lambda: ops.nvfp4_fake_quantize(x, g, backend="cuda")) == takes, (R, K, dtype)
-    what = f"{R}x{K} {dtype} per_row={per_row}"
-    assert_same_all(quantize_all_g(x, g), want_q, what)
-    assert_same_fake(fake_all_g(x, g), want_f, f"fake {what}")
+    calls = (lambda: ops.nvfp4_quantize(x, g, backend="cuda"), lambda: ops.nvfp4_fake_quantize(x, g, backend="cuda"))
+    for setting, runs in (("0", False), ("1", takes), (None, takes and K // 16 >= 256)):
+        for call in calls:
+            assert lean3_runs(monkeypatch, setting, call) == runs, (R, K, dtype, setting)
+        what = f"{ENV}={setting} {R}x{K} {dtype} per_row={per_row}"
+        assert_same_all(quantize_all_g(x, g), want_q, what)
+        assert_same_fake(fake_all_g(x, g), want_f, f"fake {what}")
 
 
 @pytest.mark.parametrize("R,K", ((4099, 64), (1031, 1024), (130, 4096), (61, 4112), (45, 7168)))
