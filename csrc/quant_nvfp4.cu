@@ -1209,10 +1209,10 @@ __device__ __forceinline__ uint32_t tid_in_loop() {
 // FAKE (the default for RTN fake quantization with g None): fake quantization instead (y = the dequantized codes in
 // x's dtype, as process_block's FAKE path; no codes); CAPTURE then means emit_guidance (mbits, linear scales and
 // g_out), and without it only y is written.
-// GIVEN (the default for g given at K >= 4096 since H200 round 58, given_lean3): RTN with g given (p.g, per row or
+// GIVEN (the default for g given since H200 rounds 58-59 where given_lean3 says so): RTN with g given (p.g, per row or
 // one for all rows through p.g_stride) instead of g from the row's amax: the same walk, loads and element code without
 // the team's amax reduction (no shared memory, no barrier); the next row's g is loaded with its x.
-// MODE kGuidedCompact / kGuidedFull (TRACE_EXT_QUANT_GUIDED_LEAN3=1, an A/B variant; GIVEN, linear scales, not FAKE):
+// MODE kGuidedCompact / kGuidedFull (GIVEN, linear scales, not FAKE; guided_lean3: the default for compact of bf16 x):
 // guided quantize, the rollout's g, scale bytes and bits / codes loaded with the next row's x, the blocks quantized by
 // nvfp4_quant_guided_lean_kernel's block code (quantize_guided_block_rz).
 template <int BPL>
@@ -1223,7 +1223,11 @@ struct RowSide {  // a row's inputs besides x, loaded with it: GIVEN: g; guided:
   uint32_t scale[BPL];  // the rollout's scale byte
 };
 
-template <typename T, int BPL, bool SWIZZLE, bool CAPTURE, bool FAKE = false, bool GIVEN = false, int MODE = kRTN>
+// TEAM_BAR (TRACE_EXT_QUANT_TEAM_BAR=1, an A/B variant): the cross-warp amax waits on a named barrier of the row's team
+// (bar.sync 1 + team, team threads) instead of the CTA's __syncthreads: the 2 / 4 teams of a CTA at K 4096 / 2048 no
+// longer wait for each other.
+template <typename T, int BPL, bool SWIZZLE, bool CAPTURE, bool FAKE = false, bool GIVEN = false, int MODE = kRTN,
+          bool TEAM_BAR = false>
 __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
     nvfp4_quant_rowg_lean3_kernel(const QuantParams p, const RowLean3Walk w) {
   constexpr bool kGuided = MODE == kGuidedCompact || MODE == kGuidedFull;
@@ -1260,7 +1264,11 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
       finite_max = __reduce_max_sync(0xFFFFFFFFu, finite_max);
       const uint32_t tid = tid_in_loop();
       warp_max[kPar][tid / 32] = finite_max;  // every lane stores the warp's max (no lane test)
-      __syncthreads();  // the other half is rewritten only after the next step's barrier: no second barrier
+      if constexpr (TEAM_BAR) {  // the team's warps only (their slots are the only ones the team reads)
+        asm volatile("bar.sync %0, %1;" ::"r"(1u + (tid >> w.team_shift)), "r"(w.team) : "memory");
+      } else {
+        __syncthreads();  // the other half is rewritten only after the next step's barrier: no second barrier
+      }
       // lane l reads its team's slot first_warp + l % team_warps (first_warp: the warp index with the low bits
       // cleared; every slot of the team is read by some lane)
       finite_max = __reduce_max_sync(0xFFFFFFFFu, warp_max[kPar][((tid / 32) & ~w.slot_mask) | (tid & w.slot_mask)]);
@@ -1638,7 +1646,8 @@ bool launch_rowg_lean(const QuantParams& p, cudaStream_t stream, const char* op,
 // GIVEN (given_lean3): RTN with g given (p.g) through the kernel's GIVEN instantiations instead.
 // MODE guided (guided_lean3; GIVEN, not FAKE): guided quantize with linear scales through the kernel's guided
 // instantiations.
-template <typename T, bool FAKE = false, bool GIVEN = false, int MODE = kRTN>
+// TEAM_BAR: the per-row (g None) instantiations with per-team named barriers (team_bar_selected).
+template <typename T, bool FAKE = false, bool GIVEN = false, int MODE = kRTN, bool TEAM_BAR = false>
 bool launch_rowg_lean3(const QuantParams& p, cudaStream_t stream, const char* op) {
   static_assert(sizeof(T) == 2, "rowg-lean3 runs 16-bit x only");
   constexpr bool kGuided = MODE == kGuidedCompact || MODE == kGuidedFull;
@@ -1680,14 +1689,14 @@ bool launch_rowg_lean3(const QuantParams& p, cudaStream_t stream, const char* op
     capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, true, false, true, MODE>)
             : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, false, false, true, MODE>);
   } else if constexpr (FAKE) {
-    capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, true, true, GIVEN>)
-            : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, false, true, GIVEN>);
+    capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, true, true, GIVEN, kRTN, TEAM_BAR>)
+            : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, false, true, GIVEN, kRTN, TEAM_BAR>);
   } else if (p.swizzle) {
-    capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, true, true, false, GIVEN>)
-            : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, true, false, false, GIVEN>);
+    capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, true, true, false, GIVEN, kRTN, TEAM_BAR>)
+            : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, true, false, false, GIVEN, kRTN, TEAM_BAR>);
   } else {
-    capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, true, false, GIVEN>)
-            : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, false, false, GIVEN>);
+    capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, true, false, GIVEN, kRTN, TEAM_BAR>)
+            : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, false, false, GIVEN, kRTN, TEAM_BAR>);
   }
   return true;
 }
@@ -1740,26 +1749,40 @@ int quant_impl() {
   return kImplRowgLean3;
 }
 
-// RTN quantize and fake quantization of 16-bit x with g given (per row or one g) go through
-// nvfp4_quant_rowg_lean3_kernel's GIVEN instantiations for rows of kGivenLean3MinKb..512 blocks (K 4096..8192), the
-// flat kernels elsewhere. H200 round 58 (bench/results/given_lean3_ab_h200{,_run2}.md, two timings): g per row
-// 1.09-1.12x at K 4096 / 7168 / 8192 (2^26 and 2^28), one g 1.03-1.06x, fake quantization with g 1.04-1.10x; at K 768
-// (a team of 32 lanes, a quarter of them without a second block) 0.87-0.96x. TRACE_EXT_QUANT_GIVEN_LEAN3 (read per
-// call; an A/B knob): =0 never (the flat kernels), =1 for every kb the kernel takes (2..512).
-constexpr int64_t kGivenLean3MinKb = 256;
-
-// TRACE_EXT_QUANT_GUIDED_LEAN3=1 (read per call; an A/B knob): guided quantize of 16-bit x with linear scales through
-// nvfp4_quant_rowg_lean3_kernel's guided instantiations (2 <= kb <= 512) instead of nvfp4_quant_guided_lean_kernel.
-bool guided_lean3() {
-  const char* v = std::getenv("TRACE_EXT_QUANT_GUIDED_LEAN3");
+// TRACE_EXT_QUANT_TEAM_BAR=1 (read per call; an A/B knob): the lean3 kernel's per-row (g None) instantiations with
+// per-team named barriers (TEAM_BAR).
+bool team_bar_selected() {
+  const char* v = std::getenv("TRACE_EXT_QUANT_TEAM_BAR");
   return v != nullptr && std::strcmp(v, "1") == 0;
 }
 
+// RTN quantize and fake quantization of 16-bit x with g given (per row or one g) go through
+// nvfp4_quant_rowg_lean3_kernel's GIVEN instantiations for rows of 64..512 blocks where at least 3/4 of the team's
+// lanes own two blocks (K 1024, 2048, 4096, 7168, 8192; not 768, 1536, 3072, 5120), the flat kernels elsewhere. H200
+// rounds 58-59 (bench/results/given_lean3_ab_h200{,_run2}.md, given_lean3_k_ab_h200.md): g per row 1.09-1.12x at
+// K 1024 / 2048 / 4096 / 7168 / 8192 (2^26 and 2^28), one g 1.03-1.07x, fake quantization with g 1.04-1.10x; at
+// K 768 (a team of 32 lanes, half of them without a second block) 0.87-0.96x. TRACE_EXT_QUANT_GIVEN_LEAN3 (read per
+// call; an A/B knob): =0 never (the flat kernels), =1 for every kb the kernel takes (2..512).
 bool given_lean3(int64_t kb) {
   const char* v = std::getenv("TRACE_EXT_QUANT_GIVEN_LEAN3");
   if (v != nullptr && std::strcmp(v, "0") == 0) return false;
   if (v != nullptr && std::strcmp(v, "1") == 0) return true;
-  return kb >= kGivenLean3MinKb;
+  int64_t team = 1;  // rowg_lean_plan's team at two blocks per lane
+  while (2 * team < kb) team *= 2;
+  return kb >= 64 && 4 * (kb - team) >= 3 * team;  // kb - team lanes own a second block
+}
+
+// Guided compact quantize of bf16 x with linear scales goes through nvfp4_quant_rowg_lean3_kernel's guided
+// instantiation (2 <= kb <= 512) instead of nvfp4_quant_guided_lean_kernel. H200 round 59
+// (guided_lean3_ab_h200{,_run2}.md, two timings): compact 1.02-1.04x at K 2048 / 4096 / 7168 / 8192 (72.4% -> 75.4%
+// of copy at 2^26, 83.8% -> 87.4% at 2^28); full 0.95-0.99x (it stays on the guided lean kernel). fp16 x keeps the
+// guided lean kernel too (its compact instantiation spills 60 B at 64 registers; untimed). TRACE_EXT_QUANT_GUIDED_LEAN3
+// (read per call; an A/B knob): =0 never, =1 for compact and full, bf16 and fp16.
+bool guided_lean3(int mode, bool bf16) {
+  const char* v = std::getenv("TRACE_EXT_QUANT_GUIDED_LEAN3");
+  if (v != nullptr && std::strcmp(v, "0") == 0) return false;
+  if (v != nullptr && std::strcmp(v, "1") == 0) return true;
+  return mode == kGuidedCompact && bf16;
 }
 
 template <bool FAKE, typename T>
@@ -1777,15 +1800,19 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
       launch_quant_impl<FAKE, T, kImplLean>(p, rounding, rowg, stream, op);
       break;
     case kImplRowgLean3:  // the default: sr-row, except RTN quantize and RTN fake quantization of 16-bit x with
-                          // g None (and g given at K >= 4096: given_lean3) through the lean3 kernel
+                          // g None (and g given: given_lean3; guided compact of bf16 x: guided_lean3) through the
+                          // lean3 kernel
       if constexpr (sizeof(T) == 2) {
+        if (rtn_fused_g && team_bar_selected() && launch_rowg_lean3<T, FAKE, false, kRTN, true>(p, stream, op)) break;
         if (rtn_fused_g && launch_rowg_lean3<T, FAKE>(p, stream, op)) break;
         if (!rowg && rounding == kRTN && given_lean3(p.kb) && launch_rowg_lean3<T, FAKE, true>(p, stream, op)) break;
         if constexpr (!FAKE) {
-          if (rounding == kGuidedCompact && guided_lean3() &&
+          constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+          if (rounding == kGuidedCompact && guided_lean3(kGuidedCompact, kBf16) &&
               launch_rowg_lean3<T, false, true, kGuidedCompact>(p, stream, op))
             break;
-          if (rounding == kGuidedFull && guided_lean3() && launch_rowg_lean3<T, false, true, kGuidedFull>(p, stream, op))
+          if (rounding == kGuidedFull && guided_lean3(kGuidedFull, kBf16) &&
+              launch_rowg_lean3<T, false, true, kGuidedFull>(p, stream, op))
             break;
         }
       }

@@ -1,7 +1,8 @@
 """RTN quantize and fake quantization of 16-bit x with g given (per row, or one value: scope="tensor" / "matrix"
 weights) through nvfp4_quant_rowg_lean3_kernel's GIVEN instantiations (the per-row kernel's walk and next-row
-prefetch, g read with the next row's x instead of reduced over the team): the default for 256 <= K / 16 <= 512 since
-H200 round 58; TRACE_EXT_QUANT_GIVEN_LEAN3=1 takes it for every 2 <= K / 16 <= 512, =0 never (the flat kernels).
+prefetch, g read with the next row's x instead of reduced over the team): the default since H200 rounds 58-59 for
+64 <= K / 16 <= 512 where at least 3/4 of the row team's lanes own two blocks (given_default);
+TRACE_EXT_QUANT_GIVEN_LEAN3=1 takes it for every 2 <= K / 16 <= 512, =0 never (the flat kernels).
 
 Protects: every output - codes, scale bytes, g, capture mbits, swizzled scales with their zero padding, fake-quantized
 y and its emitted record - equals the flat kernels' (=0) bit for bit and the reference's, on the lean3 team shapes and
@@ -29,7 +30,8 @@ ENV = "TRACE_EXT_QUANT_GIVEN_LEAN3"
 KERNEL = "nvfp4_quant_rowg_lean3_kernel"
 # (R, K): teams of 2 (shuffles), 32 (one warp), 128 / 256 threads (2..8 warps, with and without lanes lacking a second
 # block), odd row counts over several waves; K 16 and 8208 fall back to the flat kernels
-SHAPES = ((3, 48), (4099, 64), (1031, 1024), (9001, 4096), (1001, 4112), (1201, 7168), (7, 8192), (65, 16), (33, 8208))
+SHAPES = ((3, 48), (4099, 64), (1031, 1024), (2001, 768), (9001, 4096), (1001, 4112), (1201, 7168), (7, 8192), (65, 16),
+          (33, 8208))
 G_EDGES = (2.0**-50, 2.0**50, 2.0**-51, 2.0**51, 2.0**-140, 2.0**100)  # g must be > 0 (SPEC 10)
 
 
@@ -45,6 +47,7 @@ def given_g(x: torch.Tensor, seed: int) -> torch.Tensor:
     gen = torch.Generator(device=DEV).manual_seed(seed)
     g = ref.nvfp4_global_scale(x, "row").reshape(-1).float()
     g = g * torch.exp2(torch.rand(g.shape, generator=gen, device=DEV) * 4.0 - 2.0)
+    g = torch.where(g > 0, g, torch.full_like(g, 2.0**-140))  # fp32 rows whose own g underflows to 0 (g must be > 0)
     for i, v in enumerate(G_EDGES):
         if i < g.numel():
             g[(7 * i + 3) % g.numel()] = v
@@ -68,6 +71,22 @@ def fake_all_g(x: torch.Tensor, g: torch.Tensor):
     return y, y2, rec.payload, rec.scales, rec.g
 
 
+def given_default(K: int) -> bool:
+    """Where the default takes the GIVEN kernel (16-bit x): 64 <= kb <= 512 and at least 3/4 of the team's lanes (the
+    power of two >= kb / 2) own a second block."""
+    kb = K // 16
+    team = 1
+    while 2 * team < kb:
+        team *= 2
+    return 64 <= kb <= 512 and 4 * (kb - team) >= 3 * team
+
+
+def test_given_default_rule():
+    """The K of the timed rows: 1024 / 2048 / 4096 / 7168 / 8192 take the GIVEN kernel, 768 does not (0.87-0.96x)."""
+    assert [K for K in (768, 1024, 1536, 2048, 3072, 4096, 5120, 7168, 8192, 4112, 8208) if given_default(K)] == [
+        1024, 2048, 4096, 7168, 8192]
+
+
 def lean3_runs(monkeypatch, setting, fn) -> bool:
     """Whether fn launches the lean3 kernel with TRACE_EXT_QUANT_GIVEN_LEAN3 = setting (None: unset)."""
     if setting is None:
@@ -89,7 +108,7 @@ def test_given_lean3_matches_flat(monkeypatch, R, K, dtype, per_row):
     want_q, want_f = quantize_all_g(x, g), fake_all_g(x, g)
     takes = lean3_takes(K, dtype)
     calls = (lambda: ops.nvfp4_quantize(x, g, backend="cuda"), lambda: ops.nvfp4_fake_quantize(x, g, backend="cuda"))
-    for setting, runs in (("0", False), ("1", takes), (None, takes and K // 16 >= 256)):
+    for setting, runs in (("0", False), ("1", takes), (None, takes and given_default(K))):
         for call in calls:
             assert lean3_runs(monkeypatch, setting, call) == runs, (R, K, dtype, setting)
         what = f"{ENV}={setting} {R}x{K} {dtype} per_row={per_row}"

@@ -1,9 +1,9 @@
-"""TRACE_EXT_QUANT_GUIDED_LEAN3=1 (an A/B variant): guided quantize (compact and full) of 16-bit x with linear scales
-through nvfp4_quant_rowg_lean3_kernel's guided instantiations (the per-row kernel's walk; the rollout's g, scale bytes
-and bits / codes loaded with the next row's x; the blocks by the guided lean kernel's block code) instead of
-nvfp4_quant_guided_lean_kernel.
+"""Guided quantize of 16-bit x with linear scales through nvfp4_quant_rowg_lean3_kernel's guided instantiations (the
+per-row kernel's walk; the rollout's g, scale bytes and bits / codes loaded with the next row's x; the blocks by the
+guided lean kernel's block code) instead of nvfp4_quant_guided_lean_kernel: the default for compact records of bf16 x
+since H200 round 59; TRACE_EXT_QUANT_GUIDED_LEAN3=1 for compact and full, bf16 and fp16; =0 never.
 
-Protects: codes, scales, g and capture mbits equal the default's (the guided lean kernel) and the reference's bit for
+Protects: codes, scales, g and capture mbits equal the guided lean kernel's (=0) and the reference's bit for
 bit, on every dense value with every payload (t = 1), the guided lean tests' adversarial records and inputs (subnormal,
 zero and NaN scale bytes, tiny and huge g, zero / -0 / NaN / +-Inf blocks, tiny |x|, ties, saturation), random and own
 records on the lean3 team shapes (teams of 2 .. 256 threads, lanes without a second block, odd row counts over
@@ -36,31 +36,32 @@ def _default_impl(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
 
 
-def guided(monkeypatch, on, x, rec, capture=False, swizzle=False):
-    if on:
-        monkeypatch.setenv(ENV, "1")
-    else:
+def guided(monkeypatch, setting, x, rec, capture=False, swizzle=False):
+    """Guided quantize with TRACE_EXT_QUANT_GUIDED_LEAN3 = setting (None: unset)."""
+    if setting is None:
         monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, setting)
     return ops.nvfp4_quantize(x, rounding="guided", guidance=rec, capture=capture, swizzle=swizzle, backend="cuda")
 
 
 def check(monkeypatch, x, rec, what):
-    """The variant == the default == the reference (codes, scales, g); capture mbits == the default's; the lean3
-    kernel runs exactly where it should."""
+    """=1 and the default == the guided lean kernel (=0) == the reference (codes, scales, g); capture mbits equal; the
+    lean3 kernel runs exactly where each setting says."""
     want = ops.nvfp4_quantize(x, rounding="guided", guidance=rec, backend="reference")
-    got = guided(monkeypatch, True, x, rec)
-    assert_same(got, want, f"{what}: variant vs reference")
-    assert_same(got, guided(monkeypatch, False, x, rec), f"{what}: variant vs default")
-    (qc, rc), (qd, rd) = guided(monkeypatch, True, x, rec, True), guided(monkeypatch, False, x, rec, True)
-    assert_same(qc, qd, f"{what}: capture")
-    assert torch.equal(rc.payload, rd.payload), f"{what}: capture mbits"
+    flat = guided(monkeypatch, "0", x, rec)
+    assert_same(flat, want, f"{what}: =0 vs reference")
+    qf, rf = guided(monkeypatch, "0", x, rec, True)
     takes = lean3_takes(x.shape[-1], x.dtype)
-    monkeypatch.setenv(ENV, "1")
-    for cap in (False, True):
-        names = launched(lambda: ops.nvfp4_quantize(x, rounding="guided", guidance=rec, capture=cap, backend="cuda"))
-        assert any(KERNEL in n for n in names) == takes, (what, cap, names)
-    monkeypatch.delenv(ENV, raising=False)
-    assert not any(KERNEL in n for n in launched(lambda: guided(monkeypatch, False, x, rec)))
+    default = takes and rec.kind == "compact" and x.dtype == torch.bfloat16
+    for setting, runs in (("1", takes), (None, default), ("0", False)):
+        assert_same(guided(monkeypatch, setting, x, rec), want, f"{what}: {ENV}={setting} vs reference")
+        qc, rc = guided(monkeypatch, setting, x, rec, True)
+        assert_same(qc, qf, f"{what}: {ENV}={setting} capture")
+        assert torch.equal(rc.payload, rf.payload), f"{what}: {ENV}={setting} capture mbits"
+        for cap in (False, True):
+            names = launched(lambda: guided(monkeypatch, setting, x, rec, cap))
+            assert any(KERNEL in n for n in names) == runs, (what, setting, cap, names)
 
 
 @pytest.mark.parametrize("kind", ("compact", "full"))
@@ -97,7 +98,7 @@ def test_other_paths_unchanged(monkeypatch):
     gen = torch.Generator(device=DEV).manual_seed(5)
     x = torch.randn(333, 4096, generator=gen, device=DEV).to(torch.bfloat16)
     rec = ref.guidance_from_quantized(ref.nvfp4_quantize((x.float() * 1.001).to(torch.bfloat16)), "compact")
-    assert_same(guided(monkeypatch, True, x, rec, swizzle=True), guided(monkeypatch, False, x, rec, swizzle=True),
+    assert_same(guided(monkeypatch, "1", x, rec, swizzle=True), guided(monkeypatch, "0", x, rec, swizzle=True),
                 "swizzled")
     monkeypatch.setenv(ENV, "1")
     assert not any(KERNEL in n for n in launched(
