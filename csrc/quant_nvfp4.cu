@@ -1223,9 +1223,9 @@ struct RowSide {  // a row's inputs besides x, loaded with it: GIVEN: g; guided:
   uint32_t scale[BPL];  // the rollout's scale byte
 };
 
-// TEAM_BAR (TRACE_EXT_QUANT_TEAM_BAR=1, an A/B variant): the cross-warp amax waits on a named barrier of the row's team
-// (bar.sync 1 + team, team threads) instead of the CTA's __syncthreads: the 2 / 4 teams of a CTA at K 4096 / 2048 no
-// longer wait for each other.
+// TEAM_BAR (team_bar_selected: the default for fake quantization since H200 round 60): the cross-warp amax waits on a
+// named barrier of the row's team (bar.sync 1 + team, team threads) instead of the CTA's __syncthreads: the 2 / 4 teams
+// of a CTA at K 4096 / 2048 no longer wait for each other.
 template <typename T, int BPL, bool SWIZZLE, bool CAPTURE, bool FAKE = false, bool GIVEN = false, int MODE = kRTN,
           bool TEAM_BAR = false>
 __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
@@ -1749,11 +1749,15 @@ int quant_impl() {
   return kImplRowgLean3;
 }
 
-// TRACE_EXT_QUANT_TEAM_BAR=1 (read per call; an A/B knob): the lean3 kernel's per-row (g None) instantiations with
-// per-team named barriers (TEAM_BAR).
-bool team_bar_selected() {
+// The lean3 kernel's per-row (g None) fake quantization waits on per-team named barriers (TEAM_BAR). H200 round 60
+// (bench/results/team_bar_ab_h200{,_run2}.md, two timings): fake quantization 1.03-1.04x at K 2048, 1.01-1.02x at
+// K 4096; RTN quantize (linear, swizzled, capture) 0.99-1.02x, so it keeps the CTA barrier. TRACE_EXT_QUANT_TEAM_BAR
+// (read per call; an A/B knob): =0 never, =1 for quantize too.
+bool team_bar_selected(bool fake) {
   const char* v = std::getenv("TRACE_EXT_QUANT_TEAM_BAR");
-  return v != nullptr && std::strcmp(v, "1") == 0;
+  if (v != nullptr && std::strcmp(v, "0") == 0) return false;
+  if (v != nullptr && std::strcmp(v, "1") == 0) return true;
+  return fake;
 }
 
 // RTN quantize and fake quantization of 16-bit x with g given (per row or one g) go through
@@ -1803,7 +1807,8 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
                           // g None (and g given: given_lean3; guided compact of bf16 x: guided_lean3) through the
                           // lean3 kernel
       if constexpr (sizeof(T) == 2) {
-        if (rtn_fused_g && team_bar_selected() && launch_rowg_lean3<T, FAKE, false, kRTN, true>(p, stream, op)) break;
+        if (rtn_fused_g && team_bar_selected(FAKE) && launch_rowg_lean3<T, FAKE, false, kRTN, true>(p, stream, op))
+          break;
         if (rtn_fused_g && launch_rowg_lean3<T, FAKE>(p, stream, op)) break;
         if (!rowg && rounding == kRTN && given_lean3(p.kb) && launch_rowg_lean3<T, FAKE, true>(p, stream, op)) break;
         if constexpr (!FAKE) {

@@ -212,7 +212,9 @@ def test_rowg_lean3_scale_edges(monkeypatch, dtype):
 def test_rowg_lean3_changes_nothing_else(monkeypatch):
     """The switch changes only RTN quantize with g None (and RTN fake quantization:
     tests/gpu/test_quant_fake_lean3_gpu.py): SR, guided, g given quantization give the previous default's outputs
-    (its kernels) under =rowg-lean3, and fake quantization at K 2048 its bits."""
+    (its kernels) under =rowg-lean3, and fake quantization at K 2048 its bits. (g given through lean3 is its own
+    switch, off here: tests/gpu/test_quant_given_lean3_gpu.py.)"""
+    monkeypatch.setenv("TRACE_EXT_QUANT_GIVEN_LEAN3", "0")
     gen = torch.Generator(device=DEV).manual_seed(11)
     x = torch.randn(333, 2048, generator=gen, device=DEV).to(torch.bfloat16)
     rec = ref.guidance_from_quantized(ref.nvfp4_quantize((x.float() * 1.001).to(torch.bfloat16)), "full")
