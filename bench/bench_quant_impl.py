@@ -25,8 +25,15 @@ RTN fake quantization with g None through the lean3 kernel (the default since ro
 previous kernel (=sr-row), without and with emit_guidance, ~20 s:
   QUANT_IMPL_VARIANTS=sr-row QUANT_IMPL_OPS="fake-quant rtn" python bench/bench_quant_impl.py
 RTN quantize / fake quantization with g given (per row, or one g) through the lean3 kernel's GIVEN instantiations
-(=default@TRACE_EXT_QUANT_GIVEN_LEAN3=1) against the flat kernels, ~30 s:
-  QUANT_IMPL_VARIANTS=default@TRACE_EXT_QUANT_GIVEN_LEAN3=1 QUANT_IMPL_OPS="g given,g scalar" python bench/bench_quant_impl.py
+(the default for K 1024 / 2048 / 4096 / 7168 / 8192; =1 every K it takes) against the flat kernels (=0), ~30 s:
+  QUANT_IMPL_VARIANTS=default@TRACE_EXT_QUANT_GIVEN_LEAN3=0 QUANT_IMPL_OPS="rtn (g" python bench/bench_quant_impl.py
+Guided quantize through the lean3 kernel's guided instantiations (the default for compact of bf16 x; =1: full too)
+against the guided lean kernel (=0), ~15 s:
+  QUANT_IMPL_VARIANTS=default@TRACE_EXT_QUANT_GUIDED_LEAN3=0,default@TRACE_EXT_QUANT_GUIDED_LEAN3=1 QUANT_IMPL_OPS=guided \
+  python bench/bench_quant_impl.py
+The per-team barrier of the per-row lean3 kernel (the default for fake quantization; =1: quantize too; =0: never), ~25 s:
+  QUANT_IMPL_VARIANTS=default@TRACE_EXT_QUANT_TEAM_BAR=0,default@TRACE_EXT_QUANT_TEAM_BAR=1 \
+  QUANT_IMPL_OPS="rtn (per-row,fake-quant rtn (per-row" python bench/bench_quant_impl.py
 A variant may set further switches after "@": the per-row lean kernels as one persistent wave of CTAs (the grid before
 round 52; the default walks at most 4 row groups per CTA), ~20 s:
   QUANT_IMPL_VARIANTS=default@TRACE_EXT_QUANT_LEAN_ITERS=0 QUANT_IMPL_OPS="rtn (per-row" python bench/bench_quant_impl.py

@@ -95,6 +95,11 @@
 // - Default since the H200 round 52 (TRACE_EXT_QUANT_LEAN_ITERS=0 keeps the previous grid): the lean per-row kernels
 //   (lean3 quantize / fake quantization, SR's per-row lean kernel) walk at most kLeanItersMax = 4 row groups per CTA,
 //   a grid of several waves instead of one persistent wave (rowg_lean_plan); same bits.
+// - Defaults since H200 rounds 58-60 (each with its knob, read per call; same bits): RTN quantize / fake quantization
+//   with g given (given_lean3) and guided compact quantize of bf16 x (guided_lean3) walk rows through the lean3
+//   kernel (its GIVEN / guided instantiations: the next row's x, g and guidance in flight) instead of the flat tile
+//   walk, 1.05-1.12x / 1.02-1.04x; the lean3 fake quantization waits on per-team named barriers (team_bar_selected),
+//   1.01-1.04x.
 // - Swizzled scales: written at their 128x4 offsets; the zero padding is written by the same launch
 //   (a grid-stride pass over the padded bytes of the last row tile and the last column chunk of each tile).
 #include <ATen/ATen.h>
