@@ -1284,7 +1284,8 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
     }
     return nvfp4_global_scale_rcp(__uint_as_float(finite_max));
   };
-  // GIVEN: the given g of row r (rows past R read row R - 1's, as the loads of x do)
+  // The side inputs of row r (rows past R read row R - 1's, as the loads of x do): GIVEN: its g; guided: the
+  // rollout's g and its guidance of the thread's blocks
   auto load_side = [&](uint32_t r, RowSide<BPL>& sd) {
     const uint32_t rc = min(r, w.last_row);
     if constexpr (kGuided) {
