@@ -67,15 +67,28 @@ __device__ __forceinline__ bool mx_block_codes_sr_lean(const float (&x)[kMxfp4Bl
 }
 
 // Codes of one finite MX block with scale exponent e (SPEC 3, 4): 4 words of 8 codes. kSrLean: SR through
-// mx_block_codes_sr_lean where it applies.
-template <int MODE, bool kSrLean = false>
+// mx_block_codes_sr_lean where it applies. kRtnLean (TRACE_EXT_MX_RTN_LEAN=1, an A/B variant): RTN with the NVFP4 lean
+// kernels' element code: the grid value by one power-of-two magic add (e2m1_rn_grid_pow2_x2m14, unsaturated) and the
+// signs by byte permutes, saturated when packed (e2m1_pack8_abs_x2m14<true>), instead of e2m1_rn_grid_x2m14 and a
+// sign OR per element; the same codes (u = |x| 2^(-e-14) < 8 2^-14: the pow2 routine's range).
+template <int MODE, bool kSrLean = false, bool kRtnLean = false>
 __device__ __forceinline__ uint4 mx_block_codes(const float (&x)[kMxfp4Block], int e, uint64_t b, const MxParams& p) {
   uint32_t w[4];
   if constexpr (MODE == kSR && kSrLean) {
     const float m = __uint_as_float(min_nonzero_abs_bits_m1(x) + 1u);  // +0 when the block is all zero
     if (mx_block_codes_sr_lean(x, e, b, m, p, w)) return make_uint4(w[0], w[1], w[2], w[3]);
   }
-  if constexpr (MODE == kRTN) {
+  if constexpr (MODE == kRTN && kRtnLean) {
+    const float inv14 = exp2_exact(-e - 14);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const SignBytes8 sb = sign_bytes8_at(x, k);
+      float g[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) g[i] = e2m1_rn_grid_pow2_x2m14(__fmul_rn(fabsf(x[8 * k + i]), inv14));
+      w[k] = e2m1_pack8_abs_x2m14<true>(g, sb);
+    }
+  } else if constexpr (MODE == kRTN) {
     const float inv14 = exp2_exact(-e - 14);  // v * 2^-14 in one exact multiply (-e - 14 >= -141)
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -108,7 +121,7 @@ __device__ __forceinline__ uint4 mx_block_codes(const float (&x)[kMxfp4Block], i
 }
 
 // Tiles of 32 consecutive blocks: lane l owns block 32 tile + l; warps loop over tiles with a grid stride.
-template <typename T, int MODE, bool kSrLean = false>
+template <typename T, int MODE, bool kSrLean = false, bool kRtnLean = false>
 __global__ void __launch_bounds__(kThreads) mxfp4_quant_kernel(const MxParams p) {
   constexpr int kV = ElemTraits<T>::kPerVec;
   const uint64_t total = (uint64_t)p.total_blocks;
@@ -135,7 +148,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_quant_kernel(const MxParams p)
         float x[kMxfp4Block];
 #pragma unroll
         for (int i = 0; i < MxBlockRaw<T>::kVecs; ++i) vec_to_float<T>(cur.v[i], x + i * kV);
-        w = mx_block_codes<MODE, kSrLean>(x, e, b, p);
+        w = mx_block_codes<MODE, kSrLean, kRtnLean>(x, e, b, p);
       }
       reinterpret_cast<uint4*>(p.codes)[b] = w;
       p.scales[b] = scale;
@@ -178,6 +191,12 @@ __global__ void __launch_bounds__(kThreads) mxfp4_dequant_kernel(const uint8_t* 
   }
 }
 
+// TRACE_EXT_MX_RTN_LEAN=1 (read per call; an A/B knob): RTN through mx_block_codes' kRtnLean element code.
+bool mx_rtn_lean_selected() {
+  const char* v = std::getenv("TRACE_EXT_MX_RTN_LEAN");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
 // SR through mx_block_codes_sr_lean: the default (TRACE_EXT_QUANT_IMPL unset, "rowg-lean3", "fake-lean3", "sr-row" or
 // "sr-lean", read per call); any other value (the NVFP4 variants from before it, e.g. "guided-lean") keeps the
 // per-element code.
@@ -212,9 +231,10 @@ std::tuple<at::Tensor, at::Tensor> mxfp4_quantize_cuda(const at::Tensor& x, int6
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   dispatch_float_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    auto kernel = rounding == kRTN ? mxfp4_quant_kernel<T, kRTN>
-                  : mx_sr_lean_selected()  ? mxfp4_quant_kernel<T, kSR, true>
-                                           : mxfp4_quant_kernel<T, kSR>;
+    auto kernel = rounding == kRTN ? (mx_rtn_lean_selected() ? mxfp4_quant_kernel<T, kRTN, false, true>
+                                                             : mxfp4_quant_kernel<T, kRTN>)
+                  : mx_sr_lean_selected() ? mxfp4_quant_kernel<T, kSR, true>
+                                          : mxfp4_quant_kernel<T, kSR>;
     require_kernel_image(kernel, op);
     // about four tiles of 32 blocks per warp, but never fewer warps than the GPU holds
     const int64_t n_tiles = div_up(p.total_blocks, 32);

@@ -1,0 +1,83 @@
+"""TRACE_EXT_MX_RTN_LEAN=1 (an A/B variant): MXFP4 RTN with the NVFP4 lean kernels' element code (the grid value by one
+power-of-two magic add, signs by byte permutes, saturation when packing) instead of the saturated Veltkamp / magic-add
+grid and a sign OR per element.
+
+Protects: codes and E8M0 scales equal the default's and the reference's bit for bit, floor and ceil scales, bf16 /
+fp16 / fp32, on every float within 64 ulps of each grid point, tie and binade edge of [0, 8) in blocks whose scale is
+2^0 (led by +-6 or by +-7.99: quotients up to 8 saturate), the same blocks moved through the binades (quotients that
+underflow in the exact multiply), random activations, the quantizer tests' adversarial rows (zero / -0 / NaN / +-Inf
+blocks, huge and tiny values) and 2^26 elements.
+Run: pytest tests/gpu/test_quant_mx_rtn_lean_gpu.py -q   (on the H200, with the extension built; ~20 s)
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trace_ext import ops
+
+from test_quant_gpu import BIG, adversarial_x, assert_same, random_x
+from test_quant_impl_gpu import dense_magnitudes
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+ENV = "TRACE_EXT_MX_RTN_LEAN"
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+EXP_RANGE = {torch.bfloat16: (-130, 120), torch.float16: (-14, 12), torch.float32: (-140, 120)}
+
+
+def mx_blocks_dense(lead: float, seed: int) -> torch.Tensor:
+    """Rows of 32-element MX blocks: element 0 = +-lead (scale 2^0 for lead in [4, 8)), the others +-every float within
+    64 ulps of each grid point, tie and binade edge below 8."""
+    rng = np.random.default_rng(seed)
+    mags = dense_magnitudes(64, top=7.99, extra=(6.5, 7.0, 7.5, 7.99))
+    mags = mags[rng.permutation(mags.size)]
+    mags = np.concatenate([mags, np.zeros((-mags.size) % 31, dtype=np.float32)]).reshape(-1, 31)
+    b = np.concatenate([np.full((mags.shape[0], 1), lead, dtype=np.float32), mags], axis=1)
+    b = np.where(rng.integers(0, 2, b.shape) > 0, -b, b).astype(np.float32)
+    b = np.concatenate([b, np.zeros(((-b.shape[0]) % 32, 32), dtype=np.float32)])  # 32 blocks per row
+    return torch.from_numpy(b.reshape(-1, 1024)).to(DEV)
+
+
+def check(monkeypatch, x, scale_rounding, what):
+    """=1 == the default == the reference (codes, scales)."""
+    want = ops.mxfp4_quantize(x, scale_rounding=scale_rounding, backend="reference")
+    monkeypatch.delenv(ENV, raising=False)
+    default = ops.mxfp4_quantize(x, scale_rounding=scale_rounding, backend="cuda")
+    monkeypatch.setenv(ENV, "1")
+    got = ops.mxfp4_quantize(x, scale_rounding=scale_rounding, backend="cuda")
+    for name, a, b, c in (("codes", got.codes, want.codes, default.codes), ("scales", got.scales, want.scales,
+                                                                             default.scales)):
+        assert_same(a, b, f"{what}: {name} vs reference")
+        assert_same(a, c, f"{what}: {name} vs default")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale_rounding", ("floor", "ceil"))
+@pytest.mark.parametrize("lead", (6.0, 7.99, 4.0))
+def test_dense_values(monkeypatch, dtype, scale_rounding, lead):
+    x = mx_blocks_dense(lead, 3).to(dtype)
+    check(monkeypatch, x, scale_rounding, f"dense lead {lead} {dtype} {scale_rounding}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dense_values_through_the_binades(monkeypatch, dtype):
+    """The dense blocks times 2^k per row, k over the dtype's range (products that underflow included)."""
+    x = mx_blocks_dense(6.0, 5)
+    lo, hi = EXP_RANGE[dtype]
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    k = torch.randint(lo, hi, (x.shape[0], 1), generator=gen, device=DEV).float()
+    check(monkeypatch, (x.double() * torch.exp2(k.double())).to(dtype), "floor", f"binades {dtype}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale_rounding", ("floor", "ceil"))
+def test_random_and_adversarial(monkeypatch, dtype, scale_rounding):
+    for i, x in enumerate((random_x((33, 2048), dtype), adversarial_x(dtype), random_x((1, 7168), dtype, seed=4))):
+        check(monkeypatch, x, scale_rounding, f"input {i} {dtype} {scale_rounding}")
+
+
+def test_large(monkeypatch):
+    check(monkeypatch, random_x(BIG, torch.bfloat16, seed=3), "floor", "2^26 bf16")
