@@ -6,8 +6,9 @@
 // per-thread work done once per 32 elements, and a lane stores its 16 code bytes with one 16-byte store (contiguous
 // across the warp). Warps loop over tiles of 32 blocks (grid stride) and issue the next tile's loads before quantizing
 // the current one. v = x * 2^-e is one fl multiply (exact unless it underflows, exactly as in the reference). RTN
-// multiplies by 2^(-e-14) instead and rounds in the scaled fp32 domain with the codes read off fp16 bits
-// (e2m1_rn_grid_x2m14 / e2m1_pack8_x2m14, as the NVFP4 kernel). SR: one philox4x32_10 call per 4 elements (SPEC 4
+// multiplies by 2^(-e-14) instead and rounds in the scaled fp32 domain with the codes read off fp16 bits, by the NVFP4
+// lean kernels' element code since H200 round 62 (e2m1_rn_grid_pow2_x2m14 / e2m1_pack8_abs_x2m14<true>: 1.05-1.09x;
+// TRACE_EXT_MX_RTN_LEAN=0 keeps e2m1_rn_grid_x2m14 / e2m1_pack8_x2m14). SR: one philox4x32_10 call per 4 elements (SPEC 4
 // counters); the lean element routine of the NVFP4 kernels (quant_sr_elems.cuh, t = 2^e) wherever its preconditions
 // hold (mx_block_codes_sr_lean), else per element. Dequantize: lanes own 8-element chunks, one 16-byte store per chunk.
 // Every numeric step comes from fp4_numerics.cuh.
@@ -67,8 +68,8 @@ __device__ __forceinline__ bool mx_block_codes_sr_lean(const float (&x)[kMxfp4Bl
 }
 
 // Codes of one finite MX block with scale exponent e (SPEC 3, 4): 4 words of 8 codes. kSrLean: SR through
-// mx_block_codes_sr_lean where it applies. kRtnLean (TRACE_EXT_MX_RTN_LEAN=1, an A/B variant): RTN with the NVFP4 lean
-// kernels' element code: the grid value by one power-of-two magic add (e2m1_rn_grid_pow2_x2m14, unsaturated) and the
+// mx_block_codes_sr_lean where it applies. kRtnLean (the default since H200 round 62, mx_rtn_lean_selected): RTN with
+// the NVFP4 lean kernels' element code: the grid value by one power-of-two magic add (e2m1_rn_grid_pow2_x2m14, unsaturated) and the
 // signs by byte permutes, saturated when packed (e2m1_pack8_abs_x2m14<true>), instead of e2m1_rn_grid_x2m14 and a
 // sign OR per element; the same codes (u = |x| 2^(-e-14) < 8 2^-14: the pow2 routine's range).
 template <int MODE, bool kSrLean = false, bool kRtnLean = false>
@@ -191,10 +192,12 @@ __global__ void __launch_bounds__(kThreads) mxfp4_dequant_kernel(const uint8_t* 
   }
 }
 
-// TRACE_EXT_MX_RTN_LEAN=1 (read per call; an A/B knob): RTN through mx_block_codes' kRtnLean element code.
+// RTN through mx_block_codes' kRtnLean element code (3 fewer SASS instructions per element): the default since H200
+// round 62 (bench/results/mx_rtn_lean_ab_h200{,_run2}.md, two timings: 1.05-1.06x at 2^26, 71% -> 75% of copy, 1.09x
+// at 2^28, 86% -> 93%). TRACE_EXT_MX_RTN_LEAN=0 (read per call; an A/B knob) keeps the previous element code.
 bool mx_rtn_lean_selected() {
   const char* v = std::getenv("TRACE_EXT_MX_RTN_LEAN");
-  return v != nullptr && std::strcmp(v, "1") == 0;
+  return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
 // SR through mx_block_codes_sr_lean: the default (TRACE_EXT_QUANT_IMPL unset, "rowg-lean3", "fake-lean3", "sr-row" or

@@ -1,8 +1,8 @@
-"""TRACE_EXT_MX_RTN_LEAN=1 (an A/B variant): MXFP4 RTN with the NVFP4 lean kernels' element code (the grid value by one
-power-of-two magic add, signs by byte permutes, saturation when packing) instead of the saturated Veltkamp / magic-add
-grid and a sign OR per element.
+"""MXFP4 RTN with the NVFP4 lean kernels' element code (the grid value by one power-of-two magic add, signs by byte
+permutes, saturation when packing): the default since H200 round 62; TRACE_EXT_MX_RTN_LEAN=0 keeps the previous
+element code (the saturated Veltkamp / magic-add grid and a sign OR per element), =1 names the default.
 
-Protects: codes and E8M0 scales equal the default's and the reference's bit for bit, floor and ceil scales, bf16 /
+Protects: codes and E8M0 scales of the default, =1 and =0 equal the reference's bit for bit, floor and ceil scales, bf16 /
 fp16 / fp32, on every float within 64 ulps of each grid point, tie and binade edge of [0, 8) in blocks whose scale is
 2^0 (led by +-6 or by +-7.99: quotients up to 8 saturate), the same blocks moved through the binades (quotients that
 underflow in the exact multiply), random activations, the quantizer tests' adversarial rows (zero / -0 / NaN / +-Inf
@@ -42,16 +42,16 @@ def mx_blocks_dense(lead: float, seed: int) -> torch.Tensor:
 
 
 def check(monkeypatch, x, scale_rounding, what):
-    """=1 == the default == the reference (codes, scales)."""
+    """The default, =1 and =0 == the reference (codes, scales)."""
     want = ops.mxfp4_quantize(x, scale_rounding=scale_rounding, backend="reference")
-    monkeypatch.delenv(ENV, raising=False)
-    default = ops.mxfp4_quantize(x, scale_rounding=scale_rounding, backend="cuda")
-    monkeypatch.setenv(ENV, "1")
-    got = ops.mxfp4_quantize(x, scale_rounding=scale_rounding, backend="cuda")
-    for name, a, b, c in (("codes", got.codes, want.codes, default.codes), ("scales", got.scales, want.scales,
-                                                                             default.scales)):
-        assert_same(a, b, f"{what}: {name} vs reference")
-        assert_same(a, c, f"{what}: {name} vs default")
+    for setting in (None, "1", "0"):
+        if setting is None:
+            monkeypatch.delenv(ENV, raising=False)
+        else:
+            monkeypatch.setenv(ENV, setting)
+        got = ops.mxfp4_quantize(x, scale_rounding=scale_rounding, backend="cuda")
+        assert_same(got.codes, want.codes, f"{what}: {ENV}={setting} codes vs reference")
+        assert_same(got.scales, want.scales, f"{what}: {ENV}={setting} scales vs reference")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
