@@ -195,10 +195,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_dequant_kernel(const uint8_t* 
 // RTN through mx_block_codes' kRtnLean element code (3 fewer SASS instructions per element): the default since H200
 // round 62 (bench/results/mx_rtn_lean_ab_h200{,_run2}.md, two timings: 1.05-1.06x at 2^26, 71% -> 75% of copy, 1.09x
 // at 2^28, 86% -> 93%). TRACE_EXT_MX_RTN_LEAN=0 (read per call; an A/B knob) keeps the previous element code.
-bool mx_rtn_lean_selected() {
-  const char* v = std::getenv("TRACE_EXT_MX_RTN_LEAN");
-  return v == nullptr || std::strcmp(v, "0") != 0;
-}
+bool mx_rtn_lean_selected() { return env_switch("TRACE_EXT_MX_RTN_LEAN", true); }
 
 // SR through mx_block_codes_sr_lean: the default (TRACE_EXT_QUANT_IMPL unset, "rowg-lean3", "fake-lean3", "sr-row" or
 // "sr-lean", read per call); any other value (the NVFP4 variants from before it, e.g. "guided-lean") keeps the

@@ -1592,9 +1592,15 @@ int64_t lean_iters_cap() {
   return v != nullptr ? std::max<int64_t>(std::atoll(v), 0) : kLeanItersMax;
 }
 
-bool rowg_lean_plan(const QuantParams& p, int bpl, int ctas_per_sm, RowLeanPlan& plan) {
+// log2 of the row team of the lean per-row kernels: the smallest power of two of threads with team * bpl >= kb.
+uint32_t lean_team_shift(int64_t kb, int bpl) {
   uint32_t shift = 0;
-  while ((int64_t(1) << shift) * bpl < p.kb) ++shift;
+  while ((int64_t(1) << shift) * bpl < kb) ++shift;
+  return shift;
+}
+
+bool rowg_lean_plan(const QuantParams& p, int bpl, int ctas_per_sm, RowLeanPlan& plan) {
+  const uint32_t shift = lean_team_shift(p.kb, bpl);
   const int64_t rows_per_cta = kRowLeanThreads >> shift;
   const int64_t groups = div_up(p.rows, rows_per_cta);
   const int64_t one_wave_iters = div_up(groups, int64_t(current_sm_count()) * ctas_per_sm);
@@ -1759,12 +1765,7 @@ int quant_impl() {
 // (bench/results/team_bar_ab_h200{,_run2}.md, two timings): fake quantization 1.03-1.04x at K 2048, 1.01-1.02x at
 // K 4096; RTN quantize (linear, swizzled, capture) 0.99-1.02x, so it keeps the CTA barrier. TRACE_EXT_QUANT_TEAM_BAR
 // (read per call; an A/B knob): =0 never, =1 for quantize too.
-bool team_bar_selected(bool fake) {
-  const char* v = std::getenv("TRACE_EXT_QUANT_TEAM_BAR");
-  if (v != nullptr && std::strcmp(v, "0") == 0) return false;
-  if (v != nullptr && std::strcmp(v, "1") == 0) return true;
-  return fake;
-}
+bool team_bar_selected(bool fake) { return env_switch("TRACE_EXT_QUANT_TEAM_BAR", fake); }
 
 // RTN quantize and fake quantization of 16-bit x with g given (per row or one g) go through
 // nvfp4_quant_rowg_lean3_kernel's GIVEN instantiations for rows of 64..512 blocks where at least 3/4 of the team's
@@ -1774,12 +1775,8 @@ bool team_bar_selected(bool fake) {
 // K 768 (a team of 32 lanes, half of them without a second block) 0.87-0.96x. TRACE_EXT_QUANT_GIVEN_LEAN3 (read per
 // call; an A/B knob): =0 never (the flat kernels), =1 for every kb the kernel takes (2..512).
 bool given_lean3(int64_t kb) {
-  const char* v = std::getenv("TRACE_EXT_QUANT_GIVEN_LEAN3");
-  if (v != nullptr && std::strcmp(v, "0") == 0) return false;
-  if (v != nullptr && std::strcmp(v, "1") == 0) return true;
-  int64_t team = 1;  // rowg_lean_plan's team at two blocks per lane
-  while (2 * team < kb) team *= 2;
-  return kb >= 64 && 4 * (kb - team) >= 3 * team;  // kb - team lanes own a second block
+  const int64_t team = int64_t(1) << lean_team_shift(kb, 2);  // launch_rowg_lean3's team (two blocks per lane)
+  return env_switch("TRACE_EXT_QUANT_GIVEN_LEAN3", kb >= 64 && 4 * (kb - team) >= 3 * team);  // kb - team: 2 blocks
 }
 
 // Guided compact quantize of bf16 x with linear scales goes through nvfp4_quant_rowg_lean3_kernel's guided
@@ -1789,10 +1786,7 @@ bool given_lean3(int64_t kb) {
 // guided lean kernel too (its compact instantiation spills 60 B at 64 registers; untimed). TRACE_EXT_QUANT_GUIDED_LEAN3
 // (read per call; an A/B knob): =0 never, =1 for compact and full, bf16 and fp16.
 bool guided_lean3(int mode, bool bf16) {
-  const char* v = std::getenv("TRACE_EXT_QUANT_GUIDED_LEAN3");
-  if (v != nullptr && std::strcmp(v, "0") == 0) return false;
-  if (v != nullptr && std::strcmp(v, "1") == 0) return true;
-  return mode == kGuidedCompact && bf16;
+  return env_switch("TRACE_EXT_QUANT_GUIDED_LEAN3", mode == kGuidedCompact && bf16);
 }
 
 template <bool FAKE, typename T>

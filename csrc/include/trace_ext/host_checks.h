@@ -7,6 +7,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <cstring>
+
 #define TRACE_EXT_STRINGIFY_(x) #x
 #define TRACE_EXT_STRINGIFY(x) TRACE_EXT_STRINGIFY_(x)
 #ifdef TRACE_EXT_ARCHS
@@ -16,6 +19,14 @@
 #endif
 
 namespace trace_ext {
+
+// An on / off A/B switch read per call from the environment: "0" off, "1" on, unset (or anything else) default_on.
+inline bool env_switch(const char* name, bool default_on) {
+  const char* v = std::getenv(name);
+  if (v != nullptr && std::strcmp(v, "0") == 0) return false;
+  if (v != nullptr && std::strcmp(v, "1") == 0) return true;
+  return default_on;
+}
 
 // Multiprocessors of device `dev`, cached per device (the attribute query is not free on every call).
 inline int sm_count(int dev) {
