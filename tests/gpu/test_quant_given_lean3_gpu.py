@@ -22,7 +22,7 @@ from trace_ext import reference as ref
 
 from test_quant_fake_lean3_gpu import assert_same_as_reference, assert_same_fake
 from test_quant_rowg_lean3_gpu import (DEV, assert_same_all, assert_same_q, dirty_allocator, launched, lean3_input,
-                                      lean3_takes)
+                                      lean3_takes, set_switch)
 
 pytestmark = pytest.mark.gpu
 
@@ -89,10 +89,7 @@ def test_given_default_rule():
 
 def lean3_runs(monkeypatch, setting, fn) -> bool:
     """Whether fn launches the lean3 kernel with TRACE_EXT_QUANT_GIVEN_LEAN3 = setting (None: unset)."""
-    if setting is None:
-        monkeypatch.delenv(ENV, raising=False)
-    else:
-        monkeypatch.setenv(ENV, setting)
+    set_switch(monkeypatch, ENV, setting)
     return any(KERNEL in n for n in launched(fn))
 
 

@@ -22,7 +22,7 @@ from trace_ext import reference as ref
 from test_quant_given_lean3_gpu import SHAPES
 from test_quant_guided_lean_gpu import adversarial, random_record
 from test_quant_impl_gpu import assert_same, guided_inputs
-from test_quant_rowg_lean3_gpu import DEV, launched, lean3_input, lean3_takes
+from test_quant_rowg_lean3_gpu import DEV, launched, lean3_input, lean3_takes, set_switch
 
 pytestmark = pytest.mark.gpu
 
@@ -38,10 +38,7 @@ def _default_impl(monkeypatch):
 
 def guided(monkeypatch, setting, x, rec, capture=False, swizzle=False):
     """Guided quantize with TRACE_EXT_QUANT_GUIDED_LEAN3 = setting (None: unset)."""
-    if setting is None:
-        monkeypatch.delenv(ENV, raising=False)
-    else:
-        monkeypatch.setenv(ENV, setting)
+    set_switch(monkeypatch, ENV, setting)
     return ops.nvfp4_quantize(x, rounding="guided", guidance=rec, capture=capture, swizzle=swizzle, backend="cuda")
 
 

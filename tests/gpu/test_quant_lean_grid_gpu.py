@@ -20,7 +20,8 @@ from trace_ext import ops
 from trace_ext import reference as ref
 
 from test_quant_fake_lean3_gpu import assert_same_as_reference, assert_same_fake, fake_all
-from test_quant_rowg_lean3_gpu import DEV, assert_same_all, assert_same_q, launched, lean3_input, quantize_all
+from test_quant_rowg_lean3_gpu import (DEV, assert_same_all, assert_same_q, launched, lean3_input, quantize_all,
+                                      set_switch)
 
 pytestmark = pytest.mark.gpu
 
@@ -42,10 +43,7 @@ def one_wave_groups(R: int, K: int) -> int:
 
 
 def _limit(monkeypatch, value):
-    if value is None:
-        monkeypatch.delenv(ENV, raising=False)
-    else:
-        monkeypatch.setenv(ENV, value)
+    set_switch(monkeypatch, ENV, value)
 
 
 def assert_same_under_every_limit(monkeypatch, run, want, assert_same, what):

@@ -2,8 +2,8 @@
 permutes, saturation when packing): the default since H200 round 62; TRACE_EXT_MX_RTN_LEAN=0 keeps the previous
 element code (the saturated Veltkamp / magic-add grid and a sign OR per element), =1 names the default.
 
-Protects: codes and E8M0 scales of the default, =1 and =0 equal the reference's bit for bit, floor and ceil scales, bf16 /
-fp16 / fp32, on every float within 64 ulps of each grid point, tie and binade edge of [0, 8) in blocks whose scale is
+Protects: codes and E8M0 scales of the default, =1 and =0 equal the reference's bit for bit, floor and ceil scales,
+bf16 / fp16 / fp32, on every float within 64 ulps of each grid point, tie and binade edge of [0, 8) in blocks whose scale is
 2^0 (led by +-6 or by +-7.99: quotients up to 8 saturate), the same blocks moved through the binades (quotients that
 underflow in the exact multiply), random activations, the quantizer tests' adversarial rows (zero / -0 / NaN / +-Inf
 blocks, huge and tiny values) and 2^26 elements.
@@ -19,6 +19,7 @@ from trace_ext import ops
 
 from test_quant_gpu import BIG, adversarial_x, assert_same, random_x
 from test_quant_impl_gpu import dense_magnitudes
+from test_quant_rowg_lean3_gpu import set_switch
 
 pytestmark = pytest.mark.gpu
 
@@ -45,10 +46,7 @@ def check(monkeypatch, x, scale_rounding, what):
     """The default, =1 and =0 == the reference (codes, scales)."""
     want = ops.mxfp4_quantize(x, scale_rounding=scale_rounding, backend="reference")
     for setting in (None, "1", "0"):
-        if setting is None:
-            monkeypatch.delenv(ENV, raising=False)
-        else:
-            monkeypatch.setenv(ENV, setting)
+        set_switch(monkeypatch, ENV, setting)
         got = ops.mxfp4_quantize(x, scale_rounding=scale_rounding, backend="cuda")
         assert_same(got.codes, want.codes, f"{what}: {ENV}={setting} codes vs reference")
         assert_same(got.scales, want.scales, f"{what}: {ENV}={setting} scales vs reference")

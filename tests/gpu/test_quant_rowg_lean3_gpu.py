@@ -35,11 +35,16 @@ GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 EXP_RANGE = {torch.bfloat16: (-133, 120), torch.float32: (-140, 120), torch.float16: (-24, 12)}
 
 
-def _set_impl(monkeypatch, variant):
-    if variant is None:
-        monkeypatch.delenv("TRACE_EXT_QUANT_IMPL", raising=False)
+def set_switch(monkeypatch, name, value):
+    """Environment switch `name` = value for the rest of the test (None: unset; the kernels read it per call)."""
+    if value is None:
+        monkeypatch.delenv(name, raising=False)
     else:
-        monkeypatch.setenv("TRACE_EXT_QUANT_IMPL", variant)
+        monkeypatch.setenv(name, value)
+
+
+def _set_impl(monkeypatch, variant):
+    set_switch(monkeypatch, "TRACE_EXT_QUANT_IMPL", variant)
 
 
 def lean3_input(R: int, K: int, dtype: torch.dtype, seed: int) -> torch.Tensor:

@@ -16,7 +16,8 @@ import torch
 from trace_ext import ops
 
 from test_quant_fake_lean3_gpu import assert_same_fake, fake_all
-from test_quant_rowg_lean3_gpu import assert_same_all, assert_same_q, launched, lean3_input, quantize_all
+from test_quant_rowg_lean3_gpu import (assert_same_all, assert_same_q, launched, lean3_input, quantize_all,
+                                      set_switch)
 
 pytestmark = pytest.mark.gpu
 
@@ -39,10 +40,7 @@ def test_team_bar_same_bits(monkeypatch, R, K, dtype):
     want_q, want_f = quantize_all(x), fake_all(x)
     assert_same_q(want_q[0], ops.nvfp4_quantize(x, backend="reference"), f"{ENV}=0 {R}x{K} {dtype} vs reference")
     for setting in (None, "1"):
-        if setting is None:
-            monkeypatch.delenv(ENV, raising=False)
-        else:
-            monkeypatch.setenv(ENV, setting)
+        set_switch(monkeypatch, ENV, setting)
         assert any(KERNEL in n for n in launched(lambda: ops.nvfp4_fake_quantize(x, backend="cuda")))
         assert_same_all(quantize_all(x), want_q, f"{ENV}={setting} {R}x{K} {dtype}")
         assert_same_fake(fake_all(x), want_f, f"{ENV}={setting} fake {R}x{K} {dtype}")
