@@ -4,7 +4,8 @@
 // Three traffic shapes, each with the load flavours below:
 //   read:   a bare read of N bytes (16 B per lane, grid stride, U loads in flight per thread; one word per thread
 //           written), the decode GEMMs' weight stream (33 MB: M = 1 14336 x 4096; 14 / 7 MB: Qwen3 T = 1 top-8
-//           gate_up / down);
+//           gate_up / down; 75 / 151 / 302 MB: the FP4 KV cache bytes of bench_kv's decode cases B1 S128K / B32 S8K
+//           and B64 S4K / B8 Hkv8 S32K);
 //   quant:  stream_rw_staged.cu's reg kernel (the lean quantizer's shape: 2 B read, 0.5625 B written per element,
 //           2 blocks per lane, 4 tiles per warp), with W rounds of 16 FMAs per block (W 0 / 8 ~ 9 / 17 instructions
 //           per element), at 2^26 and 2^28 elements;
@@ -155,7 +156,7 @@ int main(int argc, char** argv) {
   printf("cudaMemcpy 1 GiB: %.1f us = %.0f GB/s (read + write): the %% column's anchor\n\n", t_copy, copy_gbs);
 
   printf("## read: bare read of N bytes\n\n| MB | flavour | U | grid | us | GB/s | %% copy |\n|---|---|---|---|---|---|---|\n");
-  for (size_t mb : {7, 14, 33, 134}) {
+  for (size_t mb : {7, 14, 33, 75, 134, 151, 302}) {
     const size_t n = mb * 1000 * 1000 / 16 * 16;
     const uint32_t n16 = (uint32_t)(n / 16);
     auto row = [&](const char* flav, int U, int grid, auto kernel) {
