@@ -37,6 +37,10 @@ The per-team barrier of the per-row lean3 kernel (the default for fake quantizat
 MXFP4 RTN with the NVFP4 lean kernels' element code (the default since round 62) against the previous element code
 (=default@TRACE_EXT_MX_RTN_LEAN=0), ~10 s:
   QUANT_IMPL_VARIANTS=default@TRACE_EXT_MX_RTN_LEAN=0 QUANT_IMPL_OPS="mxfp4 rtn" python bench/bench_quant_impl.py
+Guided fake quantization (the trainer's TRACE forward) through the lean3 kernel's FAKE guided instantiations
+(=default@TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3=1) against the generic flat kernel, ~15 s:
+  QUANT_IMPL_VARIANTS=default@TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3=1 QUANT_IMPL_OPS="fake-quant guided" \
+  python bench/bench_quant_impl.py
 A variant may set further switches after "@": the per-row lean kernels as one persistent wave of CTAs (the grid before
 round 52; the default walks at most 4 row groups per CTA), ~20 s:
   QUANT_IMPL_VARIANTS=default@TRACE_EXT_QUANT_LEAN_ITERS=0 QUANT_IMPL_OPS="rtn (per-row" python bench/bench_quant_impl.py
@@ -109,6 +113,11 @@ def main() -> None:
              lambda: op.nvfp4_fake_quantize(x, g, 0, 0, 0, None, None, None, False)),
             ("nvfp4 fake-quant rtn + emit guidance", 4 * n + n // 8 + n // 16 + 4 * R,
              lambda: op.nvfp4_fake_quantize(x, None, 0, 0, 0, None, None, None, True)),
+            ("nvfp4 fake-quant guided compact", 4 * n + compact + n // 16 + 4 * R,
+             lambda: op.nvfp4_fake_quantize(x_train, None, 2, 0, 0, scales, g_out, mbits, False)),
+            ("nvfp4 fake-quant guided compact + emit guidance",
+             4 * n + compact + n // 16 + 4 * R + n // 8 + n // 16 + 4 * R,
+             lambda: op.nvfp4_fake_quantize(x_train, None, 2, 0, 0, scales, g_out, mbits, True)),
             ("nvfp4 fake-quant sr (per-row g fused)", 4 * n,
              lambda: op.nvfp4_fake_quantize(x, None, 1, 7, 0, None, None, None, False)),
             ("mxfp4 rtn", 2 * n + n // 2 + n // 32, lambda: op.mxfp4_quantize(x, 0, 0, 0, False)),

@@ -1217,9 +1217,10 @@ __device__ __forceinline__ uint32_t tid_in_loop() {
 // GIVEN (the default for g given since H200 rounds 58-59 where given_lean3 says so): RTN with g given (p.g, per row or
 // one for all rows through p.g_stride) instead of g from the row's amax: the same walk, loads and element code without
 // the team's amax reduction (no shared memory, no barrier); the next row's g is loaded with its x.
-// MODE kGuidedCompact / kGuidedFull (GIVEN, linear scales, not FAKE; guided_lean3: the default for compact of bf16 x):
+// MODE kGuidedCompact / kGuidedFull (GIVEN, linear scales; guided_lean3: the default for compact quantize of bf16 x):
 // guided quantize, the rollout's g, scale bytes and bits / codes loaded with the next row's x, the blocks quantized by
-// nvfp4_quant_guided_lean_kernel's block code (quantize_guided_block_rz).
+// nvfp4_quant_guided_lean_kernel's block code (quantize_guided_block_rz). With FAKE (fake_guided_lean3, an A/B
+// variant): the trainer's guided fake quantization, y and with CAPTURE the emitted record.
 template <int BPL>
 struct RowSide {  // a row's inputs besides x, loaded with it: GIVEN: g; guided: the rollout's guidance of its blocks
   float g;
@@ -1238,7 +1239,7 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
   constexpr bool kGuided = MODE == kGuidedCompact || MODE == kGuidedFull;
   static_assert(BPL == 1 || BPL == 2, "one or two blocks per lane");
   static_assert(!(FAKE && SWIZZLE), "fake quantization emits linear scales");
-  static_assert(MODE == kRTN || (kGuided && GIVEN && !FAKE && !SWIZZLE), "guided: the rollout's g, linear codes");
+  static_assert(MODE == kRTN || (kGuided && GIVEN && !SWIZZLE), "guided: the rollout's g, linear outputs");
   constexpr bool kScalesOut = !FAKE || CAPTURE;  // scale bytes and g_out exist
   __shared__ uint32_t warp_max[2][kRowLeanThreads / 32];
   const uint32_t lane = threadIdx.x & w.team_mask;
@@ -1656,14 +1657,14 @@ bool launch_rowg_lean(const QuantParams& p, cudaStream_t stream, const char* op,
 // FAKE: RTN fake quantization with g None (the default), linear outputs; with emit_guidance (mbits, scales and g_out
 // all present) or without (only y).
 // GIVEN (given_lean3): RTN with g given (p.g) through the kernel's GIVEN instantiations instead.
-// MODE guided (guided_lean3; GIVEN, not FAKE): guided quantize with linear scales through the kernel's guided
-// instantiations.
+// MODE guided (guided_lean3 / fake_guided_lean3; GIVEN): guided quantize with linear scales, or guided fake
+// quantization, through the kernel's guided instantiations.
 // TEAM_BAR: the per-row (g None) instantiations with per-team named barriers (team_bar_selected).
 template <typename T, bool FAKE = false, bool GIVEN = false, int MODE = kRTN, bool TEAM_BAR = false>
 bool launch_rowg_lean3(const QuantParams& p, cudaStream_t stream, const char* op) {
   static_assert(sizeof(T) == 2, "rowg-lean3 runs 16-bit x only");
   constexpr bool kGuided = MODE == kGuidedCompact || MODE == kGuidedFull;
-  static_assert(!kGuided || (GIVEN && !FAKE), "guided: quantize with the rollout's g");
+  static_assert(!kGuided || GIVEN, "guided: the rollout's g");
   if (kGuided ? p.swizzle || p.guide_g == nullptr : GIVEN != (p.g != nullptr)) return false;
   if constexpr (FAKE) {
     const bool emit = p.mbits != nullptr;
@@ -1698,8 +1699,8 @@ bool launch_rowg_lean3(const QuantParams& p, cudaStream_t stream, const char* op
   };
   const bool capture = p.mbits != nullptr;
   if constexpr (kGuided) {
-    capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, true, false, true, MODE>)
-            : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, false, false, true, MODE>);
+    capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, true, FAKE, true, MODE>)
+            : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, false, FAKE, true, MODE>);
   } else if constexpr (FAKE) {
     capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, true, true, GIVEN, kRTN, TEAM_BAR>)
             : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, false, true, GIVEN, kRTN, TEAM_BAR>);
@@ -1789,6 +1790,14 @@ bool guided_lean3(int mode, bool bf16) {
   return env_switch("TRACE_EXT_QUANT_GUIDED_LEAN3", mode == kGuidedCompact && bf16);
 }
 
+// TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3=1 (read per call; an A/B knob): guided fake quantization of 16-bit x (the
+// trainer's TRACE forward, with or without emit_guidance) through nvfp4_quant_rowg_lean3_kernel's FAKE guided
+// instantiations (2 <= kb <= 512) instead of the generic flat kernel.
+bool fake_guided_lean3() {
+  const char* v = std::getenv("TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
 template <bool FAKE, typename T>
 void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_t stream, const char* op) {
   const int impl = quant_impl();
@@ -1811,7 +1820,14 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
           break;
         if (rtn_fused_g && launch_rowg_lean3<T, FAKE>(p, stream, op)) break;
         if (!rowg && rounding == kRTN && given_lean3(p.kb) && launch_rowg_lean3<T, FAKE, true>(p, stream, op)) break;
-        if constexpr (!FAKE) {
+        if constexpr (FAKE) {
+          if (rounding == kGuidedCompact && fake_guided_lean3() &&
+              launch_rowg_lean3<T, true, true, kGuidedCompact>(p, stream, op))
+            break;
+          if (rounding == kGuidedFull && fake_guided_lean3() &&
+              launch_rowg_lean3<T, true, true, kGuidedFull>(p, stream, op))
+            break;
+        } else {
           constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
           if (rounding == kGuidedCompact && guided_lean3(kGuidedCompact, kBf16) &&
               launch_rowg_lean3<T, false, true, kGuidedCompact>(p, stream, op))
