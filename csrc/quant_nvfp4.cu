@@ -1793,10 +1793,7 @@ bool guided_lean3(int mode, bool bf16) {
 // TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3=1 (read per call; an A/B knob): guided fake quantization of 16-bit x (the
 // trainer's TRACE forward, with or without emit_guidance) through nvfp4_quant_rowg_lean3_kernel's FAKE guided
 // instantiations (2 <= kb <= 512) instead of the generic flat kernel.
-bool fake_guided_lean3() {
-  const char* v = std::getenv("TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3");
-  return v != nullptr && std::strcmp(v, "1") == 0;
-}
+bool fake_guided_lean3() { return env_switch("TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3", false); }
 
 template <bool FAKE, typename T>
 void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_t stream, const char* op) {

@@ -21,7 +21,7 @@ from test_quant_given_lean3_gpu import SHAPES
 from test_quant_gpu import assert_same
 from test_quant_guided_lean_gpu import adversarial, random_record
 from test_quant_impl_gpu import guided_inputs
-from test_quant_rowg_lean3_gpu import DEV, launched, lean3_input, lean3_takes
+from test_quant_rowg_lean3_gpu import DEV, launched, lean3_input, lean3_takes, set_switch
 
 pytestmark = pytest.mark.gpu
 
@@ -36,10 +36,7 @@ def _default_impl(monkeypatch):
 
 
 def fake(monkeypatch, on, x, rec, capture=False, backend="cuda"):
-    if on:
-        monkeypatch.setenv(ENV, "1")
-    else:
-        monkeypatch.delenv(ENV, raising=False)
+    set_switch(monkeypatch, ENV, "1" if on else None)
     return ops.nvfp4_fake_quantize(x, rounding="guided", guidance=rec, capture=capture, backend=backend)
 
 
