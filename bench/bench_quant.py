@@ -2,7 +2,8 @@
 
 Timing of record: bench.common.do_bench_cold (median, L2 flushed before every call). Each row reports the
 bytes the op must move (x read 2 B + codes 0.5 B + scales 1/16 B per element; guided adds the rollout's record
-per row; dequantize reads 0.5625 B and writes 2 B), GB/s, and % of the device-to-device copy bandwidth measured
+per row; dequantize reads 0.5625 B and writes 2 B; fake quantization (the trainer's forward) reads 2 B and writes
+2 B, plus the record for guided), GB/s, and % of the device-to-device copy bandwidth measured
 in the same run, against the targets: RTN >= 80%, SR >= 72%, guided >= 72%, dequantize >= 80%.
 
 Run from the repo root with the package installed:  python bench/bench_quant.py
@@ -24,15 +25,15 @@ SHAPES = ((16384, 4096), (65536, 4096))  # 2^26 and 2^28 elements
 TARGET = {"rtn": 80.0, "sr": 72.0, "guided": 72.0, "dequant": 80.0}
 
 
-def nvfp4_inputs(op, R, K):
-    """Inputs shared by the NVFP4 quantize benchmarks for an R x K bf16 activation: x, its per-row g, the default
-    quantization (codes, scales, g), a perturbed trainer-side x and the mantissa bits of the codes, and the bytes
-    moved: quantize (x read, codes + scales written), compact and full guidance records read."""
+def nvfp4_inputs(op, R, K, dtype=torch.bfloat16):
+    """Inputs shared by the NVFP4 quantize benchmarks for an R x K activation (bf16 unless dtype): x, its per-row g,
+    the default quantization (codes, scales, g), a perturbed trainer-side x and the mantissa bits of the codes, and the
+    bytes moved: quantize (x read, codes + scales written), compact and full guidance records read."""
     n = R * K
-    x = torch.randn(R, K, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(R, K, device="cuda", dtype=dtype)
     g = ref.nvfp4_global_scale(x, "row").contiguous()
     codes, scales, g_out, _ = op.nvfp4_quantize(x, None, 0, 0, 0, None, None, None, False, False)
-    x_train = (x.float() * (1 + 1e-3 * torch.randn_like(x, dtype=torch.float32))).to(torch.bfloat16)
+    x_train = (x.float() * (1 + 1e-3 * torch.randn_like(x, dtype=torch.float32))).to(dtype)
     mbits = ref.mantissa_bits_of_codes(codes)
     q_bytes = 2 * n + n // 2 + n // 16
     compact = R * (K // 8 + K // 16 + 4)
@@ -66,6 +67,8 @@ def main() -> None:
              lambda: op.nvfp4_quantize(x, None, 0, 0, 0, None, None, None, False, True)),
             ("nvfp4 fake-quant rtn (bf16 out)", "rtn", 4 * n,
              lambda: op.nvfp4_fake_quantize(x, None, 0, 0, 0, None, None, None, False)),
+            ("nvfp4 fake-quant guided compact (bf16 out)", "guided", 4 * n + compact,
+             lambda: op.nvfp4_fake_quantize(x_train, None, 2, 0, 0, scales, g_out, mbits, False)),
             ("nvfp4 dequantize -> bf16", "dequant", n // 2 + n // 16 + 4 * R + 2 * n,
              lambda: op.nvfp4_dequantize(codes, scales, g_out, torch.bfloat16)),
             ("mxfp4 rtn", "rtn", 2 * n + n // 2 + n // 32, lambda: op.mxfp4_quantize(x, 0, 0, 0, False)),

@@ -37,10 +37,12 @@ The per-team barrier of the per-row lean3 kernel (the default for fake quantizat
 MXFP4 RTN with the NVFP4 lean kernels' element code (the default since round 62) against the previous element code
 (=default@TRACE_EXT_MX_RTN_LEAN=0), ~10 s:
   QUANT_IMPL_VARIANTS=default@TRACE_EXT_MX_RTN_LEAN=0 QUANT_IMPL_OPS="mxfp4 rtn" python bench/bench_quant_impl.py
-Guided fake quantization (the trainer's TRACE forward) through the lean3 kernel's FAKE guided instantiations
-(=default@TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3=1) against the generic flat kernel, ~15 s:
-  QUANT_IMPL_VARIANTS=default@TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3=1 QUANT_IMPL_OPS="fake-quant guided" \
+Guided fake quantization (the trainer's TRACE forward) of bf16 x through the lean3 kernel's FAKE guided instantiations
+(the default since round 63) against the generic flat kernel (=default@TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3=0), ~15 s:
+  QUANT_IMPL_VARIANTS=default@TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3=0 QUANT_IMPL_OPS="fake-quant guided" \
   python bench/bench_quant_impl.py
+QUANT_IMPL_DTYPE=fp16 times fp16 x instead of bf16 (e.g. =default@TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3=1 for fp16's
+lean3 path, not the default).
 A variant may set further switches after "@": the per-row lean kernels as one persistent wave of CTAs (the grid before
 round 52; the default walks at most 4 row groups per CTA), ~20 s:
   QUANT_IMPL_VARIANTS=default@TRACE_EXT_QUANT_LEAN_ITERS=0 QUANT_IMPL_OPS="rtn (per-row" python bench/bench_quant_impl.py
@@ -68,6 +70,7 @@ ENV = "TRACE_EXT_QUANT_IMPL"
 if os.environ.get("QUANT_IMPL_SHAPES"):
     SHAPES = tuple(tuple(int(d) for d in s.split("x")) for s in os.environ["QUANT_IMPL_SHAPES"].split(",") if s)
 OPS = tuple(w for w in os.environ.get("QUANT_IMPL_OPS", "").split(",") if w)
+DTYPE = os.environ.get("QUANT_IMPL_DTYPE", "bf16")  # x's dtype: bf16 or fp16
 
 
 def with_variant(v: str, fn):
@@ -86,7 +89,7 @@ def main() -> None:
     for R, K in SHAPES:
         n = R * K
         x, g, codes, scales, g_out, x_train, mbits, q_bytes, compact, full = with_variant(
-            "default", lambda: nvfp4_inputs(op, R, K))
+            "default", lambda: nvfp4_inputs(op, R, K, {"bf16": torch.bfloat16, "fp16": torch.float16}[DTYPE]))
         g1 = g[:1].contiguous()  # one g for every row (a weight's per-tensor g)
         cases = [
             ("nvfp4 rtn (per-row g fused)", q_bytes + 4 * R,
@@ -134,14 +137,14 @@ def main() -> None:
                     best[v] = min(best[v], with_variant(v, lambda: do_bench_cold(fn)))
             for v in VARIANTS:
                 gbs = nbytes / (best[v] * 1e-3) / 1e9
-                rows.append({"op": name, "shape": f"{R}x{K}", "variant": v, "ms": best[v], "GB/s": gbs,
+                rows.append({"op": name, "shape": f"{R}x{K}" + ("" if DTYPE == "bf16" else f" {DTYPE}"), "variant": v, "ms": best[v], "GB/s": gbs,
                              "% copy": 100.0 * gbs / copy_gbs,
                              "vs default": best["default"] / best[v],
                              "codes equal": same})
         del x, x_train, codes, scales, g_out, mbits
         torch.cuda.empty_cache()
     print_table(rows)
-    env = " ".join(f"{k}={os.environ[k]!r}" for k in ("QUANT_IMPL_VARIANTS", "QUANT_IMPL_OPS", "QUANT_IMPL_SHAPES")
+    env = " ".join(f"{k}={os.environ[k]!r}" for k in ("QUANT_IMPL_VARIANTS", "QUANT_IMPL_OPS", "QUANT_IMPL_SHAPES", "QUANT_IMPL_DTYPE")
                    if os.environ.get(k))
     path = write_results("quant_impl_h200", rows, env_stamp((env + " " if env else "") + "python bench/bench_quant_impl.py"),
                          notes=f"copy bandwidth {copy_gbs:.1f} GB/s; variants via {ENV} (read per call)")

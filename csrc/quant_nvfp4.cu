@@ -100,6 +100,9 @@
 //   kernel (its GIVEN / guided instantiations: the next row's x, g and guidance in flight) instead of the flat tile
 //   walk, 1.05-1.12x / 1.02-1.04x; the lean3 fake quantization waits on per-team named barriers (team_bar_selected),
 //   1.01-1.04x.
+// - Default since H200 round 63 (TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3=0 keeps the flat kernel): guided fake quantization of
+//   bf16 x (the trainer's TRACE forward) through the lean3 kernel's FAKE guided instantiations (fake_guided_lean3),
+//   1.21-1.33x.
 // - Swizzled scales: written at their 128x4 offsets; the zero padding is written by the same launch
 //   (a grid-stride pass over the padded bytes of the last row tile and the last column chunk of each tile).
 #include <ATen/ATen.h>
@@ -1790,10 +1793,13 @@ bool guided_lean3(int mode, bool bf16) {
   return env_switch("TRACE_EXT_QUANT_GUIDED_LEAN3", mode == kGuidedCompact && bf16);
 }
 
-// TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3=1 (read per call; an A/B knob): guided fake quantization of 16-bit x (the
-// trainer's TRACE forward, with or without emit_guidance) through nvfp4_quant_rowg_lean3_kernel's FAKE guided
-// instantiations (2 <= kb <= 512) instead of the generic flat kernel.
-bool fake_guided_lean3() { return env_switch("TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3", false); }
+// Guided fake quantization of bf16 x (the trainer's TRACE forward, with or without emit_guidance; compact and full)
+// goes through nvfp4_quant_rowg_lean3_kernel's FAKE guided instantiations (2 <= kb <= 512) instead of the generic flat
+// kernel. H200 round 63 (fake_guided_lean3_ab_h200{,_run2}.md, two timings, bit-equal): compact 1.30-1.33x (62.8% ->
+// 83.5% of copy at 2^26, 70.0% -> 92.2% at 2^28), with emit_guidance 1.28-1.32x, full 1.21-1.25x at K 2048 / 4096.
+// fp16 x keeps the flat kernel (its instantiations spill 48-88 B at 64 registers). TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3
+// (read per call; an A/B knob): =0 never, =1 for bf16 and fp16.
+bool fake_guided_lean3(bool bf16) { return env_switch("TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3", bf16); }
 
 template <bool FAKE, typename T>
 void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_t stream, const char* op) {
@@ -1810,22 +1816,22 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
       launch_quant_impl<FAKE, T, kImplLean>(p, rounding, rowg, stream, op);
       break;
     case kImplRowgLean3:  // the default: sr-row, except RTN quantize and RTN fake quantization of 16-bit x with
-                          // g None (and g given: given_lean3; guided compact of bf16 x: guided_lean3) through the
-                          // lean3 kernel
+                          // g None (and g given: given_lean3; guided compact quantize of bf16 x: guided_lean3;
+                          // guided fake quantization of bf16 x: fake_guided_lean3) through the lean3 kernel
       if constexpr (sizeof(T) == 2) {
         if (rtn_fused_g && team_bar_selected(FAKE) && launch_rowg_lean3<T, FAKE, false, kRTN, true>(p, stream, op))
           break;
         if (rtn_fused_g && launch_rowg_lean3<T, FAKE>(p, stream, op)) break;
         if (!rowg && rounding == kRTN && given_lean3(p.kb) && launch_rowg_lean3<T, FAKE, true>(p, stream, op)) break;
+        constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
         if constexpr (FAKE) {
-          if (rounding == kGuidedCompact && fake_guided_lean3() &&
+          if (rounding == kGuidedCompact && fake_guided_lean3(kBf16) &&
               launch_rowg_lean3<T, true, true, kGuidedCompact>(p, stream, op))
             break;
-          if (rounding == kGuidedFull && fake_guided_lean3() &&
+          if (rounding == kGuidedFull && fake_guided_lean3(kBf16) &&
               launch_rowg_lean3<T, true, true, kGuidedFull>(p, stream, op))
             break;
         } else {
-          constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
           if (rounding == kGuidedCompact && guided_lean3(kGuidedCompact, kBf16) &&
               launch_rowg_lean3<T, false, true, kGuidedCompact>(p, stream, op))
             break;

@@ -1,12 +1,12 @@
-"""TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3=1 (an A/B variant): guided fake quantization of 16-bit x (the trainer's TRACE
-forward, with and without emit_guidance) through nvfp4_quant_rowg_lean3_kernel's FAKE guided instantiations (the per-row
-walk with the rollout's g, scale bytes and bits / codes in flight; the guided lean kernel's block code) instead of the
-generic flat kernel.
+"""Guided fake quantization (the trainer's TRACE forward, with and without emit_guidance) of bf16 x runs through
+nvfp4_quant_rowg_lean3_kernel's FAKE guided instantiations by default (the per-row walk with the rollout's g, scale bytes
+and bits / codes in flight; the guided lean kernel's block code); TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3=1 also takes them
+for fp16 x, =0 keeps the generic flat kernel.
 
-Protects: y (every bit, NaN included) and the emitted record (mbits, scale bytes, g) equal the default's and the
-reference's, on every dense value with every payload (t = 1), the guided lean tests' adversarial records and inputs,
-random and own records on the lean3 team shapes; the variant runs the lean3 kernel exactly where it should (16-bit x,
-2 <= K / 16 <= 512) and the default never does for fake quantization with guidance.
+Protects: y (every bit, NaN included) and the emitted record (mbits, scale bytes, g) equal the reference's under every
+setting, on every dense value with every payload (t = 1), the guided lean tests' adversarial records and inputs,
+random and own records on the lean3 team shapes; the lean3 kernel runs exactly where each setting says (16-bit x,
+2 <= K / 16 <= 512; bf16 only by default; never with =0).
 Run: pytest tests/gpu/test_quant_fake_guided_lean3_gpu.py -q   (on the H200, with the extension built; ~1 min)
 """
 from __future__ import annotations
@@ -35,24 +35,30 @@ def _default_impl(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
 
 
-def fake(monkeypatch, on, x, rec, capture=False, backend="cuda"):
-    set_switch(monkeypatch, ENV, "1" if on else None)
+def fake(monkeypatch, setting, x, rec, capture=False, backend="cuda"):
+    set_switch(monkeypatch, ENV, setting)
     return ops.nvfp4_fake_quantize(x, rounding="guided", guidance=rec, capture=capture, backend=backend)
 
 
+def takes_lean3(setting, x) -> bool:
+    """Where the setting of TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3 (None: unset, the default) runs the lean3 kernel."""
+    on = {"1": True, "0": False, None: x.dtype == torch.bfloat16}[setting]
+    return on and lean3_takes(x.shape[-1], x.dtype)
+
+
 def check(monkeypatch, x, rec, what):
-    """=1 == the default == the reference: y, and with capture y and the record; the kernel runs where it should."""
-    want_y, want_rec = fake(monkeypatch, False, x, rec, True, backend="reference")
-    for on in (True, False):
-        assert_same(fake(monkeypatch, on, x, rec), want_y, f"{what}: y (variant {on}) vs reference")
-        y, got = fake(monkeypatch, on, x, rec, True)
-        assert_same(y, want_y, f"{what}: y with capture (variant {on})")
-        assert torch.equal(got.payload, want_rec.payload), f"{what}: mbits (variant {on})"
-        assert torch.equal(got.scales, want_rec.scales), f"{what}: scales (variant {on})"
-        assert_same(got.g.reshape(-1), want_rec.g.reshape(-1).float(), f"{what}: g (variant {on})")
+    """Every setting == the reference: y, and with capture y and the record; the kernel runs where it should."""
+    want_y, want_rec = fake(monkeypatch, None, x, rec, True, backend="reference")
+    for setting in ("1", "0", None):
+        assert_same(fake(monkeypatch, setting, x, rec), want_y, f"{what}: y (setting {setting}) vs reference")
+        y, got = fake(monkeypatch, setting, x, rec, True)
+        assert_same(y, want_y, f"{what}: y with capture (setting {setting})")
+        assert torch.equal(got.payload, want_rec.payload), f"{what}: mbits (setting {setting})"
+        assert torch.equal(got.scales, want_rec.scales), f"{what}: scales (setting {setting})"
+        assert_same(got.g.reshape(-1), want_rec.g.reshape(-1).float(), f"{what}: g (setting {setting})")
         for cap in (False, True):
-            names = launched(lambda: fake(monkeypatch, on, x, rec, cap))
-            assert any(KERNEL in n for n in names) == (on and lean3_takes(x.shape[-1], x.dtype)), (what, on, cap)
+            names = launched(lambda: fake(monkeypatch, setting, x, rec, cap))
+            assert any(KERNEL in n for n in names) == takes_lean3(setting, x), (what, setting, cap)
 
 
 @pytest.mark.parametrize("kind", ("compact", "full"))

@@ -103,8 +103,10 @@ def test_fake_lean3_scale_edges(monkeypatch):
 def test_fake_lean3_changes_nothing_else(monkeypatch):
     """The switch changes only RTN fake quantization with g None: SR, guided and g-given fake quantization and RTN
     quantize give the default's outputs, and none of the fake ones runs the lean3 kernel. (g given through lean3 is
-    its own switch, off here: tests/gpu/test_quant_given_lean3_gpu.py.)"""
+    its own switch, off here: tests/gpu/test_quant_given_lean3_gpu.py; so is guided fake quantization through lean3:
+    tests/gpu/test_quant_fake_guided_lean3_gpu.py.)"""
     monkeypatch.setenv("TRACE_EXT_QUANT_GIVEN_LEAN3", "0")
+    monkeypatch.setenv("TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3", "0")
     gen = torch.Generator(device=DEV).manual_seed(23)
     x = torch.randn(333, 2048, generator=gen, device=DEV).to(torch.bfloat16)
     rec = ref.guidance_from_quantized(ref.nvfp4_quantize((x.float() * 1.001).to(torch.bfloat16)), "compact")

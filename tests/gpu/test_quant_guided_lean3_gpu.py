@@ -91,7 +91,9 @@ def test_records_on_lean3_shapes(monkeypatch, R, K, kind, dtype):
 
 def test_other_paths_unchanged(monkeypatch):
     """The switch changes guided quantize with linear scales only: guided swizzled quantize and guided fake
-    quantization keep their kernels and bits."""
+    quantization keep their kernels and bits. (Guided fake quantization through lean3 is its own switch, off here:
+    tests/gpu/test_quant_fake_guided_lean3_gpu.py.)"""
+    monkeypatch.setenv("TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3", "0")
     gen = torch.Generator(device=DEV).manual_seed(5)
     x = torch.randn(333, 4096, generator=gen, device=DEV).to(torch.bfloat16)
     rec = ref.guidance_from_quantized(ref.nvfp4_quantize((x.float() * 1.001).to(torch.bfloat16)), "compact")
