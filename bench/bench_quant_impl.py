@@ -37,12 +37,11 @@ The per-team barrier of the per-row lean3 kernel (the default for fake quantizat
 MXFP4 RTN with the NVFP4 lean kernels' element code (the default since round 62) against the previous element code
 (=default@TRACE_EXT_MX_RTN_LEAN=0), ~10 s:
   QUANT_IMPL_VARIANTS=default@TRACE_EXT_MX_RTN_LEAN=0 QUANT_IMPL_OPS="mxfp4 rtn" python bench/bench_quant_impl.py
-Guided fake quantization (the trainer's TRACE forward) of bf16 x through the lean3 kernel's FAKE guided instantiations
-(the default since round 63) against the generic flat kernel (=default@TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3=0), ~15 s:
+Guided fake quantization (the trainer's TRACE forward) through the lean3 kernel's FAKE guided instantiations (the
+default since rounds 63-65) against the generic flat kernel (=default@TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3=0), ~15 s:
   QUANT_IMPL_VARIANTS=default@TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3=0 QUANT_IMPL_OPS="fake-quant guided" \
   python bench/bench_quant_impl.py
-QUANT_IMPL_DTYPE=fp16 times fp16 x instead of bf16 (e.g. =default@TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3=1 for fp16's
-lean3 path, not the default).
+QUANT_IMPL_DTYPE=fp16 times fp16 x instead of bf16.
 A variant may set further switches after "@": the per-row lean kernels as one persistent wave of CTAs (the grid before
 round 52; the default walks at most 4 row groups per CTA), ~20 s:
   QUANT_IMPL_VARIANTS=default@TRACE_EXT_QUANT_LEAN_ITERS=0 QUANT_IMPL_OPS="rtn (per-row" python bench/bench_quant_impl.py

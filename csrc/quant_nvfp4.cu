@@ -100,9 +100,9 @@
 //   kernel (its GIVEN / guided instantiations: the next row's x, g and guidance in flight) instead of the flat tile
 //   walk, 1.05-1.12x / 1.02-1.04x; the lean3 fake quantization waits on per-team named barriers (team_bar_selected),
 //   1.01-1.04x.
-// - Default since H200 round 63 (TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3=0 keeps the flat kernel): guided fake quantization of
-//   bf16 x (the trainer's TRACE forward) through the lean3 kernel's FAKE guided instantiations (fake_guided_lean3),
-//   1.21-1.33x.
+// - Default since H200 rounds 63-65 (TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3=0 keeps the flat kernel): guided fake
+//   quantization of 16-bit x (the trainer's TRACE forward) through the lean3 kernel's FAKE guided instantiations
+//   (fake_guided_lean3), 1.03-1.33x.
 // - Swizzled scales: written at their 128x4 offsets; the zero padding is written by the same launch
 //   (a grid-stride pass over the padded bytes of the last row tile and the last column chunk of each tile).
 #include <ATen/ATen.h>
@@ -1222,8 +1222,8 @@ __device__ __forceinline__ uint32_t tid_in_loop() {
 // the team's amax reduction (no shared memory, no barrier); the next row's g is loaded with its x.
 // MODE kGuidedCompact / kGuidedFull (GIVEN, linear scales; guided_lean3: the default for compact quantize of bf16 x):
 // guided quantize, the rollout's g, scale bytes and bits / codes loaded with the next row's x, the blocks quantized by
-// nvfp4_quant_guided_lean_kernel's block code (quantize_guided_block_rz). With FAKE (fake_guided_lean3, an A/B
-// variant): the trainer's guided fake quantization, y and with CAPTURE the emitted record.
+// nvfp4_quant_guided_lean_kernel's block code (quantize_guided_block_rz). With FAKE (fake_guided_lean3: the default
+// since round 65): the trainer's guided fake quantization, y and with CAPTURE the emitted record.
 template <int BPL>
 struct RowSide {  // a row's inputs besides x, loaded with it: GIVEN: g; guided: the rollout's guidance of its blocks
   float g;
@@ -1793,13 +1793,14 @@ bool guided_lean3(int mode, bool bf16) {
   return env_switch("TRACE_EXT_QUANT_GUIDED_LEAN3", mode == kGuidedCompact && bf16);
 }
 
-// Guided fake quantization of bf16 x (the trainer's TRACE forward, with or without emit_guidance; compact and full)
+// Guided fake quantization of 16-bit x (the trainer's TRACE forward, with or without emit_guidance; compact and full)
 // goes through nvfp4_quant_rowg_lean3_kernel's FAKE guided instantiations (2 <= kb <= 512) instead of the generic flat
-// kernel. H200 round 63 (fake_guided_lean3_ab_h200{,_run2}.md, two timings, bit-equal): compact 1.30-1.33x (62.8% ->
-// 83.5% of copy at 2^26, 70.0% -> 92.2% at 2^28), with emit_guidance 1.28-1.32x, full 1.21-1.25x at K 2048 / 4096.
-// fp16 x keeps the flat kernel (its instantiations spill 48-88 B at 64 registers). TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3
-// (read per call; an A/B knob): =0 never, =1 for bf16 and fp16.
-bool fake_guided_lean3(bool bf16) { return env_switch("TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3", bf16); }
+// kernel. H200 rounds 63-65, bit-equal. bf16 (fake_guided_lean3_ab_h200{,_run2}.md, fake_guided_lean3_k_ab_h200.md):
+// compact 1.30-1.33x at K 2048 / 4096 / 7168 (62.8% -> 83.5% of copy at 2^26, 70.0% -> 92.2% at 2^28), 1.09-1.13x at
+// K 768, with emit_guidance 1.05-1.32x, full 1.03-1.25x. fp16 (its instantiations spill 48-88 B at 64 registers;
+// fp16_lean3_guided_ab_h200.md, fp16_fake_guided_default_ab_h200.md): 1.06-1.15x at K 4096.
+// TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3 (read per call; an A/B knob): =0 keeps the flat kernel.
+bool fake_guided_lean3() { return env_switch("TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3", true); }
 
 template <bool FAKE, typename T>
 void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_t stream, const char* op) {
@@ -1817,7 +1818,7 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
       break;
     case kImplRowgLean3:  // the default: sr-row, except RTN quantize and RTN fake quantization of 16-bit x with
                           // g None (and g given: given_lean3; guided compact quantize of bf16 x: guided_lean3;
-                          // guided fake quantization of bf16 x: fake_guided_lean3) through the lean3 kernel
+                          // guided fake quantization: fake_guided_lean3) through the lean3 kernel
       if constexpr (sizeof(T) == 2) {
         if (rtn_fused_g && team_bar_selected(FAKE) && launch_rowg_lean3<T, FAKE, false, kRTN, true>(p, stream, op))
           break;
@@ -1825,10 +1826,10 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
         if (!rowg && rounding == kRTN && given_lean3(p.kb) && launch_rowg_lean3<T, FAKE, true>(p, stream, op)) break;
         constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
         if constexpr (FAKE) {
-          if (rounding == kGuidedCompact && fake_guided_lean3(kBf16) &&
+          if (rounding == kGuidedCompact && fake_guided_lean3() &&
               launch_rowg_lean3<T, true, true, kGuidedCompact>(p, stream, op))
             break;
-          if (rounding == kGuidedFull && fake_guided_lean3(kBf16) &&
+          if (rounding == kGuidedFull && fake_guided_lean3() &&
               launch_rowg_lean3<T, true, true, kGuidedFull>(p, stream, op))
             break;
         } else {

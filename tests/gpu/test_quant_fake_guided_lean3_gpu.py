@@ -1,12 +1,12 @@
-"""Guided fake quantization (the trainer's TRACE forward, with and without emit_guidance) of bf16 x runs through
+"""Guided fake quantization (the trainer's TRACE forward, with and without emit_guidance) of 16-bit x runs through
 nvfp4_quant_rowg_lean3_kernel's FAKE guided instantiations by default (the per-row walk with the rollout's g, scale bytes
-and bits / codes in flight; the guided lean kernel's block code); TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3=1 also takes them
-for fp16 x, =0 keeps the generic flat kernel.
+and bits / codes in flight; the guided lean kernel's block code); TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3=0 keeps the generic
+flat kernel (=1 names the default).
 
 Protects: y (every bit, NaN included) and the emitted record (mbits, scale bytes, g) equal the reference's under every
 setting, on every dense value with every payload (t = 1), the guided lean tests' adversarial records and inputs,
 random and own records on the lean3 team shapes; the lean3 kernel runs exactly where each setting says (16-bit x,
-2 <= K / 16 <= 512; bf16 only by default; never with =0).
+2 <= K / 16 <= 512; never with =0).
 Run: pytest tests/gpu/test_quant_fake_guided_lean3_gpu.py -q   (on the H200, with the extension built; ~1 min)
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ def fake(monkeypatch, setting, x, rec, capture=False, backend="cuda"):
 
 def takes_lean3(setting, x) -> bool:
     """Where the setting of TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3 (None: unset, the default) runs the lean3 kernel."""
-    on = {"1": True, "0": False, None: x.dtype == torch.bfloat16}[setting]
+    on = setting != "0"
     return on and lean3_takes(x.shape[-1], x.dtype)
 
 
