@@ -1798,7 +1798,7 @@ bool guided_lean3(int mode, bool bf16) {
 // kernel. H200 rounds 63-65, bit-equal. bf16 (fake_guided_lean3_ab_h200{,_run2}.md, fake_guided_lean3_k_ab_h200.md):
 // compact 1.30-1.33x at K 2048 / 4096 / 7168 (62.8% -> 83.5% of copy at 2^26, 70.0% -> 92.2% at 2^28), 1.09-1.13x at
 // K 768, with emit_guidance 1.05-1.32x, full 1.03-1.25x. fp16 (its instantiations spill 48-88 B at 64 registers;
-// fp16_lean3_guided_ab_h200.md, fp16_fake_guided_default_ab_h200.md): 1.06-1.15x at K 4096.
+// fp16_lean3_guided_ab_h200.md, fp16_fake_guided_default_ab_h200.md): 1.06-1.15x at K 4096 / 7168.
 // TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3 (read per call; an A/B knob): =0 keeps the flat kernel.
 bool fake_guided_lean3() { return env_switch("TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3", true); }
 
