@@ -139,6 +139,7 @@ __global__ void __launch_bounds__(512, 1) async_kernel(const uint8_t* __restrict
   out[blockIdx.x * blockDim.x + threadIdx.x] = acc;
 }
 
+#ifndef PROBE_LIBRARY  // stream_dobench.cu includes the kernels above without this driver
 int main(int argc, char** argv) {
   print_probe_header("l2_prefetch: global loads with and without the L2 prefetch-size qualifier, cold L2", argc, argv);
   int sms = 0;
@@ -218,3 +219,4 @@ int main(int argc, char** argv) {
   CK(cudaFree(out));
   return 0;
 }
+#endif  // PROBE_LIBRARY
