@@ -67,11 +67,26 @@ __device__ __forceinline__ bool mx_block_codes_sr_lean(const float (&x)[kMxfp4Bl
   return true;
 }
 
+// RTN codes of N elements of a finite MX block with scale exponent e, the NVFP4 lean kernels' element code: the grid
+// value by one power-of-two magic add (e2m1_rn_grid_pow2_x2m14, unsaturated), the signs by byte permutes, saturated
+// when packed (e2m1_pack8_abs_x2m14<true>); u = |x| 2^(-e-14) < 8 2^-14 is the pow2 routine's range. Nibble i % 8 of
+// w[i / 8] = element i.
+template <int N>
+__device__ __forceinline__ void mx_rtn_lean_words(const float (&x)[N], int e, uint32_t (&w)[N / 8]) {
+  const float inv14 = exp2_exact(-e - 14);
+#pragma unroll
+  for (int k = 0; k < N / 8; ++k) {
+    const SignBytes8 sb = sign_bytes8_at(x, k);
+    float g[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) g[i] = e2m1_rn_grid_pow2_x2m14(__fmul_rn(fabsf(x[8 * k + i]), inv14));
+    w[k] = e2m1_pack8_abs_x2m14<true>(g, sb);
+  }
+}
+
 // Codes of one finite MX block with scale exponent e (SPEC 3, 4): 4 words of 8 codes. kSrLean: SR through
-// mx_block_codes_sr_lean where it applies. kRtnLean (the default since H200 round 62, mx_rtn_lean_selected): RTN with
-// the NVFP4 lean kernels' element code: the grid value by one power-of-two magic add (e2m1_rn_grid_pow2_x2m14, unsaturated) and the
-// signs by byte permutes, saturated when packed (e2m1_pack8_abs_x2m14<true>), instead of e2m1_rn_grid_x2m14 and a
-// sign OR per element; the same codes (u = |x| 2^(-e-14) < 8 2^-14: the pow2 routine's range).
+// mx_block_codes_sr_lean where it applies. kRtnLean (the default since H200 round 62, mx_rtn_lean_selected): RTN by
+// mx_rtn_lean_words instead of e2m1_rn_grid_x2m14 and a sign OR per element; the same codes.
 template <int MODE, bool kSrLean = false, bool kRtnLean = false>
 __device__ __forceinline__ uint4 mx_block_codes(const float (&x)[kMxfp4Block], int e, uint64_t b, const MxParams& p) {
   uint32_t w[4];
@@ -80,15 +95,7 @@ __device__ __forceinline__ uint4 mx_block_codes(const float (&x)[kMxfp4Block], i
     if (mx_block_codes_sr_lean(x, e, b, m, p, w)) return make_uint4(w[0], w[1], w[2], w[3]);
   }
   if constexpr (MODE == kRTN && kRtnLean) {
-    const float inv14 = exp2_exact(-e - 14);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const SignBytes8 sb = sign_bytes8_at(x, k);
-      float g[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) g[i] = e2m1_rn_grid_pow2_x2m14(__fmul_rn(fabsf(x[8 * k + i]), inv14));
-      w[k] = e2m1_pack8_abs_x2m14<true>(g, sb);
-    }
+    mx_rtn_lean_words(x, e, w);
   } else if constexpr (MODE == kRTN) {
     const float inv14 = exp2_exact(-e - 14);  // v * 2^-14 in one exact multiply (-e - 14 >= -141)
 #pragma unroll
@@ -158,6 +165,50 @@ __global__ void __launch_bounds__(kThreads) mxfp4_quant_kernel(const MxParams p)
   }
 }
 
+// RTN (mx_rtn_lean_words) of 16-bit x with two lanes per 32-element block (TRACE_EXT_MX_HALF=1, an A/B knob): lane l
+// of a warp owns half l % 2 of block 16 tile + l / 2 (16 elements, 32 bytes), so a warp's loads of one vector index
+// cover 1 KB with 32-byte lane strides, as in the NVFP4 lean kernels and the stream probes (tools/probes), instead of
+// 2 KB with 64-byte strides; the block amax takes the partner lane's by one shuffle, each lane stores its 8 code bytes
+// and the even lane the scale byte. Tiles of 16 blocks, the next tile's loads issued before the current one is
+// quantized. Same codes and scales as mxfp4_quant_kernel<T, kRTN, false, true>.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) mxfp4_quant_half_kernel(const MxParams p) {
+  static_assert(sizeof(T) == 2, "16-bit x");
+  constexpr int kHalf = kMxfp4Block / 2;
+  constexpr int kV = ElemTraits<T>::kPerVec;
+  const uint64_t halves = 2 * (uint64_t)p.total_blocks;
+  const uint64_t n_tiles = (halves + 31) / 32;
+  const uint64_t n_warps = (uint64_t)gridDim.x * blockDim.x / 32;
+  const uint32_t lane = threadIdx.x % 32;
+  const T* xp = reinterpret_cast<const T*>(p.x);
+  uint64_t tile = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;  // warp-uniform: the shuffle is safe
+  RawBlock<T, kHalf> cur;
+  if (tile < n_tiles) cur = load_raw_block<T, kHalf>(xp, tile * 32 + lane, tile * 32 + lane < halves);
+  for (; tile < n_tiles; tile += n_warps) {
+    const uint64_t nc = (tile + n_warps) * 32 + lane;
+    RawBlock<T, kHalf> next;
+    if (tile + n_warps < n_tiles) next = load_raw_block<T, kHalf>(xp, nc, nc < halves);
+    const uint64_t c = tile * 32 + lane;  // the lane's half; block c / 2 (a block's two halves exist together)
+    uint32_t mb = raw_max_abs_bits<T>(cur.v);
+    mb = max(mb, __shfl_xor_sync(0xFFFFFFFFu, mb, 1));
+    if (c < halves) {
+      uint32_t w[2] = {0u, 0u};
+      uint8_t scale = kE8M0NaN;
+      if (mb < 0x7F800000u) {
+        const int e = mxfp4_scale_exponent(__uint_as_float(mb), p.scale_ceil);
+        scale = (uint8_t)(e + 127);
+        float x[kHalf];
+#pragma unroll
+        for (int i = 0; i < RawBlock<T, kHalf>::kVecs; ++i) vec_to_float<T>(cur.v[i], x + i * kV);
+        mx_rtn_lean_words(x, e, w);
+      }
+      reinterpret_cast<uint2*>(p.codes)[c] = make_uint2(w[0], w[1]);
+      if ((lane & 1u) == 0u) p.scales[c / 2] = scale;
+    }
+    cur = next;
+  }
+}
+
 // Same warp tiling: 4 code bytes in, 8 values out per chunk (one 16-byte store of bf16 / fp16).
 template <typename T>
 __global__ void __launch_bounds__(kThreads) mxfp4_dequant_kernel(const uint8_t* codes, const uint8_t* scales,
@@ -197,6 +248,9 @@ __global__ void __launch_bounds__(kThreads) mxfp4_dequant_kernel(const uint8_t* 
 // at 2^28, 86% -> 93%). TRACE_EXT_MX_RTN_LEAN=0 (read per call; an A/B knob) keeps the previous element code.
 bool mx_rtn_lean_selected() { return env_switch("TRACE_EXT_MX_RTN_LEAN", true); }
 
+// TRACE_EXT_MX_HALF=1 (read per call; an A/B knob): lean RTN of 16-bit x through mxfp4_quant_half_kernel.
+bool mx_half_selected() { return env_switch("TRACE_EXT_MX_HALF", false); }
+
 // SR through mx_block_codes_sr_lean: the default (TRACE_EXT_QUANT_IMPL unset, "rowg-lean3", "fake-lean3", "sr-row" or
 // "sr-lean", read per call); any other value (the NVFP4 variants from before it, e.g. "guided-lean") keeps the
 // per-element code.
@@ -235,9 +289,16 @@ std::tuple<at::Tensor, at::Tensor> mxfp4_quantize_cuda(const at::Tensor& x, int6
                                                              : mxfp4_quant_kernel<T, kRTN>)
                   : mx_sr_lean_selected() ? mxfp4_quant_kernel<T, kSR, true>
                                           : mxfp4_quant_kernel<T, kSR>;
+    int blocks_per_tile = 32;
+    if constexpr (sizeof(T) == 2) {
+      if (rounding == kRTN && mx_rtn_lean_selected() && mx_half_selected()) {
+        kernel = mxfp4_quant_half_kernel<T>;
+        blocks_per_tile = 16;
+      }
+    }
     require_kernel_image(kernel, op);
-    // about four tiles of 32 blocks per warp, but never fewer warps than the GPU holds
-    const int64_t n_tiles = div_up(p.total_blocks, 32);
+    // about four tiles per warp, but never fewer warps than the GPU holds
+    const int64_t n_tiles = div_up(p.total_blocks, blocks_per_tile);
     const int64_t warps = std::max(div_up(n_tiles, 4), std::min(n_tiles, int64_t(current_sm_count()) * 64));
     kernel<<<(unsigned)div_up(warps * 32, kThreads), kThreads, 0, stream>>>(p);
     check_launch(op);

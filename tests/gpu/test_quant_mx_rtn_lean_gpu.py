@@ -1,8 +1,10 @@
 """MXFP4 RTN with the NVFP4 lean kernels' element code (the grid value by one power-of-two magic add, signs by byte
 permutes, saturation when packing): the default since H200 round 62; TRACE_EXT_MX_RTN_LEAN=0 keeps the previous
 element code (the saturated Veltkamp / magic-add grid and a sign OR per element), =1 names the default.
+TRACE_EXT_MX_HALF=1 (an A/B knob) runs the lean code of 16-bit x with two lanes per block (mxfp4_quant_half_kernel).
 
-Protects: codes and E8M0 scales of the default, =1 and =0 equal the reference's bit for bit, floor and ceil scales,
+Protects: codes and E8M0 scales of the default, =1, =0 and the half-block kernel equal the reference's bit for bit,
+floor and ceil scales,
 bf16 / fp16 / fp32, on every float within 64 ulps of each grid point, tie and binade edge of [0, 8) in blocks whose scale is
 2^0 (led by +-6 or by +-7.99: quotients up to 8 saturate), the same blocks moved through the binades (quotients that
 underflow in the exact multiply), random activations, the quantizer tests' adversarial rows (zero / -0 / NaN / +-Inf
@@ -19,12 +21,16 @@ from trace_ext import ops
 
 from test_quant_gpu import BIG, adversarial_x, assert_same, random_x
 from test_quant_impl_gpu import dense_magnitudes
-from test_quant_rowg_lean3_gpu import set_switch
+from test_quant_rowg_lean3_gpu import launched, set_switch
 
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
 ENV = "TRACE_EXT_MX_RTN_LEAN"
+HALF = "TRACE_EXT_MX_HALF"
+# (TRACE_EXT_MX_RTN_LEAN, TRACE_EXT_MX_HALF): the default, the lean code named, the previous code, the half-block kernel
+# (and the previous code with the half switch on: the switch applies to the lean code only)
+SETTINGS = ((None, None), ("1", None), ("0", None), (None, "1"), ("0", "1"))
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 EXP_RANGE = {torch.bfloat16: (-130, 120), torch.float16: (-14, 12), torch.float32: (-140, 120)}
 
@@ -43,13 +49,14 @@ def mx_blocks_dense(lead: float, seed: int) -> torch.Tensor:
 
 
 def check(monkeypatch, x, scale_rounding, what):
-    """The default, =1 and =0 == the reference (codes, scales)."""
+    """Every setting == the reference (codes, scales)."""
     want = ops.mxfp4_quantize(x, scale_rounding=scale_rounding, backend="reference")
-    for setting in (None, "1", "0"):
-        set_switch(monkeypatch, ENV, setting)
+    for lean, half in SETTINGS:
+        set_switch(monkeypatch, ENV, lean)
+        set_switch(monkeypatch, HALF, half)
         got = ops.mxfp4_quantize(x, scale_rounding=scale_rounding, backend="cuda")
-        assert_same(got.codes, want.codes, f"{what}: {ENV}={setting} codes vs reference")
-        assert_same(got.scales, want.scales, f"{what}: {ENV}={setting} scales vs reference")
+        assert_same(got.codes, want.codes, f"{what}: {ENV}={lean} {HALF}={half} codes vs reference")
+        assert_same(got.scales, want.scales, f"{what}: {ENV}={lean} {HALF}={half} scales vs reference")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -79,3 +86,21 @@ def test_random_and_adversarial(monkeypatch, dtype, scale_rounding):
 
 def test_large(monkeypatch):
     check(monkeypatch, random_x(BIG, torch.bfloat16, seed=3), "floor", "2^26 bf16")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("R,K", ((1, 32), (3, 160), (7, 4096), (5, 7168), (1000, 544)))
+def test_half_kernel_shapes(monkeypatch, dtype, R, K):
+    """Partial tiles (1, 15, 112, 1120 and 17000 blocks: tiles of 16 blocks, grids of one to many waves), the half-block
+    kernel runs exactly for 16-bit x with the lean code and the switch on."""
+    x = random_x((R, K), dtype, seed=R + K)
+    x[0, :32] = 0.0  # a zero block
+    if R > 1:
+        x[1, 32:64] = float("nan")  # a NaN block next to a finite one
+    check(monkeypatch, x, "floor", f"half-block shapes {R}x{K} {dtype}")
+    for lean, half in SETTINGS:
+        set_switch(monkeypatch, ENV, lean)
+        set_switch(monkeypatch, HALF, half)
+        names = launched(lambda: ops.mxfp4_quantize(x, backend="cuda"))
+        runs = any("mxfp4_quant_half_kernel" in n for n in names)
+        assert runs == (half == "1" and lean != "0" and dtype != torch.float32), (lean, half, dtype, names)
