@@ -37,8 +37,9 @@ The per-team barrier of the per-row lean3 kernel (the default for fake quantizat
 MXFP4 RTN with the NVFP4 lean kernels' element code (the default since round 62) against the previous element code
 (=default@TRACE_EXT_MX_RTN_LEAN=0), ~10 s:
   QUANT_IMPL_VARIANTS=default@TRACE_EXT_MX_RTN_LEAN=0 QUANT_IMPL_OPS="mxfp4 rtn" python bench/bench_quant_impl.py
-MXFP4 RTN of 16-bit x with two lanes per block (=default@TRACE_EXT_MX_HALF=1) against one lane per block, ~10 s:
-  QUANT_IMPL_VARIANTS=default@TRACE_EXT_MX_HALF=1 QUANT_IMPL_OPS="mxfp4 rtn" python bench/bench_quant_impl.py
+MXFP4 RTN of 16-bit x with two lanes per block (the default since round 66) against one lane per block
+(=default@TRACE_EXT_MX_HALF=0), ~10 s:
+  QUANT_IMPL_VARIANTS=default@TRACE_EXT_MX_HALF=0 QUANT_IMPL_OPS="mxfp4 rtn" python bench/bench_quant_impl.py
 Guided fake quantization (the trainer's TRACE forward) through the lean3 kernel's FAKE guided instantiations (the
 default since rounds 63-65) against the generic flat kernel (=default@TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3=0), ~15 s:
   QUANT_IMPL_VARIANTS=default@TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3=0 QUANT_IMPL_OPS="fake-quant guided" \

@@ -1,7 +1,8 @@
 // MXFP4 quantize / dequantize (SPEC 3, 4), bit-exact against reference.py.
 //
-// Design: memory-bound, and on the H200 bound by instruction issue, so the quantize kernel counts instructions: a lane
-// owns whole 32-element blocks (bf16: four 16-byte loads; the warp's loads of one block index cover one contiguous
+// Design: memory-bound, and on the H200 bound by instruction issue, so the quantize kernel counts instructions (RTN of
+// 16-bit x: mxfp4_quant_half_kernel, two lanes per block, below; the rest as follows): a lane owns whole 32-element
+// blocks (bf16: four 16-byte loads; the warp's loads of one block index cover one contiguous
 // span), so the block amax (two magnitudes per max.u16x2 on the raw halves), the E8M0 exponent and the scale byte are
 // per-thread work done once per 32 elements, and a lane stores its 16 code bytes with one 16-byte store (contiguous
 // across the warp). Warps loop over tiles of 32 blocks (grid stride) and issue the next tile's loads before quantizing
@@ -165,7 +166,8 @@ __global__ void __launch_bounds__(kThreads) mxfp4_quant_kernel(const MxParams p)
   }
 }
 
-// RTN (mx_rtn_lean_words) of 16-bit x with two lanes per 32-element block (TRACE_EXT_MX_HALF=1, an A/B knob): lane l
+// RTN (mx_rtn_lean_words) of 16-bit x with two lanes per 32-element block (the default since H200 rounds 66-67; knob
+// TRACE_EXT_MX_HALF, mx_half_selected): lane l
 // of a warp owns half l % 2 of block 16 tile + l / 2 (16 elements, 32 bytes), so a warp's loads of one vector index
 // cover 1 KB with 32-byte lane strides, as in the NVFP4 lean kernels and the stream probes (tools/probes), instead of
 // 2 KB with 64-byte strides; the block amax takes the partner lane's by one shuffle, each lane stores its 8 code bytes
@@ -248,8 +250,11 @@ __global__ void __launch_bounds__(kThreads) mxfp4_dequant_kernel(const uint8_t* 
 // at 2^28, 86% -> 93%). TRACE_EXT_MX_RTN_LEAN=0 (read per call; an A/B knob) keeps the previous element code.
 bool mx_rtn_lean_selected() { return env_switch("TRACE_EXT_MX_RTN_LEAN", true); }
 
-// TRACE_EXT_MX_HALF=1 (read per call; an A/B knob): lean RTN of 16-bit x through mxfp4_quant_half_kernel.
-bool mx_half_selected() { return env_switch("TRACE_EXT_MX_HALF", false); }
+// Lean RTN of 16-bit x goes through mxfp4_quant_half_kernel (two lanes per block): H200 round 66
+// (bench/results/mx_half_ab_h200{,_run2}.md, mx_half_fp16_ab_h200.md; bit-equal) 1.06-1.07x at 2^26 elements (K 4096
+// and 7168, bf16 and fp16: 74.6-75.5% -> 80.0-80.7% of copy), 0.99-1.01x at 2^28 (92-95%). TRACE_EXT_MX_HALF (read per
+// call; an A/B knob): =0 keeps one lane per block (mxfp4_quant_kernel).
+bool mx_half_selected() { return env_switch("TRACE_EXT_MX_HALF", true); }
 
 // SR through mx_block_codes_sr_lean: the default (TRACE_EXT_QUANT_IMPL unset, "rowg-lean3", "fake-lean3", "sr-row" or
 // "sr-lean", read per call); any other value (the NVFP4 variants from before it, e.g. "guided-lean") keeps the
