@@ -129,10 +129,21 @@ __device__ __forceinline__ uint4 mx_block_codes(const float (&x)[kMxfp4Block], i
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// The scale exponent e of a finite block or half block (amax bits mb < 0x7F800000; SPEC 3), returned, with its E8M0
+// byte in scale and the N raw values as floats in x.
+template <typename T, int N>
+__device__ __forceinline__ int mx_finite_block(uint32_t mb, const RawBlock<T, N>& raw, bool scale_ceil, uint8_t& scale,
+                                               float (&x)[N]) {
+  const int e = mxfp4_scale_exponent(__uint_as_float(mb), scale_ceil);
+  scale = (uint8_t)(e + 127);
+#pragma unroll
+  for (int i = 0; i < RawBlock<T, N>::kVecs; ++i) vec_to_float<T>(raw.v[i], x + i * ElemTraits<T>::kPerVec);
+  return e;
+}
+
 // Tiles of 32 consecutive blocks: lane l owns block 32 tile + l; warps loop over tiles with a grid stride.
 template <typename T, int MODE, bool kSrLean = false, bool kRtnLean = false>
 __global__ void __launch_bounds__(kThreads) mxfp4_quant_kernel(const MxParams p) {
-  constexpr int kV = ElemTraits<T>::kPerVec;
   const uint64_t total = (uint64_t)p.total_blocks;
   const uint64_t n_tiles = (total + 31) / 32;
   const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -152,11 +163,8 @@ __global__ void __launch_bounds__(kThreads) mxfp4_quant_kernel(const MxParams p)
       uint4 w = make_uint4(0u, 0u, 0u, 0u);
       uint8_t scale = kE8M0NaN;
       if (mb < 0x7F800000u) {
-        const int e = mxfp4_scale_exponent(__uint_as_float(mb), p.scale_ceil);
-        scale = (uint8_t)(e + 127);
         float x[kMxfp4Block];
-#pragma unroll
-        for (int i = 0; i < MxBlockRaw<T>::kVecs; ++i) vec_to_float<T>(cur.v[i], x + i * kV);
+        const int e = mx_finite_block(mb, cur, p.scale_ceil, scale, x);
         w = mx_block_codes<MODE, kSrLean, kRtnLean>(x, e, b, p);
       }
       reinterpret_cast<uint4*>(p.codes)[b] = w;
@@ -177,7 +185,6 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads) mxfp4_quant_half_kernel(const MxParams p) {
   static_assert(sizeof(T) == 2, "16-bit x");
   constexpr int kHalf = kMxfp4Block / 2;
-  constexpr int kV = ElemTraits<T>::kPerVec;
   const uint64_t halves = 2 * (uint64_t)p.total_blocks;
   const uint64_t n_tiles = (halves + 31) / 32;
   const uint64_t n_warps = (uint64_t)gridDim.x * blockDim.x / 32;
@@ -197,12 +204,8 @@ __global__ void __launch_bounds__(kThreads) mxfp4_quant_half_kernel(const MxPara
       uint32_t w[2] = {0u, 0u};
       uint8_t scale = kE8M0NaN;
       if (mb < 0x7F800000u) {
-        const int e = mxfp4_scale_exponent(__uint_as_float(mb), p.scale_ceil);
-        scale = (uint8_t)(e + 127);
         float x[kHalf];
-#pragma unroll
-        for (int i = 0; i < RawBlock<T, kHalf>::kVecs; ++i) vec_to_float<T>(cur.v[i], x + i * kV);
-        mx_rtn_lean_words(x, e, w);
+        mx_rtn_lean_words(x, mx_finite_block(mb, cur, p.scale_ceil, scale, x), w);
       }
       reinterpret_cast<uint2*>(p.codes)[c] = make_uint2(w[0], w[1]);
       if ((lane & 1u) == 0u) p.scales[c / 2] = scale;

@@ -6,7 +6,7 @@
 //           written), the decode GEMMs' weight stream (33 MB: M = 1 14336 x 4096; 14 / 7 MB: Qwen3 T = 1 top-8
 //           gate_up / down; 75 / 151 / 302 MB: the FP4 KV cache bytes of bench_kv's decode cases B1 S128K / B32 S8K
 //           and B64 S4K / B8 Hkv8 S32K);
-//   quant:  stream_rw_staged.cu's reg kernel (the lean quantizer's shape: 2 B read, 0.5625 B written per element,
+//   quant:  quant_stream_kernel of probe_common.h (the lean quantizer's shape: 2 B read, 0.5625 B written per element,
 //           2 blocks per lane, 4 tiles per warp), with W rounds of 16 FMAs per block (W 0 / 8 ~ 9 / 17 instructions
 //           per element), at 2^26 and 2^28 elements;
 //   async:  a per-warp cp.async.cg ring (4 slots of 512 B per warp, 16 warps per CTA, one CTA per SM) over 33 MB,
@@ -38,6 +38,10 @@ __device__ __forceinline__ uint4 ld16(const uint4* p) {
   }
   return v;
 }
+template <int LD>
+struct Ld {
+  __device__ static uint4 load(const uint4* p) { return ld16<LD>(p); }
+};
 
 template <int LD, int U>
 __global__ void __launch_bounds__(256) read_kernel(const uint4* __restrict__ x, uint32_t* __restrict__ out, uint32_t n16) {
@@ -51,57 +55,6 @@ __global__ void __launch_bounds__(256) read_kernel(const uint4* __restrict__ x, 
     for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
   }
   out[blockIdx.x * blockDim.x + threadIdx.x] = acc;
-}
-
-__device__ __forceinline__ uint2 work_block(uint4 a, uint4 b, int W) {  // as stream_rw_staged.cu
-  const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-  float f[16];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-  }
-  float amax = 0.f;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(f[i]));
-  const float r = 6.0f / fmaxf(amax, 1e-30f);
-  for (int k = 0; k < W; ++k)
-#pragma unroll
-    for (int i = 0; i < 16; ++i) f[i] = fmaf(f[i], r, 0.5f);
-  uint32_t c0 = 0, c1 = 0;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) c0 |= ((uint32_t)__float2int_rz(f[i]) & 0xF) << (4 * i);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) c1 |= ((uint32_t)__float2int_rz(f[8 + i]) & 0xF) << (4 * i);
-  return make_uint2(c0, c1 ^ __float_as_uint(amax));
-}
-
-template <int LD>
-__global__ void __launch_bounds__(256, 4) quant_kernel(const uint4* __restrict__ x, uint2* __restrict__ codes,
-                                                       uint8_t* __restrict__ scales, uint32_t n_blocks, int W) {
-  const uint32_t lane = threadIdx.x % 32;
-  const uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
-  const uint32_t warps = gridDim.x * blockDim.x / 32;
-  for (uint32_t b0 = warp * 64 + lane; b0 < n_blocks; b0 += warps * 64) {
-    uint4 v[2][2];
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const uint32_t b = b0 + 32 * q;
-      if (b < n_blocks) {
-        v[q][0] = ld16<LD>(x + 2 * (size_t)b);
-        v[q][1] = ld16<LD>(x + 2 * (size_t)b + 1);
-      }
-    }
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const uint32_t b = b0 + 32 * q;
-      if (b < n_blocks) {
-        const uint2 c = work_block(v[q][0], v[q][1], W);
-        codes[b] = c;
-        scales[b] = (uint8_t)(c.y >> 23);
-      }
-    }
-  }
 }
 
 // cp.async ring: warp w of CTA c streams the contiguous range of 512-byte pieces [g P / G, (g + 1) P / G), g = 16 c + w,
@@ -190,11 +143,11 @@ int main(int argc, char** argv) {
         const float t = time_it([&] { kernel<<<(tiles + 3) / 4, 256>>>(reinterpret_cast<const uint4*>(a), codes, scales, n_blocks, W); });
         printf("| 2^%d | %s | %d | %.2f | %.0f | %.1f |\n", lg, kFlavourNames[ld], W, t, bytes / t / 1e3, 100.0 * bytes / t / 1e3 / copy_gbs);
       };
-      row(0, quant_kernel<0>);
-      row(1, quant_kernel<1>);
-      row(2, quant_kernel<2>);
-      row(3, quant_kernel<3>);
-      row(0, quant_kernel<0>);  // again: run-to-run spread
+      row(0, quant_stream_kernel<Ld<0>>);
+      row(1, quant_stream_kernel<Ld<1>>);
+      row(2, quant_stream_kernel<Ld<2>>);
+      row(3, quant_stream_kernel<Ld<3>>);
+      row(0, quant_stream_kernel<Ld<0>>);  // again: run-to-run spread
     }
   }
 

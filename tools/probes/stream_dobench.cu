@@ -13,8 +13,8 @@ int launch_quant(const void* x, void* codes, void* scales, uint32_t n_blocks, in
   auto* xv = reinterpret_cast<const uint4*>(x);
   auto* c = reinterpret_cast<uint2*>(codes);
   auto* s = reinterpret_cast<uint8_t*>(scales);
-  if (ld == 0) quant_kernel<0><<<(tiles + 3) / 4, 256, 0, stream>>>(xv, c, s, n_blocks, W);
-  else quant_kernel<3><<<(tiles + 3) / 4, 256, 0, stream>>>(xv, c, s, n_blocks, W);
+  if (ld == 0) quant_stream_kernel<Ld<0>><<<(tiles + 3) / 4, 256, 0, stream>>>(xv, c, s, n_blocks, W);
+  else quant_stream_kernel<Ld<3>><<<(tiles + 3) / 4, 256, 0, stream>>>(xv, c, s, n_blocks, W);
   return (int)cudaGetLastError();
 }
 // a bare read of n16 16-byte words (U = 4 in flight per thread, 8 CTAs of 256 per SM), ld = 0: ld.global.nc,

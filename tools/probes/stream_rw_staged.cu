@@ -3,8 +3,8 @@
 // Standalone: nvcc -O3 -std=c++17 -arch=sm_90a tools/probes/stream_rw_staged.cu -o /tmp/stream_rw_staged
 // Both kernels read 2 B and write 0.5625 B per element (bf16 -> 8 code bytes + 1 scale byte per 16), doing W rounds
 // of 16 FMAs per 16-element block on the unpacked values (a stand-in for the quantizer's arithmetic):
-//   reg:    nvfp4_quant_lean_kernel's shape: 256 threads, __launch_bounds__(256, 4) (64 registers), 2 blocks per lane
-//           loaded, then computed, grid 4 tiles per warp;
+//   reg:    quant_stream_kernel (probe_common.h), nvfp4_quant_lean_kernel's shape: 256 threads, __launch_bounds__(256,
+//           4) (64 registers), 2 blocks per lane loaded, then computed, grid 4 tiles per warp;
 //   staged: persistent CTAs (CPS per SM), 256 threads, a ring of S stages of 16 KB (512 blocks) filled by one bulk
 //           copy each (cp.async.bulk + mbarrier), each thread computing 2 blocks of a stage from shared memory, one
 //           __syncthreads per stage before the slot is refilled.
@@ -13,29 +13,6 @@
 #include <cstdint>
 
 #include "probe_common.h"
-
-__device__ __forceinline__ uint2 work_block(uint4 a, uint4 b, int W) {
-  const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-  float f[16];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-  }
-  float amax = 0.f;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(f[i]));
-  const float r = 6.0f / fmaxf(amax, 1e-30f);
-  for (int k = 0; k < W; ++k)
-#pragma unroll
-    for (int i = 0; i < 16; ++i) f[i] = fmaf(f[i], r, 0.5f);
-  uint32_t c0 = 0, c1 = 0;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) c0 |= ((uint32_t)__float2int_rz(f[i]) & 0xF) << (4 * i);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) c1 |= ((uint32_t)__float2int_rz(f[8 + i]) & 0xF) << (4 * i);
-  return make_uint2(c0, c1 ^ __float_as_uint(amax));
-}
 
 // Load flavours of the register kernel: 0 = __ldcs (ld.global.cs, streaming), 1 = __ldg (ld.global.nc, what the
 // quantize and KV-append kernels use), 2 = ld.global.nc.L1::no_allocate, 3 = plain ld.global.
@@ -51,34 +28,10 @@ __device__ __forceinline__ uint4 ld16(const uint4* p) {
   }
   return *p;
 }
-
-template <int LD = 0>
-__global__ void __launch_bounds__(256, 4) reg_kernel(const uint4* __restrict__ x, uint2* __restrict__ codes,
-                                                     uint8_t* __restrict__ scales, uint32_t n_blocks, int W) {
-  const uint32_t lane = threadIdx.x % 32;
-  const uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
-  const uint32_t warps = gridDim.x * blockDim.x / 32;
-  for (uint32_t b0 = warp * 64 + lane; b0 < n_blocks; b0 += warps * 64) {
-    uint4 v[2][2];
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const uint32_t b = b0 + 32 * q;
-      if (b < n_blocks) {
-        v[q][0] = ld16<LD>(x + 2 * (size_t)b);
-        v[q][1] = ld16<LD>(x + 2 * (size_t)b + 1);
-      }
-    }
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const uint32_t b = b0 + 32 * q;
-      if (b < n_blocks) {
-        const uint2 c = work_block(v[q][0], v[q][1], W);
-        codes[b] = c;
-        scales[b] = (uint8_t)(c.y >> 23);
-      }
-    }
-  }
-}
+template <int LD>
+struct Ld {
+  __device__ static uint4 load(const uint4* p) { return ld16<LD>(p); }
+};
 
 constexpr int kStageBlocks = 512, kStageBytes = kStageBlocks * 32;
 
@@ -160,12 +113,12 @@ int main(int argc, char** argv) {
         const float t = time_it([&] { kernel<<<(tiles + 3) / 4, 256>>>(reinterpret_cast<const uint4*>(x), codes, scales, n_blocks, W); });
         printf("| 2^%d | reg (4 tiles per warp), %s | %d | %.2f | %.0f | - |\n", lg, ld_names[ld], W, t, bytes / t / 1e3);
       };
-      reg(reg_kernel<0>, 0);
+      reg(quant_stream_kernel<Ld<0>>, 0);
       if (W == 0 || W == 8) {
-        reg(reg_kernel<1>, 1);
-        reg(reg_kernel<2>, 2);
-        reg(reg_kernel<3>, 3);
-        reg(reg_kernel<0>, 0);
+        reg(quant_stream_kernel<Ld<1>>, 1);
+        reg(quant_stream_kernel<Ld<2>>, 2);
+        reg(quant_stream_kernel<Ld<3>>, 3);
+        reg(quant_stream_kernel<Ld<0>>, 0);
       }
       auto staged = [&](const char* name, auto kernel, int S, int cps) {
         CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S * kStageBytes));
