@@ -21,7 +21,7 @@
 //   NaN/Inf are the patterns >= 0x7F80), two elements per integer max.
 // - Element codes: the SPEC needs v = fl(x / t) only through e2m1_rn(|v|) and signbit(v) = signbit(x)
 //   (t > 0). Blocks whose t, 1 / t and quotients are far from under/overflow (judged once per block from
-//   t and the amax, as in quant_nvfp4.cu's RTN path) take quant_nvfp4.cu's RTN fast path: u = fl(|x| / t) *
+//   t and the amax, as in the NVFP4 quantizer's RTN path) take that RTN fast path: u = fl(|x| / t) *
 //   2^-14 = div_rn_with_rcp(|x|, t 2^14, fl(1 / t) 2^-14) (the correctly rounded quotient, scaled exactly: one
 //   FMUL and two FMAs), rounded to the E2M1 grid in fp32 (e2m1_rn_grid_x2m14) and eight codes read off fp16
 //   bits at once (e2m1_pack8_x2m14), all from fp4_numerics.cuh and checked there against the reference: branch
@@ -48,7 +48,7 @@
 //   sequence and page advance incrementally (a binary search only when a lane enters another sequence, one
 //   block-table load per page per lane) instead of two divisions, a binary search and a table load per item.
 // - Scale byte: fl(amax / 6) and fl(. / g) by the exact reciprocal division (fl(1/6) and the host's fl(1/g), as
-//   quant_nvfp4.cu's nvfp4_scale_byte_rcp, amax in [2^-47, 2^50], g in [2^-50, 2^50]: other g take the default
+//   quant_nvfp4_blocks.cuh's nvfp4_scale_byte_rcp, amax in [2^-47, 2^50], g in [2^-50, 2^50]: other g take the default
 //   kernel); t * 2^14 and fl(1 / t) * 2^-14 come from a 2 x 128-entry shared table indexed by the scale byte (filled
 //   once per CTA: g is fixed per cache), whose reciprocal is NaN where t leaves [2^-100, 2^100], so one compare
 //   (fl(amax * r) <= 2^86) admits a block to the fast path only where the default kernel's reciprocal-quotient path
@@ -188,7 +188,7 @@ __device__ __forceinline__ void quantize_block(const uint32_t (&words)[8], float
         // u = fl(|x| / t) * 2^-14 exactly (Markstein with the block reciprocal, divisor and reciprocal scaled by
         // exact powers of two; RTN needs no exact tiny quotients: every |v| below 0.25 is code 0), rounded to the
         // E2M1 grid in fp32 and the codes read off fp16 bits, eight at a time (e2m1_rn_grid_x2m14,
-        // e2m1_pack8_x2m14: quant_nvfp4.cu's RTN path); the sign is x's (t > 0, -0.0 included)
+        // e2m1_pack8_x2m14: the NVFP4 quantizer's RTN path); the sign is x's (t > 0, -0.0 included)
         const float t14 = __fmul_rn(t, 16384.0f), r14 = __fmul_rn(r, 0x1p-14f);
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
@@ -273,7 +273,7 @@ constexpr int kWarpsPerCta = kAppendThreads / 32;
 constexpr int kScaleTable = 128;  // E4M3 scale bytes 0..127 (a finite block's byte is <= 0x7E)
 static_assert(kAppendThreads == 2 * kScaleTable, "one thread fills one (t, 1/t) entry of the K and V tables");
 
-// fl(1/6), correctly rounded (as quant_nvfp4.cu's nvfp4_scale_byte_rcp).
+// fl(1/6), correctly rounded (as quant_nvfp4_blocks.cuh's nvfp4_scale_byte_rcp).
 constexpr float kRcp6 = 0x1.555556p-3f;
 
 // RTN(v) * 2^-14 from u = v * 2^-14 (0 <= u <= 2^90), unsaturated: u + M rounds u to a multiple of ulp(M) = M 2^-23 in
@@ -344,7 +344,7 @@ __device__ __forceinline__ int sequence_of_token_from(const int32_t* __restrict_
 // lane l taking items l, l + 32, ...: a warp step reads 32 consecutive items (for H_kv * D = 1024 and kPer 4: 4 KB of
 // two or three tokens) and writes their codes and scales contiguously per token. Token, sequence and page advance
 // incrementally (binary search only when a lane crosses into another sequence, block-table load once per page).
-// Per block: the bf16 amax, the scale byte through fl(1/6) and fl(1/g) (exact in range, as quant_nvfp4.cu's
+// Per block: the bf16 amax, the scale byte through fl(1/6) and fl(1/g) (exact in range, as quant_nvfp4_blocks.cuh's
 // nvfp4_scale_byte_rcp), t * 2^14 and fl(1/t) * 2^-14 from a shared table indexed by the scale byte, then the
 // element codes by fast_codes8; any block outside the range where that is exact takes quantize_block_general.
 template <int kPer>

@@ -1,5 +1,5 @@
 """Guided rounding of TRACE_EXT_QUANT_IMPL=guided-lean (nvfp4_quant_guided_lean_kernel; fp4_numerics.cuh:
-e2m1_floor_pair_rz_x2m14, e2m1_guided_lo8_rz_x2m14; quant_nvfp4.cu: raw_min_nonzero_abs_bits) emulated in numpy
+e2m1_floor_pair_rz_x2m14, e2m1_guided_lo8_rz_x2m14; quant_nvfp4_flat.cuh: raw_min_nonzero_abs_bits) emulated in numpy
 (float16 round-toward-zero, float32 RNE subtraction, byte permutes) against the scaled-domain floor it replaces
 (test_scaled_sr_guided_emulation.floor_grid, checked there against the reference) and against the reference's guided
 rounding itself. Protects the formulas on machines without a GPU; the GPU tests check the kernel.
@@ -209,7 +209,7 @@ def test_raw_min_nonzero_every_finite_half_in_every_lane():
 
 
 def sign_bytes8_raw16(w: np.ndarray):
-    """quant_nvfp4.cu sign_bytes8_raw16 on raw words [n, 4] (value 2i in the low half of word i)."""
+    """quant_nvfp4_flat.cuh sign_bytes8_raw16 on raw words [n, 4] (value 2i in the low half of word i)."""
     s03 = prmt(w[:, 0], w[:, 1], 0xFDB9)
     s47 = prmt(w[:, 2], w[:, 3], 0xFDB9)
     return prmt(s03, s47, 0x6420), prmt(s03, s47, 0x7531)

@@ -1,7 +1,7 @@
-// SASS probe of the NVFP4 quantize element loops (quantize_elems in csrc/quant_nvfp4.cu) in isolation: one kernel per
-// (rounding mode, implementation) that feeds one block of 16 floats, its divisor and reciprocal (and the guidance /
-// Philox inputs) from memory into quantize_elems<MODE, FAST=true, 16, IMPL> and stores the two code words, plus a
-// baseline kernel with the same loads and stores only. (count - baseline) / 16 = static instructions per element of
+// SASS probe of the NVFP4 quantize element loops (quantize_elems in csrc/include/trace_ext/quant_nvfp4_blocks.cuh) in
+// isolation: one kernel per (rounding mode, implementation) that feeds one block of 16 floats, its divisor and
+// reciprocal (and the guidance / Philox inputs) from memory into quantize_elems<MODE, FAST=true, 16, IMPL> and stores
+// the two code words, plus a baseline kernel with the same loads and stores only. (count - baseline) / 16 = static instructions per element of
 // the loop. Compiled only as an object by tools/sass_quant_elems.sh (it includes the kernel source; never linked).
 #include "../csrc/quant_nvfp4.cu"
 
