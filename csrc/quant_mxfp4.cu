@@ -293,20 +293,18 @@ std::tuple<at::Tensor, at::Tensor> mxfp4_quantize_cuda(const at::Tensor& x, int6
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   dispatch_float_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    auto kernel = rounding == kRTN ? (mx_rtn_lean_selected() ? mxfp4_quant_kernel<T, kRTN, false, true>
-                                                             : mxfp4_quant_kernel<T, kRTN>)
-                  : mx_sr_lean_selected() ? mxfp4_quant_kernel<T, kSR, true>
-                                          : mxfp4_quant_kernel<T, kSR>;
-    int blocks_per_tile = 32;
+    const bool rtn_lean = rounding == kRTN && mx_rtn_lean_selected();
+    const bool half = sizeof(T) == 2 && rtn_lean && mx_half_selected();  // tiles of 16 blocks instead of 32
+    auto kernel = rounding == kSR ? (mx_sr_lean_selected() ? mxfp4_quant_kernel<T, kSR, true>
+                                                           : mxfp4_quant_kernel<T, kSR>)
+                  : rtn_lean      ? mxfp4_quant_kernel<T, kRTN, false, true>
+                                  : mxfp4_quant_kernel<T, kRTN>;
     if constexpr (sizeof(T) == 2) {
-      if (rounding == kRTN && mx_rtn_lean_selected() && mx_half_selected()) {
-        kernel = mxfp4_quant_half_kernel<T>;
-        blocks_per_tile = 16;
-      }
+      if (half) kernel = mxfp4_quant_half_kernel<T>;
     }
     require_kernel_image(kernel, op);
     // about four tiles per warp, but never fewer warps than the GPU holds
-    const int64_t n_tiles = div_up(p.total_blocks, blocks_per_tile);
+    const int64_t n_tiles = div_up(p.total_blocks, half ? 16 : 32);
     const int64_t warps = std::max(div_up(n_tiles, 4), std::min(n_tiles, int64_t(current_sm_count()) * 64));
     kernel<<<(unsigned)div_up(warps * 32, kThreads), kThreads, 0, stream>>>(p);
     check_launch(op);

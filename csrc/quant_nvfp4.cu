@@ -525,20 +525,11 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
           break;
         if (rtn_fused_g && launch_rowg_lean3<T, FAKE>(p, stream, op)) break;
         if (!rowg && rounding == kRTN && given_lean3(p.kb) && launch_rowg_lean3<T, FAKE, true>(p, stream, op)) break;
-        constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
-        if constexpr (FAKE) {
-          if (rounding == kGuidedCompact && fake_guided_lean3() &&
-              launch_rowg_lean3<T, true, true, kGuidedCompact>(p, stream, op))
-            break;
-          if (rounding == kGuidedFull && fake_guided_lean3() &&
-              launch_rowg_lean3<T, true, true, kGuidedFull>(p, stream, op))
-            break;
-        } else {
-          if (rounding == kGuidedCompact && guided_lean3(kGuidedCompact, kBf16) &&
-              launch_rowg_lean3<T, false, true, kGuidedCompact>(p, stream, op))
-            break;
-          if (rounding == kGuidedFull && guided_lean3(kGuidedFull, kBf16) &&
-              launch_rowg_lean3<T, false, true, kGuidedFull>(p, stream, op))
+        if (rounding == kGuidedCompact || rounding == kGuidedFull) {  // guided quantize / fake quantization
+          const bool lean3 = FAKE ? fake_guided_lean3()
+                                  : guided_lean3((int)rounding, std::is_same_v<T, __nv_bfloat16>);
+          if (lean3 && (rounding == kGuidedCompact ? launch_rowg_lean3<T, FAKE, true, kGuidedCompact>(p, stream, op)
+                                                   : launch_rowg_lean3<T, FAKE, true, kGuidedFull>(p, stream, op)))
             break;
         }
       }
