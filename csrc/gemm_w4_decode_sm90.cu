@@ -68,26 +68,14 @@
 //    still capped at 128 (launch bound of 2 CTAs). Static main loop at <= 8 rows (sm_90a, whole item unrolled):
 //    pair2 1207 -> pair3 1143 -> quad3 1910 instructions per 8192 / 8192 / 16384 weights (4.71 / 4.46 / 3.73 thread
 //    instructions per weight); stream 579 -> stream2 547 per 4096 (4.52 / 4.27).
-//  - TRACE_EXT_DECODE_IMPL=ring (the path of de2a673, dense and grouped): every warp streams its super-tiles
-//    through its own cp.async ring in shared memory (3-4 slots of 2304 B, 2-3 super-tiles in flight per warp),
-//    each lane copying and reading back only its own 72 bytes, so cp.async.wait_group orders the copy before the
-//    reads without a barrier (the stream kernel does the same). Loads in flight hold no registers, so 80
-//    registers and 3 CTAs per SM fit; the counters of the register-prefetch path (124-138 registers, 1-2 CTAs per
-//    SM) showed DRAM at 16-37 % of peak, latency bound.
-//    TRACE_EXT_DECODE_IMPL=old keeps that path (next super-tile's weights in registers, activation fragments one
-//    64-K step ahead) selectable for comparison.
+//  - Earlier paths, removed on 2026-12-01 (their code is in git before that date; numbers in notes/GPU_RESULTS.md):
+//    TRACE_EXT_DECODE_IMPL=ring (de2a673: CTAs of 8 warps = warp columns of 16-row blocks x warps splitting K, dense
+//    problems split over CTAs with a ticketed fp32 workspace, grouped ones one CTA per (N tile, expert); every warp
+//    streamed its super-tiles through its own cp.async ring) and =old (0847752: the same CTAs with the next
+//    super-tile's weights in registers: 124-138 registers, DRAM at 16-37 % of peak, latency bound).
 //  - Codes are re-encoded offline so FP4 -> bf16 costs 1 AND (pair 0), a shift + AND (pairs 1, 2) and 3 shifts +
 //    3 ANDs/ORs (pair 3) per 8 elements; values come out as q * 2^-126 and one bf16x2 multiply by (s * 2^119)
 //    gives the exact q * s * 2^-7 (see gemm_w4_sm90.cu).
-//  - Parallelism (ring / old paths): a CTA is 8 warps = (8 / KW) warp columns of NB 16-row blocks x KW warps
-//    splitting K (sums combined through shared memory in warp order, deterministic); activation fragments are
-//    reused NB times in registers and 8 / KW times through L1. Dense problems (ring path) also split K over
-//    gridDim.y CTAs (about 512 K per warp); partial sums go to an fp32 workspace and the last CTA of each N tile
-//    (atomic ticket, self-resetting) adds them in split order (deterministic) and runs the epilogue. Grouped
-//    problems run one CTA per (N tile, expert): with at least as many rows as experts, blockIdx.z is the expert
-//    and empty ones exit at once; with fewer (gridDim.z = M < E) each CTA finds the blockIdx.z-th expert with rows
-//    (one ballot pass over offsets) so that the empty experts launch nothing. Experts with more than 8 * MT8 rows
-//    loop over row chunks.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -118,18 +106,6 @@ static_assert(kTileBytes == 2304 && kCodeBytes == 2048, "packed super-tile layou
 
 // decode_word2 (the second packed form) and decode_word_form<kForm2>: trace_ext/gemm_w4_common.cuh as well.
 
-__device__ __forceinline__ uint4 ld_stream16(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-__device__ __forceinline__ uint2 ld_stream8(const void* p) {
-  uint2 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
 
 // Activation fragments of lane (g, t) for one 64-K step: rows m0 + 8i + g (i < MT8), elements
 // k .. k + 15 (contiguous, see the k-slot permutation above) as 8 bf16x2 registers per row; bf16 activations are
@@ -159,297 +135,6 @@ __device__ __forceinline__ void load_act_frags(const GemmParams& p, int K, int k
     } else {
 #pragma unroll
       for (int j = 0; j < 8; ++j) bq[i][j] = 0u;
-    }
-  }
-}
-
-// MT8: 8-row token tiles per chunk; NB: 16-row weight blocks per warp; KW: warps of a CTA that split K (the
-// CTA's kDecWarps / KW warp columns each own NB weight blocks). kStages > 0: each warp streams its weight
-// super-tiles through its own cp.async ring of kStages slots in dynamic shared memory (kStages - 1 tiles in
-// flight per warp, no registers held by loads in flight); kStages == 0: the register path of commit 0847752
-// (next super-tile's weights in registers when NB = 1, activation fragments one 64-K step ahead).
-// kMinBlocks: resident CTAs per SM asked of ptxas (caps the registers: 3 -> 80, 2 -> 128).
-// rank_experts (grouped): blockIdx.z is the rank of the expert among those with rows (gridDim.z < E) instead
-// of the expert itself.
-template <int MT8, int NB, bool kAFp4, int KW, int kStages, int kMinBlocks>
-__global__ void __launch_bounds__(kDecThreads, kMinBlocks)
-    gemm_w4_decode_kernel(const GemmParams p, float* __restrict__ ws, int* __restrict__ tickets, int splits,
-                          int rank_experts) {
-  constexpr int NW = kDecWarps / KW;
-  static_assert(kDecWarps % KW == 0, "KW must divide the warps of a CTA");
-  constexpr bool kPipe = kStages == 0;  // register path
-  static_assert(kStages == 0 || kStages >= 2, "a cp.async ring needs at least 2 slots");
-  extern __shared__ __align__(16) uint8_t dec_ring[];  // [warp][kStages][NB][kTileBytes] (kStages > 0)
-  const int warp_id = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int nw = warp_id % NW, kw = warp_id / NW;
-  const int g = lane >> 2, t = lane & 3;
-  const int K = p.K, N = p.N;
-  const int KT = K / kSuperK;
-  int e = 0, m_lo = 0, m_hi = p.M;
-  if (p.offsets != nullptr && !rank_experts) {
-    // grouped, one CTA column per expert: empty experts leave at once (no offsets scan before the first load)
-    e = blockIdx.z;
-    m_lo = min(max(p.offsets[e], 0), p.M);
-    m_hi = min(max(p.offsets[e + 1], m_lo), p.M);
-  } else if (p.offsets != nullptr) {
-    // grouped: blockIdx.z is the rank of this CTA's expert among the experts that have rows (gridDim.z =
-    // min(E, M), so a decode step with few active experts launches no CTAs for the empty ones)
-    __shared__ int s_cnt[kDecWarps];
-    __shared__ int s_e;
-    if (threadIdx.x == 0) s_e = -1;
-    const int target = blockIdx.z;
-    int base = 0;
-    for (int j0 = 0; j0 < p.E; j0 += kDecThreads) {
-      const int j = j0 + threadIdx.x;
-      bool nonempty = false;
-      if (j < p.E) {
-        const int lo = min(max(p.offsets[j], 0), p.M);
-        nonempty = min(max(p.offsets[j + 1], lo), p.M) > lo;
-      }
-      const unsigned ball = __ballot_sync(0xffffffffu, nonempty);
-      if (lane == 0) s_cnt[warp_id] = __popc(ball);
-      __syncthreads();
-      int before = base, total = base;
-#pragma unroll
-      for (int w = 0; w < kDecWarps; ++w) {
-        before += w < warp_id ? s_cnt[w] : 0;
-        total += s_cnt[w];
-      }
-      if (nonempty && before + __popc(ball & ((1u << lane) - 1u)) == target) s_e = j;
-      __syncthreads();
-      base = total;
-      if (base > target) break;  // same value in every thread
-    }
-    e = s_e;
-    if (e < 0) return;
-    m_lo = min(max(p.offsets[e], 0), p.M);
-    m_hi = min(max(p.offsets[e + 1], m_lo), p.M);
-  }
-  if (m_lo >= m_hi) return;
-  const int s = blockIdx.y;
-  const int slice = s * KW + kw, n_slices = splits * KW;
-  const int kt0 = (int)((int64_t)KT * slice / n_slices), kt1 = (int)((int64_t)KT * (slice + 1) / n_slices);
-  const int nb0 = (blockIdx.x * NW + nw) * NB;  // first 16-row block of this warp
-  const int n_blocks = N / 16;
-  const uint8_t* wpk = p.w_packed + (int64_t)e * ((int64_t)N * K / 2 + (int64_t)N * K / 16);
-  const float* gw = p.g_w + (int64_t)e * p.gw_stride_e;
-  const float fold = kAFp4 ? kUnfoldW4A4 : kUnfoldW4A16;
-
-  for (int mc = m_lo; mc < m_hi; mc += 8 * MT8) {
-    float acc[NB][MT8][4];
-#pragma unroll
-    for (int b = 0; b < NB; ++b)
-#pragma unroll
-      for (int i = 0; i < MT8; ++i)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc[b][i][c] = 0.f;
-
-    // Register path: weight loads run one super-tile ahead: the next tile's 4 x 16 B (+ 8 B scales) per lane and
-    // n-block are in flight while this one is converted and multiplied. Out-of-range blocks are clamped (computed,
-    // never stored); the cp.async path clamps them the same way.
-    uint4 wv[NB][4], wn[NB][4];
-    uint2 sv[NB], sn[NB];
-    auto load_tile = [&](int kt, uint4 (&w)[NB][4], uint2 (&sc)[NB]) {
-#pragma unroll
-      for (int b = 0; b < NB; ++b) {
-        const int nb = min(nb0 + b, n_blocks - 1);
-        const uint8_t* tile = wpk + ((int64_t)nb * KT + kt) * kTileBytes;
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) w[b][kk] = ld_stream16(tile + kk * 512 + lane * 16);
-        sc[b] = ld_stream8(tile + kCodeBytes + lane * 8);
-      }
-    };
-    // cp.async ring: slot (kt - kt0) % kStages of this warp holds super-tile kt as a byte copy of the packed tile;
-    // each lane copies, and later reads back, only its own 4 x 16 B + 8 B, so cp.async.wait_group alone orders
-    // the copy before the reads (no barrier). A slot is refilled one iteration after its last read.
-    uint8_t* const ring = dec_ring + warp_id * (kStages > 0 ? kStages : 1) * NB * kTileBytes;
-    auto issue_tile = [&](int kt) {
-      if (kt < kt1) {
-        uint8_t* slot = ring + ((kt - kt0) % (kStages > 0 ? kStages : 1)) * NB * kTileBytes;
-#pragma unroll
-        for (int b = 0; b < NB; ++b) {
-          const int nb = min(nb0 + b, n_blocks - 1);
-          const uint8_t* tile = wpk + ((int64_t)nb * KT + kt) * kTileBytes;
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk)
-            cp_async16(slot + b * kTileBytes + kk * 512 + lane * 16, tile + kk * 512 + lane * 16, true);
-          cp_async8(slot + b * kTileBytes + kCodeBytes + lane * 8, tile + kCodeBytes + lane * 8, true);
-        }
-      }
-      cp_async_commit();  // possibly empty: keeps one group per iteration for wait_group
-    };
-    constexpr bool kPrefetch = kPipe && NB == 1;  // NB = 2 has no registers left for a second buffer
-    if constexpr (kStages > 0) {
-#pragma unroll
-      for (int i = 0; i < kStages - 1; ++i) issue_tile(kt0 + i);
-    }
-    if (kPrefetch && kt0 < kt1) load_tile(kt0, wv, sv);
-    const uint8_t* slot_rd = ring;  // slot of the current super-tile (cp.async ring), read one 64-K step at a time
-    for (int kt = kt0; kt < kt1; ++kt) {
-      if constexpr (kStages > 0) {
-        asm volatile("" ::: "memory");  // the reads of the slot refilled here (previous iteration) stay before it
-        issue_tile(kt + kStages - 1);
-        cp_async_wait<kStages - 1>();  // the group of tile kt is complete
-        asm volatile("" ::: "memory");  // and the reads below stay after the wait
-        slot_rd = ring + ((kt - kt0) % kStages) * NB * kTileBytes;
-#pragma unroll
-        for (int b = 0; b < NB; ++b)
-          sv[b] = *reinterpret_cast<const uint2*>(slot_rd + b * kTileBytes + kCodeBytes + lane * 8);
-      } else if constexpr (kPrefetch) {
-        if (kt + 1 < kt1) load_tile(kt + 1, wn, sn);
-      } else {
-        load_tile(kt, wv, sv);
-      }
-      // ---- activation fragments of row mc + 8i + g, elements k + 16t .. +16 (register path: loaded one
-      // 64-K step ahead)
-      auto load_a = [&](int kk, uint32_t (&bq)[MT8][8]) {
-        load_act_frags<MT8, kAFp4>(p, K, kt * kSuperK + kk * 64 + 16 * t, mc, m_hi, g, bq);
-      };
-      uint32_t bq[MT8][8], bq_next[MT8][8];
-      if constexpr (kPipe) load_a(0, bq);
-      // 32-row chunks from the ring: one 64-K step per loop trip, so that ptxas does not hoist the activation
-      // fragments of all four steps (4 x 32 registers) and spill
-      constexpr int kKkUnroll = (kStages > 0 && MT8 >= 4) ? 1 : 4;
-#pragma unroll kKkUnroll
-      for (int kk = 0; kk < 4; ++kk) {
-        if constexpr (kPipe) {
-          if (kk < 3) load_a(kk + 1, bq_next);
-        } else {
-          load_a(kk, bq);
-        }
-        // ---- weights: convert, scale, MMA
-#pragma unroll
-        for (int b = 0; b < NB; ++b) {
-          const uint32_t s_lo = scale_bf16x2_folded((uint8_t)(((kk < 2 ? sv[b].x : sv[b].y) >> (16 * (kk & 1))) & 0xFF));
-          const uint32_t s_hi =
-              scale_bf16x2_folded((uint8_t)(((kk < 2 ? sv[b].x : sv[b].y) >> (16 * (kk & 1) + 8)) & 0xFF));
-          uint4 wq;
-          if constexpr (kStages > 0) {
-            wq = *reinterpret_cast<const uint4*>(slot_rd + b * kTileBytes + kk * 512 + lane * 16);
-          } else {
-            wq = wv[b][kk];
-          }
-          uint32_t rg[8], rh[8];  // rows g and g+8: pairs 0..7 of the 16-element block
-          decode_word(wq.x, rg);
-          decode_word(wq.y, rg + 4);
-          decode_word(wq.z, rh);
-          decode_word(wq.w, rh + 4);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            rg[j] = bf16x2_mul(rg[j], s_lo);
-            rh[j] = bf16x2_mul(rh[j], s_hi);
-          }
-#pragma unroll
-          for (int ks = 0; ks < 4; ++ks) {
-            const uint32_t af[4] = {rg[2 * ks], rh[2 * ks], rg[2 * ks + 1], rh[2 * ks + 1]};
-#pragma unroll
-            for (int i = 0; i < MT8; ++i) {
-              const uint32_t bf[2] = {bq[i][2 * ks], bq[i][2 * ks + 1]};
-              mma_bf16_16816(acc[b][i], af, bf);
-            }
-          }
-        }
-        if (kPipe && kk < 3) {
-#pragma unroll
-          for (int i = 0; i < MT8; ++i)
-#pragma unroll
-            for (int j = 0; j < 8; ++j) bq[i][j] = bq_next[i][j];
-        }
-      }
-      if constexpr (kPrefetch) {
-#pragma unroll
-        for (int b = 0; b < NB; ++b) {
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk) wv[b][kk] = wn[b][kk];
-          sv[b] = sn[b];
-        }
-      }
-    }
-
-    // ---- reduction over the CTA's K warps (fixed order), then over splits, then epilogue.
-    // acc[b][i]: c0 (n = 16nb + g, m = 8i + 2t), c1 (m + 1), c2 (n + 8, m), c3 (n + 8, m + 1).
-    if constexpr (KW > 1) {
-      constexpr int kFrag = NB * MT8 * 4;
-      __shared__ float red[KW - 1][NW][32][kFrag];
-      if (kw > 0) {
-#pragma unroll
-        for (int b = 0; b < NB; ++b)
-#pragma unroll
-          for (int i = 0; i < MT8; ++i)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) red[kw - 1][nw][lane][(b * MT8 + i) * 4 + c] = acc[b][i][c];
-      }
-      __syncthreads();
-      if (kw == 0) {
-#pragma unroll
-        for (int q = 0; q < KW - 1; ++q)
-#pragma unroll
-          for (int b = 0; b < NB; ++b)
-#pragma unroll
-            for (int i = 0; i < MT8; ++i)
-#pragma unroll
-              for (int c = 0; c < 4; ++c)
-                acc[b][i][c] = __fadd_rn(acc[b][i][c], red[q][nw][lane][(b * MT8 + i) * 4 + c]);
-      }
-      __syncthreads();
-    }
-    const bool owner = kw == 0;  // warps that hold the CTA's sums
-    if (splits > 1) {
-      __shared__ int s_last;
-#pragma unroll
-      for (int b = 0; b < NB; ++b) {
-        if (!owner) break;
-        const int nb = nb0 + b;
-        if (nb >= n_blocks) continue;
-#pragma unroll
-        for (int i = 0; i < MT8; ++i)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const int n = nb * 16 + g + (c >> 1) * 8, m = mc + 8 * i + 2 * t + (c & 1);
-            if (m < m_hi) ws[((int64_t)s * p.M + m) * N + n] = acc[b][i][c];
-          }
-      }
-      __threadfence();
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        const int ticket = atomicAdd(tickets + blockIdx.x, 1);
-        s_last = ticket == splits - 1;
-        if (s_last) tickets[blockIdx.x] = 0;
-      }
-      __syncthreads();
-      if (!s_last) return;  // dense only (one row chunk), so leaving is safe
-      __threadfence();
-#pragma unroll
-      for (int b = 0; b < NB; ++b) {
-        if (!owner) break;
-        const int nb = nb0 + b;
-        if (nb >= n_blocks) continue;
-#pragma unroll
-        for (int i = 0; i < MT8; ++i)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const int n = nb * 16 + g + (c >> 1) * 8, m = mc + 8 * i + 2 * t + (c & 1);
-            float v = 0.f;
-            if (m < m_hi)
-              for (int ss = 0; ss < splits; ++ss) v = __fadd_rn(v, __ldcg(ws + ((int64_t)ss * p.M + m) * N + n));
-            acc[b][i][c] = v;
-          }
-      }
-    }
-#pragma unroll
-    for (int b = 0; b < NB; ++b) {
-      const int nb = nb0 + b;
-      if (!owner || nb >= n_blocks) continue;
-#pragma unroll
-      for (int i = 0; i < MT8; ++i)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int n = nb * 16 + g + (c >> 1) * 8, m = mc + 8 * i + 2 * t + (c & 1);
-          if (m >= m_hi) continue;
-          const float ga = p.g_a != nullptr ? p.g_a[m] : 1.0f;
-          const float v = __fmul_rn(__fmul_rn(acc[b][i][c], fold), __fmul_rn(ga, gw[(int64_t)n * p.gw_stride_n]));
-          p.y[(int64_t)m * N + n] = __float2bfloat16_rn(v);
-        }
     }
   }
 }
@@ -1091,73 +776,6 @@ void launch_decode_pair(const GemmParams& p, const at::Tensor& like, cudaStream_
   check_launch("fp4_linear (decode)");
 }
 
-template <int MT8, int NB, bool kAFp4, int KW, int kStages, int kMinBlocks>
-void launch_decode(const GemmParams& p, const at::Tensor& like, cudaStream_t stream, bool rank_always) {
-  auto kernel = gemm_w4_decode_kernel<MT8, NB, kAFp4, KW, kStages, kMinBlocks>;
-  constexpr int kSmem = kDecWarps * kStages * NB * kTileBytes;  // the warps' cp.async rings
-  // kMinBlocks CTAs per SM must fit in 228 KB with their static reduction buffers (<= 8 KB) and the 1 KB per CTA
-  // reserved by the driver
-  static_assert(kStages == 0 || kMinBlocks * (kSmem + 9 * 1024) <= 228 * 1024,
-                "decode cp.async rings of kMinBlocks CTAs must fit one SM's shared memory");
-  static bool attr_set[kMaxDevices] = {};  // per template instance and device (the attribute is per device)
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev >= kMaxDevices || !attr_set[dev]) {
-    require_kernel_image(kernel, "fp4_linear (decode)");
-    if (kSmem > 48 * 1024)
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-    // the rings of kMinBlocks CTAs (up to ~180 KB) need most of the unified L1 / shared memory as shared memory;
-    // L1 keeps the rest for the activation fragments (a few KB per CTA)
-    if (kSmem > 0)
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                          (int)cudaSharedmemCarveoutMaxShared));
-    if (dev < kMaxDevices) attr_set[dev] = true;
-  }
-  const int rows_per_cta = kDecWarps / KW * 16 * NB;
-  const int n_tiles = (p.N + rows_per_cta - 1) / rows_per_cta;
-  const int KT = p.K / kSuperK;
-  int splits = 1;
-  at::Tensor ws;
-  int* tickets = nullptr;
-  if (p.offsets == nullptr) {
-    // about 2 super-tiles (512 K) per warp: many short CTAs in several waves hide the load latency better than
-    // one wave of long ones (measured on the grouped path, same kernel)
-    splits = std::max(1, std::min(KT, KT / (2 * KW)));
-    // ring path, M <= 8 (workspace traffic negligible): with fewer than two rounds of resident CTAs (e.g. M = 1,
-    // N = 7168: 448 CTAs for 396 slots, the last 52 run alone), halve the K per CTA down to one super-tile per warp
-    if (kStages > 0 && p.M <= 8) {
-      const int sms = sm_count(dev);
-      while ((int64_t)n_tiles * splits < 2LL * kMinBlocks * sms && 2 * splits * KW <= KT) splits *= 2;
-    }
-    if (splits > 1) {
-      ws = at::empty({(int64_t)splits * p.M * p.N}, like.options().dtype(at::kFloat));
-      tickets = ticket_buffer(like, stream, n_tiles);
-    }
-  }
-  // grouped: one CTA column per expert when there are at least as many rows as experts (empty experts exit at
-  // once); with fewer rows than experts only min(E, M) columns, each ranking the non-empty experts
-  const int cols = p.offsets != nullptr ? std::min(p.E, std::max(p.M, 1)) : 1;
-  const int rank = p.offsets != nullptr && (rank_always || cols < p.E) ? 1 : 0;
-  dim3 grid(n_tiles, splits, cols);
-  TORCH_CHECK(grid.z <= 65535 && grid.y <= 65535, "trace_ext: too many experts or K splits for one launch");
-  kernel<<<grid, kDecThreads, kSmem, stream>>>(p, splits > 1 ? ws.data_ptr<float>() : nullptr, tickets, splits, rank);
-  check_launch("fp4_linear (decode)");
-}
-
-// TRACE_EXT_DECODE_IMPL=old selects the configurations of commit 0847752 (register double buffers, 2 resident
-// CTAs per SM, experts always ranked); =ring the per-warp cp.async rings of de2a673 (dense: split K over CTAs,
-// tickets per N tile; grouped: CTAs per (N tile, expert)); default: the stream / pair kernels (run_decode_new).
-// Read once per process, so that one GPU run can time all three.
-enum class DecodeImpl { kStream, kRing, kOld };
-DecodeImpl decode_impl() {
-  static const DecodeImpl impl = [] {
-    const char* v = std::getenv("TRACE_EXT_DECODE_IMPL");
-    const std::string s = v != nullptr ? v : "";
-    return s == "old" ? DecodeImpl::kOld : s == "ring" ? DecodeImpl::kRing : DecodeImpl::kStream;
-  }();
-  return impl;
-}
-
 // TRACE_EXT_DECODE_IMPL=pair / pair2 / stream (dense decode only; grouped calls keep the default): read at every
 // call, so that one process can time the default and the pair kernels interleaved (1: pair, 2: pair2, -1: stream =
 // the flat-stream kernel everywhere; 0: anything else, e.g. auto = the rule decode_prefers_pair). The second packed form (w_packed = reference_gemm.to_decode_layout2, passed
@@ -1188,54 +806,11 @@ bool decode_prefers_pair(const GemmParams& p) {
   return 2 * items >= 5 * warps;
 }
 
-template <bool kAFp4>
-void run_decode_old(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream) {
-  if (rows_hint <= 8) {
-    launch_decode<1, 1, kAFp4, 4, 0, 1>(p, like, stream, true);
-  } else if (rows_hint <= 16 || p.offsets != nullptr) {
-    launch_decode<2, 1, kAFp4, 2, 0, 1>(p, like, stream, true);
-  } else {
-    launch_decode<4, 2, kAFp4, 1, 0, 1>(p, like, stream, true);
-  }
-}
-
-// cp.async-ring configurations: weights through per-warp rings (2 super-tiles = 4.6 KB ahead per warp, held in
-// shared memory, not registers), so that 3 CTAs per SM fit (80 registers, 24 warps). M > 16: 32 rows per chunk,
-// one 16-row block per warp, K split over 2 warps (activations reused through L1 by the 4 warp columns), 3 tiles
-// ahead, 2 CTAs per SM.
-template <bool kAFp4>
-void run_decode_ring(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream) {
-  if (p.offsets != nullptr) {
-    // grouped (rows_hint = rows per expert on average): a row chunk a little larger than the average, so that
-    // few experts loop over a second chunk (which streams their weights again): 8 rows up to 2 per expert on
-    // average, 16 up to 8 (Qwen3 T = 64: ~4, at most ~11), 32 beyond (T = 256: ~16, at most ~28)
-    if (rows_hint <= 2) {
-      launch_decode<1, 1, kAFp4, 4, 3, 3>(p, like, stream, false);
-    } else if (rows_hint <= 8) {
-      launch_decode<2, 1, kAFp4, 2, 3, 3>(p, like, stream, false);
-    } else {
-      launch_decode<4, 1, kAFp4, 2, 4, 2>(p, like, stream, false);
-    }
-    return;
-  }
-  if (rows_hint <= 8) {
-    launch_decode<1, 1, kAFp4, 4, 3, 3>(p, like, stream, false);
-  } else if (rows_hint <= 16) {
-    launch_decode<2, 1, kAFp4, 2, 3, 3>(p, like, stream, false);
-  } else {
-    launch_decode<4, 1, kAFp4, 2, 4, 2>(p, like, stream, false);
-  }
-}
-
 // Default: pair2 for dense W4A16 where decode_prefers_pair holds; else flat per-warp streams (3 tiles = 6.9 KB
 // ahead per warp, 24 warps per SM up to 16 rows per unit; 5 tiles ahead, 16 warps per SM for 32 rows), dense and
 // grouped.
 template <bool kAFp4>
 void run_decode_new(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream) {
-  if (decode_impl() == DecodeImpl::kRing) {
-    run_decode_ring<kAFp4>(p, rows_hint, like, stream);
-    return;
-  }
   if (p.M <= 0) return;
   if (p.offsets != nullptr) {
     // the grouped K-slab kernel (gemm_w4_decode_kslab_sm90.cu): the default on sm_90, or named (kslab-grouped);
@@ -1243,7 +818,7 @@ void run_decode_new(const GemmParams& p, int64_t rows_hint, const at::Tensor& li
     if (const int kg = decode_kslab_grouped_selected();
         kg >= 0 && run_decode_kslab_grouped(p, rows_hint, like, stream, kg))
       return;
-    // grouped: rows per unit a little above the average rows per expert (rows_hint), as on the ring path
+    // grouped: rows per unit a little above the average rows per expert (rows_hint), as the removed ring path did
     if (rows_hint <= 2) {
       launch_decode_stream<1, kAFp4, 4, 3, true>(p, like, stream);
     } else if (rows_hint <= 8) {
@@ -1333,11 +908,7 @@ void run_decode_new(const GemmParams& p, int64_t rows_hint, const at::Tensor& li
 
 void run_decode(const GemmParams& p, int64_t rows_hint, const at::Tensor& like, cudaStream_t stream) {
   const bool a4 = p.a_scales != nullptr;
-  if (decode_impl() == DecodeImpl::kOld) {
-    if (a4) run_decode_old<true>(p, rows_hint, like, stream); else run_decode_old<false>(p, rows_hint, like, stream);
-  } else {
-    if (a4) run_decode_new<true>(p, rows_hint, like, stream); else run_decode_new<false>(p, rows_hint, like, stream);
-  }
+  if (a4) run_decode_new<true>(p, rows_hint, like, stream); else run_decode_new<false>(p, rows_hint, like, stream);
 }
 
 }  // namespace gemm_w4
