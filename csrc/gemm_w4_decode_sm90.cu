@@ -153,6 +153,56 @@ __device__ __forceinline__ int stream_warp_of(int64_t j, int64_t T, int W) {  //
 }
 __device__ __forceinline__ int64_t stream_first_tile(int w, int64_t T, int W) { return T * w / W; }
 
+// The end of a flat stream (stream and pair kernels): for each of the warp's shared work units b (pending0 / pending1,
+// < 0: none; a unit = NB 16-row blocks of KT tiles), arrive (one acq_rel ticket per unit, after all of this warp's
+// partial stores) and, in the last warp to arrive, add the partials of its warps in warp order (= K order) and
+// store_y(b, v). Partials: ws[(2 ww + slot) * NB * MT8 * 4 * 32 + ...], slot 1 for a warp that started in an earlier
+// unit (the fragment layout of the stores before).
+template <int NB, int MT8, typename TileCount, typename StoreY>
+__device__ __forceinline__ void stream_reduce_shared(int pending0, int pending1, int KT, TileCount T, int W,
+                                                     int lane, int* tickets, const float* ws, StoreY&& store_y) {
+  constexpr int kFrag = NB * MT8 * 4;  // fp32 accumulators per lane
+  if (pending0 < 0 && pending1 < 0) return;
+  __syncwarp();
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int b = q == 0 ? pending0 : pending1;
+    if (b < 0) continue;
+    const int wf = stream_warp_of((int64_t)b * KT, T, W), wl = stream_warp_of((int64_t)b * KT + KT - 1, T, W);
+    int last = 0;
+    if (lane == 0) {
+      int ticket;
+      // release: this warp's partial stores (ordered before lane 0 by the warp barrier) before the ticket
+      asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;\n" : "=r"(ticket) : "l"(tickets + b) : "memory");
+      last = ticket == wl - wf;
+      if (last) tickets[b] = 0;  // self-reset for the next launch on this stream
+    }
+    last = __shfl_sync(0xffffffffu, last, 0);
+    if (!last) continue;
+    // acquire (lane 0's acq_rel atomic, then the warp barrier): the other warps' partials are visible in L2
+    __syncwarp();
+    float v[NB][MT8][4];
+#pragma unroll
+    for (int bb = 0; bb < NB; ++bb)
+#pragma unroll
+      for (int i = 0; i < MT8; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) v[bb][i][c] = 0.f;
+    for (int ww = wf; ww <= wl; ++ww) {
+      const int slot = stream_first_tile(ww, T, W) < (int64_t)b * KT ? 1 : 0;  // started in an earlier unit
+      const float* src = ws + ((int64_t)ww * 2 + slot) * (kFrag * 32) + lane;
+#pragma unroll
+      for (int bb = 0; bb < NB; ++bb)
+#pragma unroll
+        for (int i = 0; i < MT8; ++i)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            v[bb][i][c] = __fadd_rn(v[bb][i][c], __ldcg(src + ((bb * MT8 + i) * 4 + c) * 32));
+    }
+    store_y(b, v);
+  }
+}
+
 template <int MT8, bool kAFp4, int kStages, int kMinBlocks, bool kGrouped, bool kForm2>
 __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
     gemm_w4_decode_stream_kernel(const GemmParams p, float* __restrict__ ws, int* __restrict__ tickets, int n_warps) {
@@ -385,41 +435,9 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
   }
   cp_async_wait<0>();  // no copy outlives the kernel's shared memory
 
-  // ---- shared blocks: arrive (after all of this warp's partial stores), the last warp reduces in warp order
-  if (pending0 < 0 && pending1 < 0) return;
-  __syncwarp();
-#pragma unroll
-  for (int q = 0; q < 2; ++q) {
-    const int b = q == 0 ? pending0 : pending1;
-    if (b < 0) continue;
-    const int wf = stream_warp_of((int64_t)b * KT, T, W), wl = stream_warp_of((int64_t)b * KT + KT - 1, T, W);
-    int last = 0;
-    if (lane == 0) {
-      int ticket;
-      // release: this warp's partial stores (ordered before lane 0 by the warp barrier) before the ticket
-      asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;\n" : "=r"(ticket) : "l"(tickets + b) : "memory");
-      last = ticket == wl - wf;
-      if (last) tickets[b] = 0;  // self-reset for the next launch on this stream
-    }
-    last = __shfl_sync(0xffffffffu, last, 0);
-    if (!last) continue;
-    // acquire (lane 0's acq_rel atomic, then the warp barrier): the other warps' partials are visible in L2
-    __syncwarp();
-    float v[MT8][4];
-#pragma unroll
-    for (int i = 0; i < MT8; ++i)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) v[i][c] = 0.f;
-    for (int ww = wf; ww <= wl; ++ww) {
-      const int slot = stream_first_tile(ww, T, W) < (int64_t)b * KT ? 1 : 0;  // started in an earlier block
-      const float* src = ws + ((int64_t)ww * 2 + slot) * (kFrag * 32) + lane;
-#pragma unroll
-      for (int i = 0; i < MT8; ++i)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) v[i][c] = __fadd_rn(v[i][c], __ldcg(src + (i * 4 + c) * 32));
-    }
-    store_y(b, v);
-  }
+  // ---- shared blocks: arrive, the last warp reduces in warp order
+  stream_reduce_shared<1, MT8>(pending0, pending1, KT, T, W, lane, tickets, ws,
+                               [&](int b, const float (&v)[1][MT8][4]) { store_y(b, v[0]); });
 }
 
 // ---- dense, opt-in (TRACE_EXT_DECODE_IMPL=pair, read per call): flat streams of 16-row block PAIRS ------------
@@ -640,46 +658,8 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
   }
   cp_async_wait<0>();  // no copy outlives the kernel's shared memory
 
-  // ---- shared groups: arrive (after all of this warp's partial stores), the last warp reduces in warp order
-  if (pending0 < 0 && pending1 < 0) return;
-  __syncwarp();
-#pragma unroll
-  for (int q = 0; q < 2; ++q) {
-    const int b = q == 0 ? pending0 : pending1;
-    if (b < 0) continue;
-    const int wf = stream_warp_of((int64_t)b * KT, T, W), wl = stream_warp_of((int64_t)b * KT + KT - 1, T, W);
-    int last = 0;
-    if (lane == 0) {
-      int ticket;
-      // release: this warp's partial stores (ordered before lane 0 by the warp barrier) before the ticket
-      asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;\n" : "=r"(ticket) : "l"(tickets + b) : "memory");
-      last = ticket == wl - wf;
-      if (last) tickets[b] = 0;  // self-reset for the next launch on this stream
-    }
-    last = __shfl_sync(0xffffffffu, last, 0);
-    if (!last) continue;
-    // acquire (lane 0's acq_rel atomic, then the warp barrier): the other warps' partials are visible in L2
-    __syncwarp();
-    float v[NB][MT8][4];
-#pragma unroll
-    for (int bb = 0; bb < NB; ++bb)
-#pragma unroll
-      for (int i = 0; i < MT8; ++i)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) v[bb][i][c] = 0.f;
-    for (int ww = wf; ww <= wl; ++ww) {
-      const int slot = stream_first_tile(ww, T, W) < (int64_t)b * KT ? 1 : 0;  // started in an earlier group
-      const float* src = ws + ((int64_t)ww * 2 + slot) * (kFrag * 32) + lane;
-#pragma unroll
-      for (int bb = 0; bb < NB; ++bb)
-#pragma unroll
-        for (int i = 0; i < MT8; ++i)
-#pragma unroll
-          for (int c = 0; c < 4; ++c)
-            v[bb][i][c] = __fadd_rn(v[bb][i][c], __ldcg(src + ((bb * MT8 + i) * 4 + c) * 32));
-    }
-    store_y(b, v);
-  }
+  // ---- shared groups: arrive, the last warp reduces in warp order
+  stream_reduce_shared<NB, MT8>(pending0, pending1, KT, T, W, lane, tickets, ws, store_y);
 }
 
 bool decode_supported(const GemmParams& p) {
