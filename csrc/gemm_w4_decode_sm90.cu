@@ -89,6 +89,7 @@
 #include "trace_ext/fp4_numerics.cuh"
 #include "trace_ext/gemm_w4_common.cuh"
 #include "trace_ext/gemm_w4_decode_kslab.h"
+#include "trace_ext/gemm_w4_decode_units.cuh"
 #include "trace_ext/host_checks.h"
 
 namespace trace_ext {
@@ -224,49 +225,18 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
   const int64_t exp_bytes = (int64_t)Tu * kTileBytes;  // one expert's packed weight
   int n_units = 1;
   if constexpr (kGrouped) {
-    // units = (expert with rows, chunk of R rows), numbered expert by expert: one block-wide scan of offsets
+    // units = (expert with rows, chunk of R rows), numbered expert by expert (gemm_w4_decode_units.cuh)
     __shared__ int s_wsum[kDecWarps];
-    int base = 0;
-    for (int c0 = 0; c0 < p.E; c0 += kDecThreads) {
-      const int e = c0 + threadIdx.x;
-      int cnt = 0;
-      if (e < p.E) {
-        const int lo = min(max(p.offsets[e], 0), p.M);
-        cnt = (min(max(p.offsets[e + 1], lo), p.M) - lo + R - 1) / R;
-      }
-      int inc = cnt;
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, inc, d);
-        if (lane >= d) inc += v;
-      }
-      if (lane == 31) s_wsum[warp_id] = inc;
-      __syncthreads();
-      int before = base, total = base;
-#pragma unroll
-      for (int q = 0; q < kDecWarps; ++q) {
-        before += q < warp_id ? s_wsum[q] : 0;
-        total += s_wsum[q];
-      }
-      if (e < p.E) s_pref[e] = before + inc - cnt;
-      __syncthreads();
-      base = total;
-    }
-    if (threadIdx.x == 0) s_pref[p.E] = base;
+    n_units = decode_number_units<kDecWarps, R>(p, s_pref, s_wsum);
+    if (threadIdx.x == 0) s_pref[p.E] = n_units;
     __syncthreads();
-    n_units = base;
   }
-  // unit u -> its expert (grouped: the last expert e with s_pref[e] <= u, which has rows)
+  // unit u -> its expert (grouped: the last expert e with s_pref[e] <= u, which has rows) and its rows
   auto unit_expert = [&](int u) {
     if constexpr (!kGrouped) {
       return 0;
     } else {
-      int lo = 0, hi = p.E - 1;
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (s_pref[mid] <= u) lo = mid; else hi = mid - 1;
-      }
-      return lo;
+      return decode_unit_expert(p, s_pref, u);
     }
   };
   auto unit_rows = [&](int u, int e, int& r_lo, int& r_hi) {
@@ -274,9 +244,7 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
       r_lo = 0;
       r_hi = p.M;
     } else {
-      const int m0 = min(max(p.offsets[e], 0), p.M), m1 = min(max(p.offsets[e + 1], m0), p.M);
-      r_lo = m0 + (u - s_pref[e]) * R;
-      r_hi = min(m1, r_lo + R);
+      decode_unit_rows<R>(p, s_pref, u, e, r_lo, r_hi);
     }
   };
   const int64_t T = (int64_t)n_units * Tu;

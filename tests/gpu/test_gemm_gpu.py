@@ -891,6 +891,27 @@ def test_decode_kslab_grouped_qwen3_token_batches(monkeypatch, mode, impl):
             _kslab_grouped_case(monkeypatch, E, N, K, counts, mode, w, f"qwen3 {name} {mode} T={T}", impl)
 
 
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_decode_stream_grouped_qwen3_token_batches(monkeypatch, mode):
+    """Protects the grouped stream kernel (TRACE_EXT_DECODE_IMPL=stream on sm_90; the grouped decode kernel wherever
+    the K-slab kernel does not run, e.g. sm_100a) at Qwen3-30B-A3B (E=128, top-8) T = 1 .. 256 (8-, 16- and 32-row
+    units by rows_hint, empty experts at T < 16): within the f64 contract, the same bits on a second call."""
+    gen = torch.Generator().manual_seed(21)
+    E, k = 128, 8
+    w_gu = _quant_w(1536, 2048, E)
+    w_dn = _quant_w(2048, 768, E)
+    _impl(monkeypatch, "stream")
+    for T in (1, 3, 16, 64, 256):
+        counts = _routed_counts(T, E, k, gen)
+        for name, (N, K), w in (("gate_up", (1536, 2048), w_gu), ("down", (2048, 768), w_dn)):
+            _grouped_case(E, N, K, counts, mode, w=w, prepared=True, what=f"stream qwen3 {name} {mode} T={T}")
+    offsets = _offsets(counts)
+    a = torch.randn(int(sum(counts)), 768, device=DEV).bfloat16()
+    wp = O.prepare_fp4_weight(w_dn)
+    assert torch.equal(O.fp4_grouped_linear(a, wp, offsets, backend="cuda"),
+                       O.fp4_grouped_linear(a, wp, offsets, backend="cuda")), "second grouped stream call differs"
+
+
 @pytest.mark.parametrize("impl", GROUPED_KSLAB_IMPLS)
 def test_decode_kslab_grouped_previous_plan(monkeypatch, impl):
     """Protects the previous grouped plan kept for A/B timing (TRACE_EXT_KSLAB_GRP_PLAN=v1: fewer, longer jobs at

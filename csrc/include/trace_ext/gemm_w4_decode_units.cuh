@@ -1,8 +1,6 @@
-// Units of grouped (MoE) decode for the grouped K-slab kernel (gemm_w4_decode_kslab_sm90.cu): a unit is (expert with
-// rows, chunk of R rows), numbered expert by expert on the device, so empty experts cost nothing and an expert with
-// more than R rows is several units. The same numbering is written inline in the grouped stream kernel
-// (gemm_w4_decode_sm90.cu): calling these there changed its register assignment (SASS-checked), and that kernel was
-// not re-timed, so it keeps its copy until it is.
+// Units of grouped (MoE) decode for the grouped K-slab kernel (gemm_w4_decode_kslab_sm90.cu) and the grouped stream
+// kernel (gemm_w4_decode_sm90.cu): a unit is (expert with rows, chunk of R rows), numbered expert by expert on the
+// device, so empty experts cost nothing and an expert with more than R rows is several units.
 //  - decode_number_units: one block-wide scan of the offsets; s_pref[e] = units of the experts before e (e < E);
 //    returns the unit count (every thread). Offsets are clamped to [0, M] and made non-decreasing, as everywhere.
 //  - decode_unit_expert: unit u -> the last expert e with s_pref[e] <= u (it has rows), by binary search.
