@@ -200,6 +200,48 @@ __device__ __forceinline__ Combined combine_splits(const float* o_part, const fl
   return {empty ? 0.0f : acc / l, empty ? -INFINITY : (m + log2f(l)) * kLn2};
 }
 
+// The fused split-K finish's election (threadFenceReduction pattern), called by every thread of the CTA after it
+// stored its split's partials: publish them, count this CTA's arrival on `counter` (cycles 0 .. num_splits - 1, so it
+// is back at 0 after every launch); true in the last CTA to arrive, which then sees every split's partials.
+__device__ __forceinline__ bool arrived_last(unsigned int* counter, int num_splits) {
+  __shared__ bool last_split;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last_split = atomicInc(counter, num_splits - 1) == (unsigned int)(num_splits - 1);
+  __syncthreads();
+  if (!last_split) return false;
+  __threadfence();
+  return true;
+}
+
+// Lane quarter c of query row `head` of KV head kv_head in sequence b as floats (qv[e] = q[.., c * D / 4 + e]; zeros
+// for head >= group); returns max |qv|. The kernels scale it into fp16 MMA fragments by a power of two.
+template <int D>
+__device__ __forceinline__ float load_q_quarter(const DecodeParams& p, int b, int kv_head, int head, int c,
+                                                float (&qv)[D / 4]) {
+  float amax = 0.0f;
+  if (head < p.group) {
+    const uint4* src = reinterpret_cast<const uint4*>(
+        p.q + ((int64_t)b * p.heads_q + (int64_t)kv_head * p.group + head) * D + c * (D / 4));
+#pragma unroll
+    for (int v = 0; v < D / 32; ++v) {
+      const uint4 u = __ldg(src + v);
+      const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        qv[8 * v + 2 * e] = __uint_as_float(w[e] << 16);
+        qv[8 * v + 2 * e + 1] = __uint_as_float(w[e] & 0xFFFF0000u);
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < D / 4; ++e) amax = fmaxf(amax, fabsf(qv[e]));
+  } else {
+#pragma unroll
+    for (int e = 0; e < D / 4; ++e) qv[e] = 0.0f;
+  }
+  return amax;
+}
+
 // The cross-warp merge of a CTA's (m, l, O) from shared memory (sm_o [warps][16][kOStride] with head_dim d at
 // (d / (D/8)) * kOGroup + d % (D/8); sm_m, sm_l [warps][16]) and the store of the output (one split) or of the
 // split's partial result; all threads of the CTA.
@@ -236,18 +278,8 @@ __device__ __forceinline__ void merge_warps(const DecodeParams& p, const float* 
     }
   }
   if (p.num_splits == 1 || p.split_counters == nullptr) return;
-  // Fused split-K finish (threadFenceReduction pattern): publish the partials, count this split's arrival; the
-  // last CTA of the (sequence, KV head) combines all splits of its G query heads.
-  __shared__ bool last_split;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned int prev = atomicInc(p.split_counters + (int64_t)b * p.heads_kv + kv_head, p.num_splits - 1);
-    last_split = prev == (unsigned int)(p.num_splits - 1);
-  }
-  __syncthreads();
-  if (!last_split) return;
-  __threadfence();
+  // Fused split-K finish: the last CTA of the (sequence, KV head) combines all splits of its G query heads.
+  if (!arrived_last(p.split_counters + (int64_t)b * p.heads_kv + kv_head, p.num_splits)) return;
   for (int idx = threadIdx.x; idx < p.group * D; idx += kThreads) {
     const int row = idx / D, d = idx % D;
     const int64_t bh = (int64_t)b * p.heads_q + (int64_t)kv_head * p.group + row;

@@ -76,26 +76,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksSwap) fp4kv_decode_kernel_
   float head_scale[2];  // score scale of heads 2c, 2c + 1
   {
     float qv[D / 4];
-    float amax = 0.0f;
-    if (r < p.group) {
-      const uint4* src = reinterpret_cast<const uint4*>(
-          p.q + ((int64_t)b * p.heads_q + (int64_t)kv_head * p.group + r) * D + c * (D / 4));
-#pragma unroll
-      for (int v = 0; v < D / 32; ++v) {
-        const uint4 u = __ldg(src + v);
-        const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          qv[8 * v + 2 * e] = __uint_as_float(w[e] << 16);
-          qv[8 * v + 2 * e + 1] = __uint_as_float(w[e] & 0xFFFF0000u);
-        }
-      }
-#pragma unroll
-      for (int e = 0; e < D / 4; ++e) amax = fmaxf(amax, fabsf(qv[e]));
-    } else {
-#pragma unroll
-      for (int e = 0; e < D / 4; ++e) qv[e] = 0.0f;
-    }
+    float amax = load_q_quarter<D>(p, b, kv_head, r, c, qv);
     const int e2 = q_row_exponent(amax);
     const float up = exp2_exact(e2);
     const float rs = __fmul_rn(p.score_scale, exp2_exact(-e2));  // head r's score scale

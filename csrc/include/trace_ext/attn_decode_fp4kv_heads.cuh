@@ -298,26 +298,7 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
   float head_scale[2];  // score scale of heads 2c, 2c + 1
   {
     float qv[D / 4];
-    float amax = 0.0f;
-    if (r < p.group) {
-      const uint4* src = reinterpret_cast<const uint4*>(
-          p.q + ((int64_t)b * p.heads_q + (int64_t)kv_head * p.group + r) * D + c * (D / 4));
-#pragma unroll
-      for (int v = 0; v < D / 32; ++v) {
-        const uint4 u = __ldg(src + v);
-        const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          qv[8 * v + 2 * e] = __uint_as_float(w[e] << 16);
-          qv[8 * v + 2 * e + 1] = __uint_as_float(w[e] & 0xFFFF0000u);
-        }
-      }
-#pragma unroll
-      for (int e = 0; e < D / 4; ++e) amax = fmaxf(amax, fabsf(qv[e]));
-    } else {
-#pragma unroll
-      for (int e = 0; e < D / 4; ++e) qv[e] = 0.0f;
-    }
+    float amax = load_q_quarter<D>(p, b, kv_head, r, c, qv);
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
     int e2 = 0;
@@ -563,16 +544,7 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
   if (p.num_splits == 1 || p.split_counters == nullptr) return;
   // Fused split-K finish, as in merge_warps: the last CTA of the (sequence, head group) combines all splits of its
   // 4 G query heads.
-  __shared__ bool last_split;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned int prev = atomicInc(p.split_counters + (int64_t)b * p.heads_kv + hg, p.num_splits - 1);
-    last_split = prev == (unsigned int)(p.num_splits - 1);
-  }
-  __syncthreads();
-  if (!last_split) return;
-  __threadfence();
+  if (!arrived_last(p.split_counters + (int64_t)b * p.heads_kv + hg, p.num_splits)) return;
   heads_split_finish<D, kSets * kThreads>(p, smem, hg, b);
 }
 

@@ -60,26 +60,7 @@ __global__ void __launch_bounds__(kThreads, kQSmem ? kMinBlocks : kMinBlocksQReg
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int head = r + 8 * h;
-      float amax = 0.0f;
-      if (head < p.group) {
-        const uint4* src = reinterpret_cast<const uint4*>(
-            p.q + ((int64_t)b * p.heads_q + (int64_t)kv_head * p.group + head) * D + c * (D / 4));
-#pragma unroll
-        for (int v = 0; v < D / 32; ++v) {
-          const uint4 u = __ldg(src + v);
-          const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            qv[h][8 * v + 2 * e] = __uint_as_float(w[e] << 16);
-            qv[h][8 * v + 2 * e + 1] = __uint_as_float(w[e] & 0xFFFF0000u);
-          }
-        }
-#pragma unroll
-        for (int e = 0; e < D / 4; ++e) amax = fmaxf(amax, fabsf(qv[h][e]));
-      } else {
-#pragma unroll
-        for (int e = 0; e < D / 4; ++e) qv[h][e] = 0.0f;
-      }
+      const float amax = load_q_quarter<D>(p, b, kv_head, head, c, qv[h]);
       const int e2 = q_row_exponent(amax);
       const float up = exp2_exact(e2);
       row_scale[h] = __fmul_rn(p.score_scale, exp2_exact(-e2));
