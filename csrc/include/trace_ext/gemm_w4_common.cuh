@@ -130,6 +130,35 @@ __device__ __forceinline__ void mma_bf16_16816(float c[4], const uint32_t a[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// One 64-K step of a 16-row weight block in the decode layout (the stream, pair and K-slab decode kernels): the lane's
+// code word wq (rows g and g + 8, one 16-element NVFP4 block each), its two scale bytes (step kk's half of the scale
+// word sw) -> bf16 q * s * 2^-7 A fragments, times the activation fragments bq of MT8 8-row groups into acc.
+template <int MT8, bool kForm2>
+__device__ __forceinline__ void decode_mma_step(uint4 wq, uint32_t sw, int kk, const uint32_t (&bq)[MT8][8],
+                                                float (&acc)[MT8][4]) {
+  const uint32_t s_lo = scale_bf16x2_folded((uint8_t)((sw >> (16 * (kk & 1))) & 0xFF));
+  const uint32_t s_hi = scale_bf16x2_folded((uint8_t)((sw >> (16 * (kk & 1) + 8)) & 0xFF));
+  uint32_t rg[8], rh[8];  // rows g and g+8: pairs 0..7 of the 16-element block
+  decode_word_form<kForm2>(wq.x, rg);
+  decode_word_form<kForm2>(wq.y, rg + 4);
+  decode_word_form<kForm2>(wq.z, rh);
+  decode_word_form<kForm2>(wq.w, rh + 4);
+#pragma unroll
+  for (int jj = 0; jj < 8; ++jj) {
+    rg[jj] = bf16x2_mul(rg[jj], s_lo);
+    rh[jj] = bf16x2_mul(rh[jj], s_hi);
+  }
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+    const uint32_t af[4] = {rg[2 * ks], rh[2 * ks], rg[2 * ks + 1], rh[2 * ks + 1]};
+#pragma unroll
+    for (int i = 0; i < MT8; ++i) {
+      const uint32_t bf[2] = {bq[i][2 * ks], bq[i][2 * ks + 1]};
+      mma_bf16_16816(acc[i], af, bf);
+    }
+  }
+}
+
 // Stores y[n], y[n+1] (bf16) of one row, guarding the N edge; a 4-byte store when both are in range and aligned.
 __device__ __forceinline__ void store_bf16_pair(__nv_bfloat16* ptr, const float v[2], bool both, bool first, int N) {
   if (both && (reinterpret_cast<uintptr_t>(ptr) & 3u) == 0) {

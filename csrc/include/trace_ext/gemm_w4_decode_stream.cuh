@@ -270,28 +270,8 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
         load_a(kk, bq);
       }
       const uint32_t sw = kk < 2 ? sv.x : sv.y;
-      const uint32_t s_lo = scale_bf16x2_folded((uint8_t)((sw >> (16 * (kk & 1))) & 0xFF));
-      const uint32_t s_hi = scale_bf16x2_folded((uint8_t)((sw >> (16 * (kk & 1) + 8)) & 0xFF));
       const uint4 wq = *reinterpret_cast<const uint4*>(srd + kk * 512 + lane * 16);
-      uint32_t rg[8], rh[8];  // rows g and g+8: pairs 0..7 of the 16-element block
-      decode_word_form<kForm2>(wq.x, rg);
-      decode_word_form<kForm2>(wq.y, rg + 4);
-      decode_word_form<kForm2>(wq.z, rh);
-      decode_word_form<kForm2>(wq.w, rh + 4);
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        rg[jj] = bf16x2_mul(rg[jj], s_lo);
-        rh[jj] = bf16x2_mul(rh[jj], s_hi);
-      }
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        const uint32_t af[4] = {rg[2 * ks], rh[2 * ks], rg[2 * ks + 1], rh[2 * ks + 1]};
-#pragma unroll
-        for (int i = 0; i < MT8; ++i) {
-          const uint32_t bf[2] = {bq[i][2 * ks], bq[i][2 * ks + 1]};
-          mma_bf16_16816(acc[i], af, bf);
-        }
-      }
+      decode_mma_step<MT8, kForm2>(wq, sw, kk, bq, acc);
     }
 
     // ---- end of a block segment: the whole block -> Y; part of it -> partial slot
