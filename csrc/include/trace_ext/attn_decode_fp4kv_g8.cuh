@@ -42,6 +42,107 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
   return y;
 }
 
+// The swapped-operand tile step, shared by the g8 and heads kernels: (1) S^T = K.Q^T from the staged K code words w and
+// their half2 block scales sc (load_k) into s: rows tokens r (half 0) and 8 + r (half 1), columns heads 2c, 2c + 1.
+template <int D>
+__device__ __forceinline__ void swapped_scores(const uint32_t (&w)[2][Geo<D>::kKWords],
+                                               const uint32_t (&sc)[2][Geo<D>::kKWords],
+                                               const uint32_t (&qb)[Geo<D>::kKSteps][2], float (&s)[4]) {
+#pragma unroll
+  for (int wi = 0; wi < Geo<D>::kKWords; ++wi) {
+    uint32_t hb[2], lb[2];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      hb[nt] = e2m1_hi_nibbles_to_f16_hibytes(w[nt][wi]);  // nibbles 1, 3, 5, 7
+      lb[nt] = e2m1_lo_nibbles_to_f16_hibytes(w[nt][wi]);  // nibbles 0, 2, 4, 6
+    }
+    // k-step 2 wi: (n0, n2) for k = 2c, 2c+1 and (n1, n3) for k = 2c+8, 2c+9; k-step 2 wi + 1: n4..n7
+    const uint32_t a0[4] = {dequant_pair(lb[0], kPairLo, sc[0][wi]), dequant_pair(lb[1], kPairLo, sc[1][wi]),
+                            dequant_pair(hb[0], kPairLo, sc[0][wi]), dequant_pair(hb[1], kPairLo, sc[1][wi])};
+    mma_f16(s, a0, qb[2 * wi][0], qb[2 * wi][1]);
+    const uint32_t a1[4] = {dequant_pair(lb[0], kPairHi, sc[0][wi]), dequant_pair(lb[1], kPairHi, sc[1][wi]),
+                            dequant_pair(hb[0], kPairHi, sc[0][wi]), dequant_pair(hb[1], kPairHi, sc[1][wi])};
+    mma_f16(s, a1, qb[2 * wi + 1][0], qb[2 * wi + 1][1]);
+  }
+}
+
+// (2) The online softmax (log2 domain) per head (column) over the tile's 16 tokens (rows): scale, mask tokens at or
+// past `end` (the split's last tile), lazy rescaling of (m, l, O) when a head's max grows by more than kRescaleSlack,
+// P = 2^(s - m) summed into l (this lane's tokens; summed over r after the loop) and transposed into P^T's B
+// fragment pb: P[head r][tokens 2c, 2c+1] and [2c+8, 2c+9].
+template <int kMTiles>
+__device__ __forceinline__ void swapped_softmax(float (&s)[4], const float (&head_scale)[2], int t0, int end, int r,
+                                                float (&m_run)[2], float (&l_run)[2], float (&o)[kMTiles][4],
+                                                uint32_t (&pb)[2]) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) s[e] *= head_scale[e & 1];
+  if (t0 + kTile > end) {  // the last tile of the split: mask tokens past its end (warp-uniform branch)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (t0 + r + 8 * (e >> 1) >= end) s[e] = -INFINITY;
+    }
+  }
+  float mx[2] = {fmaxf(s[0], s[2]), fmaxf(s[1], s[3])};
+  bool grow = false;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 4));
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 8));
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 16));
+    grow = grow || (mx[h] > m_run[h] + kRescaleSlack);
+  }
+  if (__any_sync(0xffffffffu, grow)) {
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m_new = fmaxf(m_run[h], mx[h]);
+      alpha[h] = m_new == -INFINITY ? 1.0f : exp2f(m_run[h] - m_new);
+      m_run[h] = m_new;
+      l_run[h] *= alpha[h];
+    }
+#pragma unroll
+    for (int m = 0; m < kMTiles; ++m) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[m][e] *= alpha[e & 1];
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float m_ref = m_run[e & 1] == -INFINITY ? 0.0f : m_run[e & 1];
+    s[e] = exp2_ftz(s[e] - m_ref);
+  }
+  l_run[0] += s[0] + s[2];
+  l_run[1] += s[1] + s[3];
+  __half2 h0 = __floats2half2_rn(s[0], s[1]);  // token r, heads 2c, 2c+1
+  __half2 h1 = __floats2half2_rn(s[2], s[3]);  // token r + 8
+  pb[0] = movmatrix_trans(*reinterpret_cast<uint32_t*>(&h0));
+  pb[1] = movmatrix_trans(*reinterpret_cast<uint32_t*>(&h1));
+}
+
+// (3) O^T += V^T.P^T from the staged V code words vw and the token pairs' half2 scales vs2 (load_v): tokens (2c,
+// 2c+1) and (2c+8, 2c+9); d rows r, r + 8 of M tile m are elements 2m, 2m + 1 of this lane's head_dim block.
+template <int D>
+__device__ __forceinline__ void swapped_pv(const uint32_t (&vw)[4][Geo<D>::kVWords], const uint32_t (&vs2)[2],
+                                           const uint32_t (&pb)[2], float (&o)[D / 16][4]) {
+#pragma unroll
+  for (int wi = 0; wi < Geo<D>::kVWords; ++wi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      uint32_t hb[2], lb[2];
+      expand_v_pairs<D>(vw, wi, half, hb, lb);
+      // element j = 8 wi + 4 half + n of the block: n = 0 (lb, lo), 1 (hb, lo), 2 (lb, hi), 3 (hb, hi);
+      // M tile j0 / 2 takes elements j0, j0 + 1, M tile j0 / 2 + 1 takes j0 + 2, j0 + 3
+      const int m0 = (8 * wi + 4 * half) / 2;
+      const uint32_t a0[4] = {dequant_pair(lb[0], kPairLo, vs2[0]), dequant_pair(hb[0], kPairLo, vs2[0]),
+                              dequant_pair(lb[1], kPairLo, vs2[1]), dequant_pair(hb[1], kPairLo, vs2[1])};
+      mma_f16(o[m0], a0, pb[0], pb[1]);
+      const uint32_t a1[4] = {dequant_pair(lb[0], kPairHi, vs2[0]), dequant_pair(hb[0], kPairHi, vs2[0]),
+                              dequant_pair(lb[1], kPairHi, vs2[1]), dequant_pair(hb[1], kPairHi, vs2[1])};
+      mma_f16(o[m0 + 1], a1, pb[0], pb[1]);
+    }
+  }
+}
+
 template <int D>
 __global__ void __launch_bounds__(kThreads, kMinBlocksSwap) fp4kv_decode_kernel_g8(const DecodeParams p) {
   using G = Geo<D>;
@@ -114,101 +215,21 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksSwap) fp4kv_decode_kernel_
     const uint8_t* st = wsmem + (i % kStages) * G::kStageBytes;
     const int t0 = tile_start(i);
 
-    // ---- S^T = K.Q^T: rows tokens r (half 0) and 8 + r (half 1), columns heads 2c, 2c + 1 ----
+    // ---- S^T = K.Q^T, the online softmax, O^T += V^T.P^T (the swapped-operand tile step) ----
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     {
       uint32_t w[2][G::kKWords];
       uint32_t sc[2][G::kKWords];  // half2 (s, s) per word
       load_k<D>(st, k_off, ks_off, w, sc);
-#pragma unroll
-      for (int wi = 0; wi < G::kKWords; ++wi) {
-        uint32_t hb[2], lb[2];
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          hb[nt] = e2m1_hi_nibbles_to_f16_hibytes(w[nt][wi]);  // nibbles 1, 3, 5, 7
-          lb[nt] = e2m1_lo_nibbles_to_f16_hibytes(w[nt][wi]);  // nibbles 0, 2, 4, 6
-        }
-        // k-step 2 wi: (n0, n2) for k = 2c, 2c+1 and (n1, n3) for k = 2c+8, 2c+9; k-step 2 wi + 1: n4..n7
-        const uint32_t a0[4] = {dequant_pair(lb[0], kPairLo, sc[0][wi]), dequant_pair(lb[1], kPairLo, sc[1][wi]),
-                                dequant_pair(hb[0], kPairLo, sc[0][wi]), dequant_pair(hb[1], kPairLo, sc[1][wi])};
-        mma_f16(s, a0, qb[2 * wi][0], qb[2 * wi][1]);
-        const uint32_t a1[4] = {dequant_pair(lb[0], kPairHi, sc[0][wi]), dequant_pair(lb[1], kPairHi, sc[1][wi]),
-                                dequant_pair(hb[0], kPairHi, sc[0][wi]), dequant_pair(hb[1], kPairHi, sc[1][wi])};
-        mma_f16(s, a1, qb[2 * wi + 1][0], qb[2 * wi + 1][1]);
-      }
+      swapped_scores<D>(w, sc, qb, s);
     }
-
-    // ---- online softmax (log2 domain) per head (column) over the 16 tokens (rows) ----
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[e] *= head_scale[e & 1];
-    if (t0 + kTile > end) {  // the last tile of the split: mask tokens past its end (warp-uniform branch)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (t0 + r + 8 * (e >> 1) >= end) s[e] = -INFINITY;
-      }
-    }
-    float mx[2] = {fmaxf(s[0], s[2]), fmaxf(s[1], s[3])};
-    bool grow = false;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 4));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 8));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 16));
-      grow = grow || (mx[h] > m_run[h] + kRescaleSlack);  // lazy rescaling, as in the kernel above
-    }
-    if (__any_sync(0xffffffffu, grow)) {
-      float alpha[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float m_new = fmaxf(m_run[h], mx[h]);
-        alpha[h] = m_new == -INFINITY ? 1.0f : exp2f(m_run[h] - m_new);
-        m_run[h] = m_new;
-        l_run[h] *= alpha[h];
-      }
-#pragma unroll
-      for (int m = 0; m < kMTiles; ++m) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[m][e] *= alpha[e & 1];
-      }
-    }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float m_ref = m_run[e & 1] == -INFINITY ? 0.0f : m_run[e & 1];
-      s[e] = exp2_ftz(s[e] - m_ref);
-    }
-    l_run[0] += s[0] + s[2];  // this lane's tokens only; summed over r after the loop
-    l_run[1] += s[1] + s[3];
-    uint32_t pb[2];  // P^T B fragment: P[head r][tokens 2c, 2c+1] and [2c+8, 2c+9]
-    {
-      __half2 h0 = __floats2half2_rn(s[0], s[1]);  // token r, heads 2c, 2c+1
-      __half2 h1 = __floats2half2_rn(s[2], s[3]);  // token r + 8
-      pb[0] = movmatrix_trans(*reinterpret_cast<uint32_t*>(&h0));
-      pb[1] = movmatrix_trans(*reinterpret_cast<uint32_t*>(&h1));
-    }
-
-    // ---- O^T += V^T.P^T: tokens (2c, 2c+1) and (2c+8, 2c+9); d rows r, r + 8 of M tile m are elements 2m, 2m + 1
-    // of this lane's head_dim block (d = r * D/8 + j) ----
+    uint32_t pb[2];
+    swapped_softmax<kMTiles>(s, head_scale, t0, end, r, m_run, l_run, o, pb);
     {
       uint32_t vw[4][G::kVWords];
       uint32_t vs2[2];
       load_v<D>(st, v_off, vs_off, vw, vs2);
-#pragma unroll
-      for (int wi = 0; wi < G::kVWords; ++wi) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          uint32_t hb[2], lb[2];
-          expand_v_pairs<D>(vw, wi, half, hb, lb);
-          // element j = 8 wi + 4 half + n of the block: n = 0 (lb, lo), 1 (hb, lo), 2 (lb, hi), 3 (hb, hi);
-          // M tile j0 / 2 takes elements j0, j0 + 1, M tile j0 / 2 + 1 takes j0 + 2, j0 + 3
-          const int m0 = (8 * wi + 4 * half) / 2;
-          const uint32_t a0[4] = {dequant_pair(lb[0], kPairLo, vs2[0]), dequant_pair(hb[0], kPairLo, vs2[0]),
-                                  dequant_pair(lb[1], kPairLo, vs2[1]), dequant_pair(hb[1], kPairLo, vs2[1])};
-          mma_f16(o[m0], a0, pb[0], pb[1]);
-          const uint32_t a1[4] = {dequant_pair(lb[0], kPairHi, vs2[0]), dequant_pair(hb[0], kPairHi, vs2[0]),
-                                  dequant_pair(lb[1], kPairHi, vs2[1]), dequant_pair(hb[1], kPairHi, vs2[1])};
-          mma_f16(o[m0 + 1], a1, pb[0], pb[1]);
-        }
-      }
+      swapped_pv<D>(vw, vs2, pb, o);
     }
     __syncwarp();
   }

@@ -363,138 +363,21 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
     if (kSets > 1 && tile >= n_tiles) continue;
     const int t0 = start + tile * kTile;
 
-    // ---- S^T = K.Q^T (as in the g8 kernel) ----
+    // ---- S^T = K.Q^T, the online softmax, O^T += V^T.P^T (the g8 kernel's tile step) ----
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     {
       uint32_t w[2][G::kKWords];
       uint32_t sc[2][G::kKWords];
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        if constexpr (D == 128) {
-          const uint4 u = *reinterpret_cast<const uint4*>(st + k_off[nt]);
-          w[nt][0] = u.x, w[nt][1] = u.y, w[nt][2] = u.z, w[nt][3] = u.w;
-          const uint32_t s2 = e4m3x2_to_half2(*reinterpret_cast<const uint16_t*>(st + ks_off[nt]));
-          sc[nt][0] = sc[nt][1] = __byte_perm(s2, 0u, 0x1010);
-          sc[nt][2] = sc[nt][3] = __byte_perm(s2, 0u, 0x3232);
-        } else {
-          const uint2 u = *reinterpret_cast<const uint2*>(st + k_off[nt]);
-          w[nt][0] = u.x, w[nt][1] = u.y;
-          const uint32_t s2 = e4m3x2_to_half2(st[ks_off[nt]]);
-          sc[nt][0] = sc[nt][1] = __byte_perm(s2, 0u, 0x1010);
-        }
-      }
-#pragma unroll
-      for (int wi = 0; wi < G::kKWords; ++wi) {
-        uint32_t hb[2], lb[2];
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          hb[nt] = e2m1_hi_nibbles_to_f16_hibytes(w[nt][wi]);
-          lb[nt] = e2m1_lo_nibbles_to_f16_hibytes(w[nt][wi]);
-        }
-        const uint32_t a0[4] = {hmul2(f16x2_from_hibytes(lb[0], kPairLo), sc[0][wi]),
-                                hmul2(f16x2_from_hibytes(lb[1], kPairLo), sc[1][wi]),
-                                hmul2(f16x2_from_hibytes(hb[0], kPairLo), sc[0][wi]),
-                                hmul2(f16x2_from_hibytes(hb[1], kPairLo), sc[1][wi])};
-        mma_f16(s, a0, qb[2 * wi][0], qb[2 * wi][1]);
-        const uint32_t a1[4] = {hmul2(f16x2_from_hibytes(lb[0], kPairHi), sc[0][wi]),
-                                hmul2(f16x2_from_hibytes(lb[1], kPairHi), sc[1][wi]),
-                                hmul2(f16x2_from_hibytes(hb[0], kPairHi), sc[0][wi]),
-                                hmul2(f16x2_from_hibytes(hb[1], kPairHi), sc[1][wi])};
-        mma_f16(s, a1, qb[2 * wi + 1][0], qb[2 * wi + 1][1]);
-      }
+      load_k<D>(st, k_off, ks_off, w, sc);
+      swapped_scores<D>(w, sc, qb, s);
     }
-
-    // ---- online softmax (log2 domain) per head over the 16 tokens (as in the g8 kernel) ----
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[e] *= head_scale[e & 1];
-    if (t0 + kTile > end) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (t0 + r + 8 * (e >> 1) >= end) s[e] = -INFINITY;
-      }
-    }
-    float mx[2] = {fmaxf(s[0], s[2]), fmaxf(s[1], s[3])};
-    bool grow = false;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 4));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 8));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 16));
-      grow = grow || (mx[h] > m_run[h] + kRescaleSlack);
-    }
-    if (__any_sync(0xffffffffu, grow)) {
-      float alpha[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float m_new = fmaxf(m_run[h], mx[h]);
-        alpha[h] = m_new == -INFINITY ? 1.0f : exp2f(m_run[h] - m_new);
-        m_run[h] = m_new;
-        l_run[h] *= alpha[h];
-      }
-#pragma unroll
-      for (int m = 0; m < kMTiles; ++m) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[m][e] *= alpha[e & 1];
-      }
-    }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float m_ref = m_run[e & 1] == -INFINITY ? 0.0f : m_run[e & 1];
-      s[e] = exp2_ftz(s[e] - m_ref);
-    }
-    l_run[0] += s[0] + s[2];
-    l_run[1] += s[1] + s[3];
     uint32_t pb[2];
-    {
-      __half2 h0 = __floats2half2_rn(s[0], s[1]);
-      __half2 h1 = __floats2half2_rn(s[2], s[3]);
-      pb[0] = movmatrix_trans(*reinterpret_cast<uint32_t*>(&h0));
-      pb[1] = movmatrix_trans(*reinterpret_cast<uint32_t*>(&h1));
-    }
-
-    // ---- O^T += V^T.P^T (as in the g8 kernel) ----
+    swapped_softmax<kMTiles>(s, head_scale, t0, end, r, m_run, l_run, o, pb);
     {
       uint32_t vw[4][G::kVWords];
       uint32_t vs2[2];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const uint8_t* src = st + v_off[k];
-        if constexpr (G::kVWords == 2) {
-          const uint2 u = *reinterpret_cast<const uint2*>(src);
-          vw[k][0] = u.x, vw[k][1] = u.y;
-        } else {
-          vw[k][0] = *reinterpret_cast<const uint32_t*>(src);
-        }
-      }
-#pragma unroll
-      for (int pr = 0; pr < 2; ++pr) {
-        vs2[pr] = e4m3x2_to_half2((uint32_t)st[vs_off[2 * pr]] | ((uint32_t)st[vs_off[2 * pr + 1]] << 8));
-      }
-#pragma unroll
-      for (int wi = 0; wi < G::kVWords; ++wi) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const uint32_t sel = half == 0 ? 0x5140u : 0x7362u;
-          uint32_t hb[2], lb[2];
-#pragma unroll
-          for (int pr = 0; pr < 2; ++pr) {
-            const uint32_t z = __byte_perm(vw[2 * pr][wi], vw[2 * pr + 1][wi], sel);
-            hb[pr] = e2m1_hi_nibbles_to_f16_hibytes(z);
-            lb[pr] = e2m1_lo_nibbles_to_f16_hibytes(z);
-          }
-          const int m0 = (8 * wi + 4 * half) / 2;
-          const uint32_t a0[4] = {hmul2(f16x2_from_hibytes(lb[0], kPairLo), vs2[0]),
-                                  hmul2(f16x2_from_hibytes(hb[0], kPairLo), vs2[0]),
-                                  hmul2(f16x2_from_hibytes(lb[1], kPairLo), vs2[1]),
-                                  hmul2(f16x2_from_hibytes(hb[1], kPairLo), vs2[1])};
-          mma_f16(o[m0], a0, pb[0], pb[1]);
-          const uint32_t a1[4] = {hmul2(f16x2_from_hibytes(lb[0], kPairHi), vs2[0]),
-                                  hmul2(f16x2_from_hibytes(hb[0], kPairHi), vs2[0]),
-                                  hmul2(f16x2_from_hibytes(lb[1], kPairHi), vs2[1]),
-                                  hmul2(f16x2_from_hibytes(hb[1], kPairHi), vs2[1])};
-          mma_f16(o[m0 + 1], a1, pb[0], pb[1]);
-        }
-      }
+      load_v<D>(st, v_off, vs_off, vw, vs2);
+      swapped_pv<D>(vw, vs2, pb, o);
     }
   }
   cp_async_wait<0>();
