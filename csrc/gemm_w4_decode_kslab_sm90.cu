@@ -287,24 +287,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     const KsJob jb{s, S, kt0, Ls, nb0, I, a_stride, i0, i1};
     KsRing<kStages> wr;
     kslab_job_start<kAFp4, kStages>(wr, p, jb, w_e, r_lo, rows, ring, a_s, lane, [&] { return pol; });
-    if constexpr (kAFp4) {
-      const int blocks = Ls * (kKsSuperK / 16);
-      for (int r = 0; r < rows; ++r)
-        for (int b = threadIdx.x; b < blocks; b += kKsThreads) {
-          const int kb = kt0 * (kKsSuperK / 16) + b;
-          const int64_t row = r_lo + r;
-          const uint2 cw2 = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const uint8_t*>(p.a) +
-                                                                 row * (K / 2) + kb * 8));
-          const uint32_t sc = scale_bf16x2_folded(__ldg(p.a_scales + row * (K / 16) + kb));
-          const uint32_t cw[2] = {cw2.x, cw2.y};
-          uint32_t v[8];
-#pragma unroll
-          for (int j = 0; j < 8; ++j) v[j] = bf16x2_mul(fp4x2_to_bf16x2_biased((cw[j >> 2] >> (8 * (j & 3))) & 0xFFu), sc);
-          uint4* dst = reinterpret_cast<uint4*>(a_s + r * a_stride + b * 32);
-          dst[0] = make_uint4(v[0], v[1], v[2], v[3]);
-          dst[1] = make_uint4(v[4], v[5], v[6], v[7]);
-        }
-    }
+    if constexpr (kAFp4) kslab_stage_a_fp4(p, a_s, r_lo, rows, kt0, Ls, a_stride);
     if constexpr (!kAFp4) cp_async_wait<kStages - 1>();
     __syncthreads();
 
