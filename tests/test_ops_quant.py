@@ -71,8 +71,11 @@ def test_op_errors_spec10():
         ops.nvfp4_quantize(torch.randn(2, 20))
     with pytest.raises(ValueError, match="seed"):
         ops.nvfp4_quantize(torch.randn(2, 16), rounding="sr", seed=-1)
-    with pytest.raises(ValueError, match="scope"):
-        ops.nvfp4_quantize(torch.randn(2, 16), scope="block")
+    # scope is checked by quantize and fake quantize alike, also when g is given (and not used)
+    for op in (ops.nvfp4_quantize, ops.nvfp4_fake_quantize):
+        for g in (None, torch.ones(2)):
+            with pytest.raises(ValueError, match="scope"):
+                op(torch.randn(2, 16), g, scope="block")
     with pytest.raises(TypeError, match="dtype"):
         ops.nvfp4_dequantize(ops.nvfp4_quantize(torch.randn(2, 16)), torch.int8)
     with pytest.raises(ValueError, match="MXFP4 rounding"):

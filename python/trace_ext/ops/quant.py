@@ -61,6 +61,17 @@ def _guide_args(guidance: GuidanceRecord | None, R: int, K: int, device):
     return guidance.scales.contiguous(), guidance.g.contiguous(), guidance.payload.contiguous()
 
 
+def _check_nvfp4_args(x, scope: str, rounding: str, guidance, seed: int, offset: int) -> int:
+    """The argument checks of nvfp4_quantize and nvfp4_fake_quantize (SPEC 10), the same for both and for every
+    backend (scope is checked even when g is given and does not use it); returns the op's rounding code."""
+    ref.check_float_input(x, F.NVFP4_BLOCK)
+    code = _rounding_code(rounding, guidance)
+    _check_seed(seed, offset)
+    if scope not in ref.SCOPES:
+        raise ValueError(f"scope must be one of {ref.SCOPES}, got {scope!r}")
+    return code
+
+
 def nvfp4_quantize(
     x: torch.Tensor,
     g: torch.Tensor | float | None = None,
@@ -82,11 +93,7 @@ def nvfp4_quantize(
     swizzle: return scales in the 128x4 layout of the Blackwell kernels.
     capture: also return the compact GuidanceRecord of what was produced (the rollout side).
     """
-    ref.check_float_input(x, F.NVFP4_BLOCK)
-    code = _rounding_code(rounding, guidance)
-    _check_seed(seed, offset)
-    if scope not in ref.SCOPES:
-        raise ValueError(f"scope must be one of {ref.SCOPES}, got {scope!r}")
+    code = _check_nvfp4_args(x, scope, rounding, guidance, seed, offset)
     shape = tuple(x.shape)
     K = shape[-1]
     R = x.numel() // K if K else 0
@@ -151,9 +158,7 @@ def nvfp4_fake_quantize(
 
     capture=True also returns the compact GuidanceRecord of the rounding it made (trainer-side capture).
     """
-    ref.check_float_input(x, F.NVFP4_BLOCK)
-    code = _rounding_code(rounding, guidance)
-    _check_seed(seed, offset)
+    code = _check_nvfp4_args(x, scope, rounding, guidance, seed, offset)
     which = resolve_backend(backend, x, *(t for t in (g, guidance and guidance.payload) if isinstance(t, torch.Tensor)))
     if which == "reference":
         q = ref.nvfp4_quantize(x, g, scope=scope, rounding=rounding, seed=seed, offset=offset, guidance=guidance)
