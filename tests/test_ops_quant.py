@@ -133,3 +133,30 @@ def test_reference_path_compiles_fullgraph():
     x = torch.randn(8, 64)
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
     assert torch.equal(got, R.nvfp4_fake_quantize(x))
+
+
+@pytest.mark.parametrize("shape", [(4, 0), (2, 3, 0), (0, 0), (0, 32)])
+def test_empty_inputs_give_empty_results(shape):
+    """Protects SPEC 10's empty tensors, K = 0 included (rows without blocks: reshape(-1, K) cannot count them):
+    every quantize / dequantize / fake-quantize / swizzle / capture / guided path returns the empty result with the
+    input's leading shape and no error."""
+    x = torch.randn(*shape)
+    lead, K = shape[:-1], shape[-1]
+    q, rec = ops.nvfp4_quantize(x, capture=True)
+    assert q.codes.shape == (*lead, K // 2) and q.scales.shape == (*lead, K // 16) and q.g.shape == lead
+    assert ops.nvfp4_dequantize(q).shape == shape
+    assert ops.nvfp4_fake_quantize(x).shape == shape
+    assert ops.nvfp4_quantize(x, rounding="sr", seed=1).codes.shape == (*lead, K // 2)
+    assert ops.nvfp4_quantize(x, rounding="guided", guidance=rec).codes.shape == (*lead, K // 2)
+    qs = ops.nvfp4_quantize(x, swizzle=True)
+    assert qs.swizzled and ops.nvfp4_dequantize(qs).shape == shape
+    m = ops.mxfp4_quantize(x)
+    assert m.codes.shape == (*lead, K // 2) and m.scales.shape == (*lead, K // 32)
+    assert ops.mxfp4_dequantize(m).shape == shape
+
+
+def test_swizzle_helpers_reject_non_matrices():
+    with pytest.raises(ValueError, match="rows_pad"):
+        ops.from_swizzled(torch.zeros(10, dtype=torch.uint8), 3, 3)
+    with pytest.raises(ValueError, match="rows, Kb"):
+        ops.to_swizzled(torch.zeros(10, dtype=torch.uint8))

@@ -7,6 +7,8 @@ its twin.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 E2M1_MAX = 6.0  # largest E2M1 magnitude
@@ -151,9 +153,11 @@ def swizzle_offsets(rows: int, scale_cols: int, device=None) -> torch.Tensor:
 
 def to_swizzled(scales: torch.Tensor) -> torch.Tensor:
     """Linear scales [..., rows, Kb] -> swizzled [..., rows_pad, Kb_pad] (same bytes, 128x4 order, zero fill)."""
+    if scales.dim() < 2:
+        raise ValueError(f"to_swizzled: scales must be [..., rows, Kb], got shape {tuple(scales.shape)}")
     *lead, rows, cols = scales.shape
     r_pad, c_pad = swizzled_shape(rows, cols)
-    flat = scales.reshape(-1, rows * cols)
+    flat = scales.reshape(math.prod(lead), rows * cols)  # (not -1: rows * cols may be 0)
     out = torch.zeros(flat.shape[0], r_pad * c_pad, dtype=scales.dtype, device=scales.device)
     out[:, swizzle_offsets(rows, cols, scales.device).reshape(-1)] = flat
     return out.reshape(*lead, r_pad, c_pad)
@@ -161,12 +165,14 @@ def to_swizzled(scales: torch.Tensor) -> torch.Tensor:
 
 def from_swizzled(swizzled: torch.Tensor, rows: int, scale_cols: int) -> torch.Tensor:
     """Inverse of to_swizzled: swizzled [..., rows_pad, Kb_pad] -> linear [..., rows, scale_cols]."""
+    if swizzled.dim() < 2:
+        raise ValueError(f"from_swizzled: swizzled must be [..., rows_pad, Kb_pad], got shape {tuple(swizzled.shape)}")
     *lead, r_pad, c_pad = swizzled.shape
     if (r_pad, c_pad) != swizzled_shape(rows, scale_cols):
         raise ValueError(
             f"from_swizzled: expected padded shape {swizzled_shape(rows, scale_cols)} for {rows}x{scale_cols}, "
             f"got {(r_pad, c_pad)}"
         )
-    flat = swizzled.reshape(-1, r_pad * c_pad)
+    flat = swizzled.reshape(math.prod(lead), r_pad * c_pad)
     out = flat[:, swizzle_offsets(rows, scale_cols, swizzled.device).reshape(-1)]
     return out.reshape(*lead, rows, scale_cols)

@@ -7,6 +7,8 @@ CUDA elementwise ops are IEEE-754 RNE), matching ``fl(.)`` of the SPEC.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import formats as F
@@ -29,6 +31,12 @@ def check_float_input(x: torch.Tensor, block: int, name: str = "x") -> None:
         raise ValueError(
             f"{name}: the last dimension (K) must be a multiple of the {block}-element block, got shape {tuple(x.shape)}"
         )
+
+
+def rows_of(shape) -> int:
+    """Rows R of a [..., K] tensor: the product of the leading dimensions (also when K = 0, where numel() // K and
+    reshape(-1, K) cannot tell)."""
+    return math.prod(tuple(shape)[:-1])
 
 
 def check_uint8(t: torch.Tensor, name: str, shape: tuple) -> None:
@@ -173,8 +181,8 @@ def nvfp4_quantize(
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     shape = tuple(x.shape)
     K = shape[-1]
-    x2 = x.reshape(-1, K).float()
-    R = x2.shape[0]
+    R = rows_of(shape)
+    x2 = x.reshape(R, K).float()
     xb = _blocks(x2, F.NVFP4_BLOCK)
     finite_block = torch.isfinite(xb).all(-1)  # [R, Kb]
 
@@ -236,8 +244,8 @@ def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torc
     if q.swizzled:
         raise ValueError("nvfp4_dequantize expects linear scales; convert with formats.from_swizzled first")
     K = q.shape[-1]
-    codes = F.unpack_nibbles(q.codes.reshape(-1, K // 2))
-    R = codes.shape[0]
+    R = rows_of(q.shape)
+    codes = F.unpack_nibbles(q.codes.reshape(R, K // 2))
     vals = F.e2m1_to_float(codes)
     s = F.e4m3_to_float(q.scales.reshape(R, K // F.NVFP4_BLOCK)).repeat_interleave(F.NVFP4_BLOCK, dim=1)
     g = q.g.reshape(-1).expand(R)
@@ -258,10 +266,11 @@ def guidance_from_quantized(q: NVFP4Tensor, kind: str = "compact") -> GuidanceRe
     if q.swizzled:
         raise ValueError("guidance records hold linear scales; quantize with swizzle=False")
     K = q.shape[-1]
-    codes = q.codes.reshape(-1, K // 2)
+    R = rows_of(q.shape)
+    codes = q.codes.reshape(R, K // 2)
     payload = mantissa_bits_of_codes(codes) if kind == "compact" else codes.clone()
     return GuidanceRecord(
-        kind=kind, payload=payload, scales=q.scales.reshape(-1, K // F.NVFP4_BLOCK).clone(), g=q.g.reshape(-1).clone()
+        kind=kind, payload=payload, scales=q.scales.reshape(R, K // F.NVFP4_BLOCK).clone(), g=q.g.reshape(-1).clone()
     )
 
 
@@ -314,8 +323,8 @@ def mxfp4_quantize(
         raise ValueError(f"MXFP4 rounding must be 'rtn' or 'sr', got {rounding!r}")
     shape = tuple(x.shape)
     K = shape[-1]
-    x2 = x.reshape(-1, K).float()
-    R = x2.shape[0]
+    R = rows_of(shape)
+    x2 = x.reshape(R, K).float()
     xb = _blocks(x2, F.MXFP4_BLOCK)
     finite_block = torch.isfinite(xb).all(-1)
     safe = torch.where(finite_block[..., None], xb, torch.zeros_like(xb))
@@ -342,6 +351,6 @@ def mxfp4_quantize(
 def mxfp4_dequantize(q: MXFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x^ = q * 2^(b - 127), exact in float32; NaN blocks decode to NaN."""
     K = q.shape[-1]
-    codes = F.unpack_nibbles(q.codes.reshape(-1, K // 2))
+    codes = F.unpack_nibbles(q.codes.reshape(rows_of(q.shape), K // 2))
     s = F.e8m0_to_float(q.scales.reshape(codes.shape[0], K // F.MXFP4_BLOCK)).repeat_interleave(F.MXFP4_BLOCK, dim=1)
     return (F.e2m1_to_float(codes) * s).reshape(q.shape).to(dtype)

@@ -39,7 +39,7 @@ def _check_seed(seed: int, offset: int) -> None:
 
 def _rows_g(x: torch.Tensor, g, scope: str) -> torch.Tensor | None:
     """g as one float32 per row for the kernel; None means 'per-row, computed by the kernel'."""
-    R = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    R = ref.rows_of(x.shape)
     if g is not None:
         if not isinstance(g, torch.Tensor):
             g = torch.tensor(float(g), dtype=torch.float32, device=x.device)
@@ -59,6 +59,18 @@ def _guide_args(guidance: GuidanceRecord | None, R: int, K: int, device):
     if guidance.payload.device != device:
         raise RuntimeError(f"guidance is on {guidance.payload.device} but x is on {device}")
     return guidance.scales.contiguous(), guidance.g.contiguous(), guidance.payload.contiguous()
+
+
+def _empty_rows_to_reference(which: str, shape) -> str:
+    """K = 0 (rows without blocks) runs the reference on x's device: empty tensors give empty results (SPEC 10); the
+    kernels take K > 0."""
+    return "reference" if shape[-1] == 0 else which
+
+
+def _x_backend(backend: str, x: torch.Tensor, g=None, guidance: GuidanceRecord | None = None) -> str:
+    """The backend of a quantize call on x (with its tensor g and guidance on the same device)."""
+    tensors = (t for t in (g, guidance and guidance.payload) if isinstance(t, torch.Tensor))
+    return _empty_rows_to_reference(resolve_backend(backend, x, *tensors), x.shape)
 
 
 def _check_nvfp4_args(x, scope: str, rounding: str, guidance, seed: int, offset: int) -> int:
@@ -96,8 +108,8 @@ def nvfp4_quantize(
     code = _check_nvfp4_args(x, scope, rounding, guidance, seed, offset)
     shape = tuple(x.shape)
     K = shape[-1]
-    R = x.numel() // K if K else 0
-    which = resolve_backend(backend, x, *(t for t in (g, guidance and guidance.payload) if isinstance(t, torch.Tensor)))
+    R = ref.rows_of(x.shape)
+    which = _x_backend(backend, x, g, guidance)
 
     if which == "reference":
         q = ref.nvfp4_quantize(x, g, scope=scope, rounding=rounding, seed=seed, offset=offset, guidance=guidance)
@@ -131,9 +143,9 @@ def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16, *, bac
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     ref.check_uint8(q.codes, "codes", q.codes.shape)
-    which = resolve_backend(backend, q.codes, q.scales, q.g)
+    which = _empty_rows_to_reference(resolve_backend(backend, q.codes, q.scales, q.g), q.shape)
     K = q.shape[-1]
-    R = q.codes.numel() // (K // 2) if K else 0
+    R = ref.rows_of(q.shape)
     scales = q.scales if not q.swizzled else F.from_swizzled(q.scales, R, K // F.NVFP4_BLOCK)
     if which == "reference":
         return ref.nvfp4_dequantize(NVFP4Tensor(q.codes, scales, q.g, q.shape), dtype)
@@ -159,13 +171,13 @@ def nvfp4_fake_quantize(
     capture=True also returns the compact GuidanceRecord of the rounding it made (trainer-side capture).
     """
     code = _check_nvfp4_args(x, scope, rounding, guidance, seed, offset)
-    which = resolve_backend(backend, x, *(t for t in (g, guidance and guidance.payload) if isinstance(t, torch.Tensor)))
+    which = _x_backend(backend, x, g, guidance)
     if which == "reference":
         q = ref.nvfp4_quantize(x, g, scope=scope, rounding=rounding, seed=seed, offset=offset, guidance=guidance)
         y = ref.nvfp4_dequantize(q, x.dtype)
         return (y, ref.guidance_from_quantized(q, "compact")) if capture else y
     K = x.shape[-1]
-    R = x.numel() // K if K else 0
+    R = ref.rows_of(x.shape)
     g_rows = _rows_g(x, g, scope)
     gs, gg, gp = _guide_args(guidance, R, K, x.device)
     y, mbits, scales, g_out = torch_op("nvfp4_fake_quantize")(
@@ -191,11 +203,11 @@ def mxfp4_quantize(
     if scale_rounding not in ("floor", "ceil"):
         raise ValueError(f"scale_rounding must be 'floor' or 'ceil', got {scale_rounding!r}")
     _check_seed(seed, offset)
-    which = resolve_backend(backend, x)
+    which = _x_backend(backend, x)
     if which == "reference":
         return ref.mxfp4_quantize(x, rounding=rounding, seed=seed, offset=offset, scale_rounding=scale_rounding)
     K = x.shape[-1]
-    R = x.numel() // K if K else 0
+    R = ref.rows_of(x.shape)
     codes, scales = torch_op("mxfp4_quantize")(
         x.reshape(R, K).contiguous(), ROUNDING_CODE[rounding], seed, offset, scale_rounding == "ceil"
     )
@@ -208,11 +220,11 @@ def mxfp4_dequantize(q: MXFP4Tensor, dtype: torch.dtype = torch.bfloat16, *, bac
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     ref.check_uint8(q.codes, "codes", q.codes.shape)
-    which = resolve_backend(backend, q.codes, q.scales)
+    which = _empty_rows_to_reference(resolve_backend(backend, q.codes, q.scales), q.shape)
     if which == "reference":
         return ref.mxfp4_dequantize(q, dtype)
     K = q.shape[-1]
-    R = q.codes.numel() // (K // 2) if K else 0
+    R = ref.rows_of(q.shape)
     out = torch_op("mxfp4_dequantize")(q.codes.reshape(R, K // 2).contiguous(), q.scales.reshape(R, -1).contiguous(), dtype)
     return out.reshape(q.shape)
 
