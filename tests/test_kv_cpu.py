@@ -275,6 +275,11 @@ def test_misuse_gives_spec_errors():
         ops.fp4kv_append(cache, k, v, table, torch.tensor([0, 5, 6], dtype=torch.int32), z)
     with pytest.raises(ValueError, match="block_table"):
         ops.fp4kv_append(cache, k, v, table, cu, torch.tensor([0, 6], dtype=torch.int32))  # 6 + 3 > 2 pages of 4
+    # a negative start would put token -1 into the table's last column: rejected, the cache untouched
+    before = [t.clone() for t in cache.tensors()]
+    with pytest.raises(ValueError, match="start_pos must be >= 0"):
+        ops.fp4kv_append(cache, k, v, table, cu, torch.tensor([-1, 0], dtype=torch.int32))
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.tensors()))
     bad = table.clone()
     bad[0, 0] = cache.num_pages
     with pytest.raises(ValueError, match="page ids"):

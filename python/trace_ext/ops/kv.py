@@ -135,11 +135,15 @@ def fp4kv_append(
     if validate and _value_checks_possible(k_new):
         cu = cu_seqlens_new.long()
         counts = cu[1:] - cu[:-1]
-        bad = torch.stack([cu[0] != 0, cu[-1] != T, (counts < 0).any() if B else cu[0] != 0]).cpu()
-        if bad.any():
+        no = cu[0] != 0  # a false flag for B == 0
+        bad = torch.stack([cu[0] != 0, cu[-1] != T, (counts < 0).any() if B else no, (start_pos < 0).any() if B else no])
+        bad = bad.cpu()
+        if bad[:3].any():
             raise ValueError(
                 f"cu_seqlens_new must start at 0, end at T_new={T} and be non-decreasing, got {cu_seqlens_new.tolist()}"
             )
+        if bad[3]:  # position -1 would take the table's last column
+            raise ValueError(f"start_pos must be >= 0 (tokens already cached), got {start_pos.tolist()}")
         _check_table(cache, block_table, start_pos.long() + counts, "the appended tokens")
     if T == 0:
         return
