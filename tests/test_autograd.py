@@ -5,7 +5,7 @@ import torch
 
 from trace_ext import formats as F
 from trace_ext import reference as ref
-from trace_ext.autograd import fake_quantize, quantize_with_record
+from trace_ext.autograd import fake_quant_grouped_matmul, fake_quantize, quantize_with_record
 
 H = 2048  # Qwen3-30B-A3B hidden size
 I = 768  # its expert intermediate size
@@ -105,6 +105,26 @@ def test_errors():
         fake_quantize(torch.randn(2, 32), "mxfp4", rounding="guided", guidance=rec)
     with pytest.raises(ValueError):
         fake_quantize(torch.randn(3, 32), rounding="guided", guidance=rec)  # 3 rows, record of 2
+    # one format's options given to the other are errors, not ignored
+    with pytest.raises(ValueError, match="NVFP4 options"):
+        fake_quantize(torch.randn(2, 32), "mxfp4", g=2.0)
+    with pytest.raises(ValueError, match="NVFP4 options"):
+        fake_quantize(torch.randn(2, 32), "mxfp4", scope="tensor")
+    with pytest.raises(ValueError, match="MXFP4 option"):
+        fake_quantize(torch.randn(2, 32), scale_rounding="ceil")
+    with pytest.raises(ValueError, match="scale_rounding"):
+        fake_quantize(torch.randn(2, 32), "mxfp4", scale_rounding="up")
+    with pytest.raises(TypeError, match="out_dtype"):
+        fake_quantize(torch.randn(2, 32), out_dtype=torch.int32)
+    assert fake_quantize(torch.randn(2, 32), "mxfp4", scale_rounding="ceil").shape == (2, 32)
+
+
+def test_fake_quant_grouped_matmul_rejects_bad_bounds():
+    x, w = torch.randn(5, 32), torch.randn(3, 8, 32)
+    for bounds in ([0, 2, 6, 5], [0, 2, 5], [0, 2, 2, 4], [1, 2, 2, 5]):
+        with pytest.raises(ValueError, match="non-decreasing"):
+            fake_quant_grouped_matmul(x, w, bounds)
+    assert fake_quant_grouped_matmul(x, w, [0, 2, 2, 5]).shape == (5, 8)
 
 
 def test_fake_quant_grouped_matmul_matches_the_explicit_ste_graph():

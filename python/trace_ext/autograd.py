@@ -30,6 +30,17 @@ def quantize_with_record(x: torch.Tensor, *, kind: str = "compact", rounding: st
     return q, rec
 
 
+def _check_format_options(fmt: str, g, scope: str, scale_rounding: str) -> None:
+    """Options of one format given to the other are errors, not ignored (SPEC 10): g and scope are NVFP4's (MXFP4 has
+    no global scale), scale_rounding is MXFP4's (NVFP4 block scales are always round-to-nearest E4M3)."""
+    if scale_rounding not in ("floor", "ceil"):
+        raise ValueError(f"scale_rounding must be 'floor' or 'ceil', got {scale_rounding!r}")
+    if fmt == "mxfp4" and (g is not None or scope != "row"):
+        raise ValueError("g and scope are NVFP4 options (MXFP4 has no global scale); leave them unset for format='mxfp4'")
+    if fmt == "nvfp4" and scale_rounding != "floor":
+        raise ValueError("scale_rounding is an MXFP4 option (NVFP4 scales are E4M3 round-to-nearest)")
+
+
 def _fake_quant_values(x, fmt, rounding, guidance, g, scope, seed, offset, capture, kind, backend, scale_rounding):
     """float32 dequantized values of quantize(x) (exact fl(fl(q*s)*g)), and the record when capturing."""
     xf = x.float()
@@ -95,6 +106,9 @@ def fake_quantize(
     block = 16 if format == "nvfp4" else 32
     if x.dim() < 1 or x.shape[-1] % block:
         raise ValueError(f"x: the last dimension (K) must be a multiple of the {block}-element {format} block, got shape {tuple(x.shape)}")
+    _check_format_options(format, g, scope, scale_rounding)
+    if out_dtype is not None and (not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point):
+        raise TypeError(f"out_dtype must be a floating dtype, got {out_dtype}")
     out_dtype = out_dtype or x.dtype
     box: list = []
     y = _FakeQuantSTE.apply(x, out_dtype, box, format, rounding, guidance, g, scope, seed, offset, capture, kind, backend,
@@ -160,6 +174,9 @@ def fake_quant_grouped_matmul(x: torch.Tensor, w: torch.Tensor, bounds: list[int
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     if w.dim() != 3 or x.dim() != 2 or x.shape[1] != w.shape[2]:
         raise ValueError(f"expected x [M, K] and w [E, N, K] with the same K, got {tuple(x.shape)} and {tuple(w.shape)}")
-    if len(bounds) != w.shape[0] + 1 or bounds[0] != 0 or bounds[-1] != x.shape[0]:
-        raise ValueError(f"bounds must have E + 1 = {w.shape[0] + 1} entries from 0 to M = {x.shape[0]}, got {bounds}")
-    return _FakeQuantGroupedMatmul.apply(x, w, list(bounds), format, backend)
+    bounds = [int(b) for b in bounds]
+    if (len(bounds) != w.shape[0] + 1 or bounds[0] != 0 or bounds[-1] != x.shape[0]
+            or any(b > c for b, c in zip(bounds, bounds[1:]))):
+        raise ValueError(
+            f"bounds must have E + 1 = {w.shape[0] + 1} non-decreasing entries from 0 to M = {x.shape[0]}, got {bounds}")
+    return _FakeQuantGroupedMatmul.apply(x, w, bounds, format, backend)
