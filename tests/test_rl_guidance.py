@@ -153,6 +153,11 @@ def test_config_validation():
         FP4Config(activation="w8a8")
     c = FP4Config(guidance_layers=[3, 1, 3])
     assert c.guidance_layers == (1, 3) and c.with_(format="mxfp4").block == 32
+    with pytest.raises(ValueError, match="out of range"):  # known at construction once num_layers is (convert())
+        c.with_(num_layers=3)
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="offload_chunk_bytes"):
+            FP4Config(offload_chunk_bytes=bad)
 
 
 # ---- save / load ---------------------------------------------------------------------------------------------------

@@ -112,6 +112,12 @@ class FP4Config:
                 raise ValueError(f"{name} must be finite and > 0, got {v}")
         if self.num_layers is not None and self.num_layers <= 0:
             raise ValueError(f"num_layers must be positive, got {self.num_layers}")
+        layers = self.guidance_layers
+        if self.num_layers is not None and isinstance(layers, tuple) and any(i >= self.num_layers for i in layers):
+            raise ValueError(f"guidance_layers {list(layers)} out of range for a model with {self.num_layers} layers")
+        c = self.offload_chunk_bytes
+        if not isinstance(c, int) or isinstance(c, bool) or c <= 0:
+            raise ValueError(f"offload_chunk_bytes must be a positive int, got {c!r}")
         if not 0 <= int(self.sr_seed) < 2**63:
             raise ValueError(f"sr_seed must be in [0, 2^63), got {self.sr_seed}")
         if self.qat_compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
