@@ -7,6 +7,7 @@ from trace_ext import formats as F
 from trace_ext import ops
 from trace_ext import reference as R
 from trace_ext._loader import extension_loaded
+from trace_ext.tensor import MXFP4Tensor, NVFP4Tensor
 
 needs_ext = pytest.mark.skipif(not extension_loaded(), reason="the compiled extension is not installed (pure-Python install)")
 
@@ -80,6 +81,19 @@ def test_op_errors_spec10():
         ops.nvfp4_dequantize(ops.nvfp4_quantize(torch.randn(2, 16)), torch.int8)
     with pytest.raises(ValueError, match="MXFP4 rounding"):
         ops.mxfp4_quantize(torch.randn(2, 32), rounding="guided")
+    # a tensor whose parts disagree with its logical shape: ValueError naming the part (was torch's reshape error)
+    q = ops.nvfp4_quantize(torch.randn(4, 32))
+    for part, bad in (("codes", NVFP4Tensor(q.codes[:3], q.scales, q.g, q.shape)),
+                      ("scales", NVFP4Tensor(q.codes, q.scales[:, :1], q.g, q.shape)),
+                      ("g must have", NVFP4Tensor(q.codes, q.scales, q.g[:2], q.shape))):
+        with pytest.raises(ValueError, match=part):
+            ops.nvfp4_dequantize(bad)
+    with pytest.raises(TypeError, match="float32"):
+        ops.nvfp4_dequantize(NVFP4Tensor(q.codes, q.scales, q.g.double(), q.shape))
+    assert ops.nvfp4_dequantize(NVFP4Tensor(q.codes, q.scales, q.g[:1], q.shape)).shape == (4, 32)  # one g for all
+    m = ops.mxfp4_quantize(torch.randn(4, 64))
+    with pytest.raises(ValueError, match="scales"):
+        ops.mxfp4_dequantize(MXFP4Tensor(m.codes, m.scales[:, :1], m.shape))
 
 
 # ---- the compiled ops' registration (schema, fake, CPU kernel) ------------------------------------------------

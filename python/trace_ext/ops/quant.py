@@ -61,6 +61,24 @@ def _guide_args(guidance: GuidanceRecord | None, R: int, K: int, device):
     return guidance.scales.contiguous(), guidance.g.contiguous(), guidance.payload.contiguous()
 
 
+def _check_fp4_parts(q, block: int) -> None:
+    """The parts of an NVFP4Tensor / MXFP4Tensor agree with its logical shape [..., K] (SPEC 10: ValueError naming the
+    part): codes [..., K/2], linear scales [..., K/block] (NVFP4 swizzled: checked by from_swizzled), NVFP4 g with one
+    value per row or one for all."""
+    shape = tuple(q.shape)
+    if len(shape) < 1 or shape[-1] % block:
+        raise ValueError(f"shape must be [..., K] with K a multiple of {block}, got {shape}")
+    lead, K = shape[:-1], shape[-1]
+    ref.check_uint8(q.codes, "codes", (*lead, K // 2))
+    if not getattr(q, "swizzled", False):
+        ref.check_uint8(q.scales, "scales", (*lead, K // block))
+    if block == F.NVFP4_BLOCK:
+        if not isinstance(q.g, torch.Tensor) or q.g.dtype != torch.float32:
+            raise TypeError(f"g must be a float32 tensor, got {getattr(q.g, 'dtype', type(q.g).__name__)}")
+        if q.g.numel() not in (1, ref.rows_of(shape)):
+            raise ValueError(f"g must have one value per row ({ref.rows_of(shape)}) or one in all, got shape {tuple(q.g.shape)}")
+
+
 def _empty_rows_to_reference(which: str, shape) -> str:
     """K = 0 (rows without blocks) runs the reference on x's device: empty tensors give empty results (SPEC 10); the
     kernels take K > 0."""
@@ -142,7 +160,7 @@ def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16, *, bac
     """x^ = fl(fl(q * s) * g), cast to ``dtype`` (bfloat16, float16 or float32)."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
-    ref.check_uint8(q.codes, "codes", q.codes.shape)
+    _check_fp4_parts(q, F.NVFP4_BLOCK)
     which = _empty_rows_to_reference(resolve_backend(backend, q.codes, q.scales, q.g), q.shape)
     K = q.shape[-1]
     R = ref.rows_of(q.shape)
@@ -219,7 +237,7 @@ def mxfp4_dequantize(q: MXFP4Tensor, dtype: torch.dtype = torch.bfloat16, *, bac
     """x^ = q * 2^(b - 127), cast to ``dtype``."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
-    ref.check_uint8(q.codes, "codes", q.codes.shape)
+    _check_fp4_parts(q, F.MXFP4_BLOCK)
     which = _empty_rows_to_reference(resolve_backend(backend, q.codes, q.scales), q.shape)
     if which == "reference":
         return ref.mxfp4_dequantize(q, dtype)
