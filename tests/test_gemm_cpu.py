@@ -10,6 +10,7 @@ from trace_ext import reference as ref
 from trace_ext import reference_gemm as R
 from trace_ext._loader import extension_loaded
 from trace_ext.ops._backend import have_op
+from trace_ext.tensor import NVFP4Tensor
 
 
 def _weights(N, K, E=None, scale=1.0):
@@ -250,6 +251,12 @@ def test_errors():
         O.moe_permute(a, torch.zeros(4, 1), 3)
     with pytest.raises(ValueError):
         O.fp4_linear(a, w, backend="nope")
+    # an NVFP4 activation whose parts disagree with its shape: ValueError naming the part (was torch's reshape error)
+    a4 = ref.nvfp4_quantize(a)
+    with pytest.raises(ValueError, match="codes must have shape"):
+        O.fp4_linear(NVFP4Tensor(a4.codes[:3], a4.scales, a4.g, a4.shape), w)
+    with pytest.raises(ValueError, match="g must have one value per row"):
+        O.fp4_linear(NVFP4Tensor(a4.codes, a4.scales, a4.g[:2], a4.shape), w)
 
 
 def test_empty_inputs_give_empty_results():

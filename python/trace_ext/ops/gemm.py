@@ -9,6 +9,7 @@ the exact bf16 products q * s and apply g_a[m] * g_w once in the epilogue. Every
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -151,16 +152,12 @@ def _activation(a, act_quant, K: int, backend: str):
             raise ValueError("a: the sm_90 GEMM takes linear scales; quantize with swizzle=False")
         if a.shape[-1] != K:
             raise ValueError(f"a must have K = {K} (the weight's), got shape {tuple(a.shape)}")
+        from .quant import _check_fp4_parts
+
+        _check_fp4_parts(a, F.NVFP4_BLOCK)  # codes, scales and g (per row or one) agree with a.shape
         lead = tuple(a.shape[:-1])
-        M = a.codes.numel() // (K // 2) if K else 0
-        if a.codes.dtype != torch.uint8 or a.scales.dtype != torch.uint8:
-            raise TypeError("a codes and scales must be uint8")
-        g = a.g
-        if g.dtype != torch.float32:
-            raise TypeError(f"a.g must be float32, got {g.dtype}")
-        g = g.reshape(-1)
-        if g.numel() not in (1, M):
-            raise ValueError(f"a.g must hold one value per row ({M}), got shape {tuple(a.g.shape)}")
+        M = math.prod(lead)
+        g = a.g.reshape(-1)
         return (
             a.codes.reshape(M, K // 2).contiguous(),
             a.scales.reshape(M, K // F.NVFP4_BLOCK).contiguous(),
