@@ -293,3 +293,31 @@ def test_guided_training_needs_guidance():
     with pytest.raises(ValueError, match="NVFP4"):
         with train(_Tiny(), FP4Config(num_layers=2, format="mxfp4"), mode="guided", guidance=_cache()):
             pass
+
+
+def test_store_inputs_are_checked_when_added():
+    """Protects SPEC 10 at the cache's entry: keys must be the 1-D int64 of encode_keys (int32 / float keys corrupt the
+    (seq, pos) packing, 2-D keys used to pass and break save()), route rows must match their keys, CPU expert ids must
+    fit the int16 store, and a file that is not safetensors is a GuidanceError."""
+    c = _cache()
+    keys = encode_keys(_keys([0, 0], [0, 1]))
+    for bad in (keys.int(), keys.double(), keys.reshape(2, 1)):
+        with pytest.raises(TypeError, match="1-D int64"):
+            c.add_record("expert_in", 2, bad, _rec(2))
+    with pytest.raises(ValueError, match="rows for 2 keys"):
+        c.add_routes(2, keys, torch.tensor([[1, 2]]))
+    for ids in ([[40000, 1], [0, 1]], [[-1, 1], [0, 1]]):
+        with pytest.raises(ValueError, match="expert ids"):
+            c.add_routes(2, keys, torch.tensor(ids))
+    with pytest.raises(TypeError, match="integer"):
+        c.add_routes(2, keys, torch.tensor([[1.0, 2.0], [0.0, 1.0]]))
+    c.add_record("expert_in", 2, keys, _rec(2))
+    c.add_routes(2, keys, torch.tensor([[1, 2], [0, 3]]))
+    assert len(c.records[("expert_in", 2)]) == 2
+
+
+def test_load_of_a_non_safetensors_file_is_a_guidance_error(tmp_path):
+    p = tmp_path / "g.pt"
+    p.write_bytes(b"garbage")
+    with pytest.raises(GuidanceError, match="not a trace_ext guidance file"):
+        GuidanceCache.load(str(p))

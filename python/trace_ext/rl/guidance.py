@@ -81,6 +81,13 @@ class RowStore:
 
     # appending ----------------------------------------------------------------------------------------------------
     def add(self, keys: torch.Tensor, cols: dict) -> None:
+        # checked here, at the one entry of every row: a bad chunk would otherwise surface only at finalize / save
+        if not isinstance(keys, torch.Tensor) or keys.dtype != torch.int64 or keys.dim() != 1:
+            raise TypeError(f"keys must be a 1-D int64 tensor (encode_keys), got "
+                            f"{getattr(keys, 'dtype', type(keys).__name__)} of shape {tuple(getattr(keys, 'shape', ()))}")
+        for name, col in cols.items():
+            if col.shape[:1] != keys.shape:  # (devices may differ: a layer on another GPU; finalize gathers them)
+                raise ValueError(f"{name}: {tuple(col.shape)} rows for {keys.numel()} keys")
         self._chunks.append((keys, cols))
         if keys.is_cuda:
             self._pending_device_bytes += _nbytes(keys, cols)
@@ -288,6 +295,11 @@ class GuidanceCache:
             store = self.routes[layer] = RowStore({"k": int(topk.shape[-1])})
         elif store.meta["k"] != topk.shape[-1]:
             raise GuidanceError(f"routes[{layer}]: top-k {topk.shape[-1]} differs from earlier rows ({store.meta['k']})")
+        if topk.dtype not in (torch.int16, torch.int32, torch.int64) or topk.dim() != 2:
+            raise TypeError(f"routes[{layer}]: topk must be an integer [rows, k] tensor, got {topk.dtype} {tuple(topk.shape)}")
+        if not topk.is_cuda and topk.numel() and not (0 <= int(topk.min()) and int(topk.max()) < 2**15):
+            # (device ids: convert checks num_experts < 2^15 once; a per-call check would sync the rollout)
+            raise ValueError(f"routes[{layer}]: expert ids must be in [0, 2^15), got [{int(topk.min())}, {int(topk.max())}]")
         store.add(keys, {"topk": topk.to(torch.int16)})  # expert ids < 2^15 (checked by convert)
         self._maybe_offload(store)
 
@@ -453,9 +465,13 @@ class GuidanceCache:
     @classmethod
     def load(cls, path: str, device="cpu") -> "GuidanceCache":
         """Inverse of ``save``; validates the header, every store's tensors, dtypes and shapes."""
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(path, framework="pt", device=str(device)) as f:
+        try:
+            f_ctx = safe_open(path, framework="pt", device=str(device))
+        except SafetensorError as e:
+            raise GuidanceError(f"{path} is not a trace_ext guidance file (not a safetensors file: {e})") from e
+        with f_ctx as f:
             meta = f.metadata() or {}
             if "trace_ext_guidance" not in meta:
                 raise GuidanceError(f"{path} is not a trace_ext guidance file (no 'trace_ext_guidance' header)")
