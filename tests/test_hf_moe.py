@@ -424,6 +424,25 @@ def test_unsupported_model_type():
         hf_moe.convert(tf.LlamaForCausalLM(cfg), FP4Config(sites=EXPERTS))
 
 
+def test_convert_and_sessions_reject_wrong_argument_types():
+    """Protects SPEC 10: a non-HF module or a dict config is a TypeError (was an AttributeError from inside convert),
+    and float sequence ids are refused (as_tensor(..., int64) truncated 0.5 to 0 silently)."""
+    with pytest.raises(TypeError, match="Hugging Face model"):
+        hf_moe.convert(torch.nn.Linear(4, 4))
+    with pytest.raises(TypeError, match="FP4Config"):
+        hf_moe.convert(tiny(), {"format": "nvfp4"})
+    model = hf_moe.convert(tiny(), FP4Config(sites=EXPERTS))
+    with pytest.raises(TypeError, match="sequence_ids must be integers"):
+        with rollout(model, sequence_ids=torch.tensor([0.5, 1.0])):
+            pass
+    with pytest.raises(TypeError, match="sequence_ids must be integers"):
+        with rollout(model, sequence_ids=[0.5, 1.5]):
+            pass
+    with rollout(model, sequence_ids=torch.tensor([3, 4], dtype=torch.int32)) as rec:
+        logits(model, ids())
+    assert rec.cache.sequence_ids().tolist() == [3, 4]
+
+
 def test_unknown_router_is_refused_unless_routing_replay_is_off():
     """Protects: a MoE whose router we cannot replay is an error, not a model silently trained without R3."""
 

@@ -96,6 +96,10 @@ def convert(model, config: FP4Config | None = None, *, linear_filter=None):
     linear_filter(module, name) -> bool: optional extra filter over the nn.Linear candidates.
     Raises ValueError for a model without recognisable MoE experts, or a K that is not a multiple of the block.
     """
+    if config is not None and not isinstance(config, FP4Config):
+        raise TypeError(f"config must be a trace_ext.rl.FP4Config or None, got {type(config).__name__}")
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise TypeError(f"model must be a Hugging Face model (an nn.Module with a .config), got {type(model).__name__}")
     config = config or FP4Config()
     if getattr(model, "_trace_fp4_converted", False):
         raise ValueError("model is already converted; call unconvert(model) first")

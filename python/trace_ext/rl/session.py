@@ -58,6 +58,10 @@ class Session:
         self.mode = mode
         self.role = role  # "rollout" | "train"
         self.cache = cache
+        if sequence_ids is not None:  # integers only: as_tensor(..., int64) would truncate 0.5 to 0 silently
+            ids_t = torch.as_tensor(sequence_ids)
+            if ids_t.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+                raise TypeError(f"sequence_ids must be integers, got {ids_t.dtype}")
         self.sequence_ids = None if sequence_ids is None else torch.as_tensor(sequence_ids, dtype=torch.int64).reshape(-1)
         if self.sequence_ids is not None and self.sequence_ids.numel():
             if int(self.sequence_ids.min()) < 0 or int(self.sequence_ids.max()) >= MAX_SEQ:
