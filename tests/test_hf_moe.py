@@ -438,6 +438,10 @@ def test_convert_and_sessions_reject_wrong_argument_types():
     with pytest.raises(TypeError, match="sequence_ids must be integers"):
         with rollout(model, sequence_ids=[0.5, 1.5]):
             pass
+    with pytest.raises(TypeError, match="nn.Linear"):
+        FP4Linear(torch.nn.Conv1d(2, 2, 1), "attn_proj.q_proj", 0, "attn_proj")
+    with pytest.raises(ValueError, match="block must be 16"):
+        FP4Linear(torch.nn.Linear(48, 8), "attn_proj.q_proj", 0, "attn_proj", block=24)
     with rollout(model, sequence_ids=torch.tensor([3, 4], dtype=torch.int32)) as rec:
         logits(model, ids())
     assert rec.cache.sequence_ids().tolist() == [3, 4]

@@ -25,6 +25,8 @@ class FP4Linear(torch.nn.Module):
         super().__init__()
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"FP4Linear wraps an nn.Linear, got {type(linear).__name__}")
+        if block not in (16, 32):
+            raise ValueError(f"{site}: block must be 16 (NVFP4) or 32 (MXFP4), got {block}")
         if linear.in_features % block:
             raise ValueError(f"{site}: in_features={linear.in_features} must be a multiple of the {block}-element FP4 block")
         self.in_features, self.out_features = linear.in_features, linear.out_features
