@@ -106,6 +106,12 @@ def test_install_registers_attention_and_uninstall_restores():
     assert model.config._attn_implementation == "sdpa" and not kv.is_installed(model)
     with pytest.raises(ValueError, match="head_dim"):
         kv.install_fp4_kv(_model(head_dim=24), FP4Config())
+    with pytest.raises(TypeError, match="FP4Config"):
+        kv.install_fp4_kv(model, {"kv_g_k": 1.0})
+    # a cache built directly: its g must be usable decode scales, its layer count and backend real ones
+    for bad in (dict(g_k=0.0), dict(g_v=float("nan")), dict(num_layers=0), dict(backend="gpu")):
+        with pytest.raises(ValueError, match="FP4KVCache"):
+            kv.FP4KVCache(**{"num_layers": 2, **bad})
 
 
 @torch.no_grad()

@@ -328,9 +328,16 @@ class FP4KVCache(Cache):
             if model is None:
                 raise ValueError("FP4KVCache needs a model or num_layers")
             num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
+            raise ValueError(f"FP4KVCache: num_layers must be a positive int, got {num_layers!r}")
         g_k = float(g_k if g_k is not None else (cfg.kv_g_k if cfg is not None else 1.0))
         g_v = float(g_v if g_v is not None else (cfg.kv_g_v if cfg is not None else 1.0))
+        for name, g in (("g_k", g_k), ("g_v", g_v)):
+            if not (0.0 < g < float("inf")):
+                raise ValueError(f"FP4KVCache: {name} must be finite and > 0, got {g}")
         backend = backend or (cfg.backend if cfg is not None else "auto")
+        if backend not in ("auto", "cuda", "reference"):
+            raise ValueError(f"FP4KVCache: backend must be one of ('auto', 'cuda', 'reference'), got {backend!r}")
         if paged is None and (model is None or cfg is None):
             paged = False  # decode from the codes needs trace_fp4_sdpa as the model's attention
         super().__init__(layers=[FP4KVLayer(i, g_k, g_v, backend, paged) for i in range(num_layers)])
@@ -495,6 +502,10 @@ def _installed_config(model):
 
 def install_fp4_kv(model, config) -> None:
     """Route the model's attention through ``trace_fp4_sdpa`` (FP4 K/V per session mode); keeps the config's g."""
+    from ..rl.config import FP4Config
+
+    if not isinstance(config, FP4Config):
+        raise TypeError(f"install_fp4_kv: config must be a trace_ext.rl.FP4Config, got {type(config).__name__}")
     if not any(True for _ in _attention_modules(model)):
         raise ValueError(f"install_fp4_kv: no attention module with layer_idx/k_proj/v_proj found in {type(model).__name__}")
     head_dim = getattr(model.config.get_text_config(decoder=True), "head_dim", None)
