@@ -241,6 +241,11 @@ def test_split_and_merge_by_sequence():
     assert [p.sequence_ids().tolist() for p in c.split(2)] == [[0, 1], [2, 3]]
     with pytest.raises(GuidanceError, match="occur in two caches"):
         GuidanceCache.merge([a, a])
+    # ids the cache does not hold, or non-integer ids (which as_tensor(..., int64) truncated), are refused
+    with pytest.raises(GuidanceError, match=r"sequence ids \[9\] are not in this cache"):
+        c.split([[0, 9]])
+    with pytest.raises(TypeError, match="integers"):
+        c.select([1.5])
 
 
 # ---- session keys ------------------------------------------------------------------------------------------------

@@ -391,8 +391,15 @@ class GuidanceCache:
 
     # split / merge --------------------------------------------------------------------------------------------------
     def select(self, sequence_ids) -> "GuidanceCache":
-        """A cache holding only these sequences (e.g. one data-parallel micro-batch)."""
-        seqs = torch.as_tensor(sequence_ids, dtype=torch.int64).reshape(-1)
+        """A cache holding only these sequences (e.g. one data-parallel micro-batch). Ids must be integers the cache
+        holds (GuidanceError otherwise: a micro-batch that would find no guidance is a mistake made here, not later)."""
+        ids_t = torch.as_tensor(sequence_ids)
+        if ids_t.numel() and ids_t.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            raise TypeError(f"sequence ids must be integers, got {ids_t.dtype}")
+        seqs = ids_t.to(torch.int64).reshape(-1)
+        missing = sorted(set(seqs.tolist()) - set(self.sequence_ids().tolist()))
+        if missing:
+            raise GuidanceError(f"select: sequence ids {missing[:8]} are not in this cache")
         out = GuidanceCache(self.config, self.model_signature, self.layers)
         out.records = {k: s.select_seqs(seqs) for k, s in self.records.items()}
         out.routes = {k: s.select_seqs(seqs) for k, s in self.routes.items()}
