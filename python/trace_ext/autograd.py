@@ -32,9 +32,8 @@ def quantize_with_record(x: torch.Tensor, *, kind: str = "compact", rounding: st
 
 def _check_format_options(fmt: str, g, scope: str, scale_rounding: str) -> None:
     """Options of one format given to the other are errors, not ignored (SPEC 10): g and scope are NVFP4's (MXFP4 has
-    no global scale), scale_rounding is MXFP4's (NVFP4 block scales are always round-to-nearest E4M3)."""
-    if scale_rounding not in ("floor", "ceil"):
-        raise ValueError(f"scale_rounding must be 'floor' or 'ceil', got {scale_rounding!r}")
+    no global scale), scale_rounding is MXFP4's (NVFP4 block scales are always round-to-nearest E4M3; its values are
+    checked by ops.mxfp4_quantize)."""
     if fmt == "mxfp4" and (g is not None or scope != "row"):
         raise ValueError("g and scope are NVFP4 options (MXFP4 has no global scale); leave them unset for format='mxfp4'")
     if fmt == "nvfp4" and scale_rounding != "floor":

@@ -24,7 +24,9 @@ import threading
 import torch
 
 from .. import formats as F
+from ..kvcache import _check_static_g
 from ..ops import quant as Q
+from ..ops._backend import BACKENDS
 from ..tensor import GuidanceRecord
 
 ATTN_NAME = "trace_fp4_sdpa"
@@ -332,12 +334,11 @@ class FP4KVCache(Cache):
             raise ValueError(f"FP4KVCache: num_layers must be a positive int, got {num_layers!r}")
         g_k = float(g_k if g_k is not None else (cfg.kv_g_k if cfg is not None else 1.0))
         g_v = float(g_v if g_v is not None else (cfg.kv_g_v if cfg is not None else 1.0))
-        for name, g in (("g_k", g_k), ("g_v", g_v)):
-            if not (0.0 < g < float("inf")):
-                raise ValueError(f"FP4KVCache: {name} must be finite and > 0, got {g}")
+        for name, g in (("g_k", g_k), ("g_v", g_v)):  # the paged cache's own check, here before any layer exists
+            _check_static_g(g, f"FP4KVCache: {name}")
         backend = backend or (cfg.backend if cfg is not None else "auto")
-        if backend not in ("auto", "cuda", "reference"):
-            raise ValueError(f"FP4KVCache: backend must be one of ('auto', 'cuda', 'reference'), got {backend!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"FP4KVCache: backend must be one of {BACKENDS}, got {backend!r}")
         if paged is None and (model is None or cfg is None):
             paged = False  # decode from the codes needs trace_fp4_sdpa as the model's attention
         super().__init__(layers=[FP4KVLayer(i, g_k, g_v, backend, paged) for i in range(num_layers)])

@@ -135,9 +135,7 @@ def fp4kv_append(
     if validate and _value_checks_possible(k_new):
         cu = cu_seqlens_new.long()
         counts = cu[1:] - cu[:-1]
-        no = cu[0] != 0  # a false flag for B == 0
-        bad = torch.stack([cu[0] != 0, cu[-1] != T, (counts < 0).any() if B else no, (start_pos < 0).any() if B else no])
-        bad = bad.cpu()
+        bad = torch.stack([cu[0] != 0, cu[-1] != T, (counts < 0).any(), (start_pos < 0).any()]).cpu()
         if bad[:3].any():
             raise ValueError(
                 f"cu_seqlens_new must start at 0, end at T_new={T} and be non-decreasing, got {cu_seqlens_new.tolist()}"

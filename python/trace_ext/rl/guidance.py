@@ -57,6 +57,15 @@ def encode_keys(keys) -> torch.Tensor:
     return k
 
 
+def sequence_id_tensor(ids) -> torch.Tensor:
+    """Sequence ids (a list or tensor of integers) as a 1-D int64 tensor; non-integer ids are a TypeError, since
+    as_tensor(..., int64) would truncate 0.5 to 0 silently."""
+    t = torch.as_tensor(ids)
+    if t.numel() and t.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise TypeError(f"sequence_ids must be integers, got {t.dtype}")
+    return t.to(torch.int64).reshape(-1)
+
+
 def decode_keys(k: torch.Tensor):
     return k >> 32, (k >> 8) & (MAX_POS - 1), k & (MAX_SUB - 1)
 
@@ -393,11 +402,10 @@ class GuidanceCache:
     def select(self, sequence_ids) -> "GuidanceCache":
         """A cache holding only these sequences (e.g. one data-parallel micro-batch). Ids must be integers the cache
         holds (GuidanceError otherwise: a micro-batch that would find no guidance is a mistake made here, not later)."""
-        ids_t = torch.as_tensor(sequence_ids)
-        if ids_t.numel() and ids_t.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-            raise TypeError(f"sequence ids must be integers, got {ids_t.dtype}")
-        seqs = ids_t.to(torch.int64).reshape(-1)
-        missing = sorted(set(seqs.tolist()) - set(self.sequence_ids().tolist()))
+        return self._select(sequence_id_tensor(sequence_ids), set(self.sequence_ids().tolist()))
+
+    def _select(self, seqs: torch.Tensor, held: set) -> "GuidanceCache":
+        missing = sorted(set(seqs.tolist()) - held)
         if missing:
             raise GuidanceError(f"select: sequence ids {missing[:8]} are not in this cache")
         out = GuidanceCache(self.config, self.model_signature, self.layers)
@@ -415,10 +423,11 @@ class GuidanceCache:
 
     def split(self, groups) -> list["GuidanceCache"]:
         """One cache per group of sequence ids: ``split([[0, 1], [2, 3]])``, or ``split(n)`` into n equal parts."""
+        seqs = self.sequence_ids()  # once for all groups (it sorts every store's keys)
         if isinstance(groups, int):
-            seqs = self.sequence_ids()
-            groups = [c for c in torch.tensor_split(seqs, groups)]
-        return [self.select(g) for g in groups]
+            groups = list(torch.tensor_split(seqs, groups))
+        held = set(seqs.tolist())
+        return [self._select(sequence_id_tensor(g), held) for g in groups]
 
     @staticmethod
     def merge(caches: list["GuidanceCache"]) -> "GuidanceCache":

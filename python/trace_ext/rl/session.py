@@ -20,7 +20,8 @@ import torch
 
 from ..tensor import GuidanceRecord
 from .config import MODES, FP4Config, site_group
-from .guidance import MAX_POS, MAX_SEQ, GuidanceCache, GuidanceError, GuidanceRecorder, encode_keys, guided_layers
+from .guidance import (MAX_POS, MAX_SEQ, GuidanceCache, GuidanceError, GuidanceRecorder, encode_keys, guided_layers,
+                       sequence_id_tensor)
 
 _STACK: list["Session"] = []
 
@@ -58,11 +59,7 @@ class Session:
         self.mode = mode
         self.role = role  # "rollout" | "train"
         self.cache = cache
-        if sequence_ids is not None:  # integers only: as_tensor(..., int64) would truncate 0.5 to 0 silently
-            ids_t = torch.as_tensor(sequence_ids)
-            if ids_t.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-                raise TypeError(f"sequence_ids must be integers, got {ids_t.dtype}")
-        self.sequence_ids = None if sequence_ids is None else torch.as_tensor(sequence_ids, dtype=torch.int64).reshape(-1)
+        self.sequence_ids = None if sequence_ids is None else sequence_id_tensor(sequence_ids)
         if self.sequence_ids is not None and self.sequence_ids.numel():
             if int(self.sequence_ids.min()) < 0 or int(self.sequence_ids.max()) >= MAX_SEQ:
                 raise ValueError(f"sequence_ids must be in [0, 2^31), got {self.sequence_ids.tolist()[:8]}...")
