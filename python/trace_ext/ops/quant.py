@@ -75,8 +75,9 @@ def _check_fp4_parts(q, block: int) -> None:
     if block == F.NVFP4_BLOCK:
         if not isinstance(q.g, torch.Tensor) or q.g.dtype != torch.float32:
             raise TypeError(f"g must be a float32 tensor, got {getattr(q.g, 'dtype', type(q.g).__name__)}")
-        if q.g.numel() not in (1, ref.rows_of(shape)):
-            raise ValueError(f"g must have one value per row ({ref.rows_of(shape)}) or one in all, got shape {tuple(q.g.shape)}")
+        R = ref.rows_of(shape)
+        if q.g.numel() not in (1, R):
+            raise ValueError(f"g must have one value per row ({R}) or one in all, got shape {tuple(q.g.shape)}")
 
 
 def _empty_rows_to_reference(which: str, shape) -> str:
