@@ -89,11 +89,7 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
 
   float acc[NB][MT8][4];
 #pragma unroll
-  for (int b = 0; b < NB; ++b)
-#pragma unroll
-    for (int i = 0; i < MT8; ++i)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[b][i][c] = 0.f;
+  for (int b = 0; b < NB; ++b) zero_frags(acc[b]);
 
   auto store_y = [&](int gb, const float (&v)[NB][MT8][4]) {
 #pragma unroll
@@ -186,19 +182,11 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
       } else {
         float* dst = ws + ((int64_t)w * 2 + (first_seg ? 0 : 1)) * (kFrag * 32) + lane;
 #pragma unroll
-        for (int b = 0; b < NB; ++b)
-#pragma unroll
-          for (int i = 0; i < MT8; ++i)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) __stcg(dst + ((b * MT8 + i) * 4 + c) * 32, acc[b][i][c]);
+        for (int b = 0; b < NB; ++b) stash_partial(dst + b * MT8 * 4 * 32, acc[b]);
         if (first_seg) pending0 = gb; else pending1 = gb;
       }
 #pragma unroll
-      for (int b = 0; b < NB; ++b)
-#pragma unroll
-        for (int i = 0; i < MT8; ++i)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) acc[b][i][c] = 0.f;
+      for (int b = 0; b < NB; ++b) zero_frags(acc[b]);
       ++gb;
       kt = 0;
     } else {

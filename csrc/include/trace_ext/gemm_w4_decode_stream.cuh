@@ -75,6 +75,24 @@ __device__ __forceinline__ int stream_warp_of(int64_t j, int64_t T, int W) {  //
 }
 __device__ __forceinline__ int64_t stream_first_tile(int w, int64_t T, int W) { return T * w / W; }
 
+// A segment's end in the stream and pair kernels: the warp's partial of a shared 16-row block (MT8 fragments of 4
+// floats per lane) goes to its slot dst (lane-strided, the layout stream_reduce_shared reads), then the accumulators
+// restart at zero.
+template <int MT8>
+__device__ __forceinline__ void stash_partial(float* dst, const float (&v)[MT8][4]) {
+#pragma unroll
+  for (int i = 0; i < MT8; ++i)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) __stcg(dst + (i * 4 + c) * 32, v[i][c]);
+}
+template <int MT8>
+__device__ __forceinline__ void zero_frags(float (&v)[MT8][4]) {
+#pragma unroll
+  for (int i = 0; i < MT8; ++i)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) v[i][c] = 0.f;
+}
+
 // The end of a flat stream (stream and pair kernels): for each of the warp's shared work units b (pending0 / pending1,
 // < 0: none; a unit = NB 16-row blocks of KT tiles), arrive (one acq_rel ticket per unit, after all of this warp's
 // partial stores) and, in the last warp to arrive, add the partials of its warps in warp order (= K order) and
@@ -205,10 +223,7 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
   for (int i = 0; i < kStages - 1; ++i) issue_next();
 
   float acc[MT8][4];
-#pragma unroll
-  for (int i = 0; i < MT8; ++i)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
+  zero_frags(acc);
 
   // y = bf16(sum * fold * g_a[m] * g_w[e, n]) for the lane's fragment of global block b (unit b / n_blocks)
   auto store_y = [&](int b, const float (&v)[MT8][4]) {
@@ -281,16 +296,10 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
         store_y(nb, acc);
       } else {
         float* dst = ws + ((int64_t)w * 2 + (first_seg ? 0 : 1)) * (kFrag * 32) + lane;
-#pragma unroll
-        for (int i = 0; i < MT8; ++i)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) __stcg(dst + (i * 4 + c) * 32, acc[i][c]);
+        stash_partial(dst, acc);
         if (first_seg) pending0 = nb; else pending1 = nb;
       }
-#pragma unroll
-      for (int i = 0; i < MT8; ++i)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
+      zero_frags(acc);
       ++nb;
       kt = 0;
       if (++nbl == n_blocks) {  // next unit
