@@ -143,6 +143,53 @@ __device__ __forceinline__ void swapped_pv(const uint32_t (&vw)[4][Geo<D>::kVWor
   }
 }
 
+// The swapped-operand kernels' Q^T B fragments of head r of KV head kv_head (k-step ks: qb[ks][0] for k = 2c, 2c + 1,
+// qb[ks][1] for k = 2c + 8, 2c + 9; Q scaled by the row's power of two, SPEC 8) and the score scales of heads 2c, 2c + 1.
+template <int D>
+__device__ __forceinline__ void swapped_q_fragments(const DecodeParams& p, int b, int kv_head, int r, int c,
+                                                    uint32_t (&qb)[Geo<D>::kKSteps][2], float (&head_scale)[2]) {
+  float qv[D / 4];
+  const float amax = load_q_quarter<D>(p, b, kv_head, r, c, qv);
+  const int e2 = q_row_exponent(amax);
+  const float up = exp2_exact(e2);
+  const float rs = __fmul_rn(p.score_scale, exp2_exact(-e2));  // head r's score scale
+#pragma unroll
+  for (int e = 0; e < D / 4; ++e) qv[e] = __fmul_rn(qv[e], up);
+#pragma unroll
+  for (int ks = 0; ks < Geo<D>::kKSteps; ++ks) {
+    const uint2 f = q_frag<D>(qv, ks);
+    qb[ks][0] = f.x;
+    qb[ks][1] = f.y;
+  }
+  head_scale[0] = __shfl_sync(0xffffffffu, rs, 8 * c);      // lane of head 2c (r = 2c, c = 0)
+  head_scale[1] = __shfl_sync(0xffffffffu, rs, 8 * c + 4);  // head 2c + 1
+}
+
+// One swapped-operand tile step over the stage st (tokens t0 .. t0 + 15, the split ends at end): S^T = K.Q^T, the
+// online softmax, O^T += V^T.P^T, with this thread's K / V code and scale offsets inside the stage.
+template <int D>
+__device__ __forceinline__ void swapped_tile(const uint8_t* st, const int (&k_off)[2], const int (&ks_off)[2],
+                                             const int (&v_off)[4], const int (&vs_off)[4],
+                                             const uint32_t (&qb)[Geo<D>::kKSteps][2], const float (&head_scale)[2],
+                                             int t0, int end, int r, float (&m_run)[2], float (&l_run)[2],
+                                             float (&o)[D / 16][4]) {
+  float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  {
+    uint32_t w[2][Geo<D>::kKWords];
+    uint32_t sc[2][Geo<D>::kKWords];  // half2 (s, s) per word
+    load_k<D>(st, k_off, ks_off, w, sc);
+    swapped_scores<D>(w, sc, qb, s);
+  }
+  uint32_t pb[2];
+  swapped_softmax<D / 16>(s, head_scale, t0, end, r, m_run, l_run, o, pb);
+  {
+    uint32_t vw[4][Geo<D>::kVWords];
+    uint32_t vs2[2];
+    load_v<D>(st, v_off, vs_off, vw, vs2);
+    swapped_pv<D>(vw, vs2, pb, o);
+  }
+}
+
 template <int D>
 __global__ void __launch_bounds__(kThreads, kMinBlocksSwap) fp4kv_decode_kernel_g8(const DecodeParams p) {
   using G = Geo<D>;
@@ -175,24 +222,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksSwap) fp4kv_decode_kernel_
   // ---- Q^T fragments of head r (same scaling and head_dim permutation as the kernel above) ----
   uint32_t qb[G::kKSteps][2];
   float head_scale[2];  // score scale of heads 2c, 2c + 1
-  {
-    float qv[D / 4];
-    float amax = load_q_quarter<D>(p, b, kv_head, r, c, qv);
-    const int e2 = q_row_exponent(amax);
-    const float up = exp2_exact(e2);
-    const float rs = __fmul_rn(p.score_scale, exp2_exact(-e2));  // head r's score scale
-#pragma unroll
-    for (int e = 0; e < D / 4; ++e) qv[e] = __fmul_rn(qv[e], up);
-    // k-step 2i + s takes elements 8i + 4s + {0, 2} (k = 2c, 2c+1) and 8i + 4s + {1, 3} (k = 2c+8, 2c+9)
-#pragma unroll
-    for (int ks = 0; ks < G::kKSteps; ++ks) {
-      const uint2 f = q_frag<D>(qv, ks);
-      qb[ks][0] = f.x;  // b0b1: k = 2c, 2c + 1
-      qb[ks][1] = f.y;  // b2b3: k = 2c + 8, 2c + 9
-    }
-    head_scale[0] = __shfl_sync(0xffffffffu, rs, 8 * c);      // lane of head 2c (r = 2c, c = 0)
-    head_scale[1] = __shfl_sync(0xffffffffu, rs, 8 * c + 4);  // head 2c + 1
-  }
+  swapped_q_fragments<D>(p, b, kv_head, r, c, qb, head_scale);
 
   // Per-thread shared-memory offsets inside a stage, as in the kernel above.
   int k_off[2], ks_off[2], v_off[4], vs_off[4];
@@ -216,21 +246,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksSwap) fp4kv_decode_kernel_
     const int t0 = tile_start(i);
 
     // ---- S^T = K.Q^T, the online softmax, O^T += V^T.P^T (the swapped-operand tile step) ----
-    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    {
-      uint32_t w[2][G::kKWords];
-      uint32_t sc[2][G::kKWords];  // half2 (s, s) per word
-      load_k<D>(st, k_off, ks_off, w, sc);
-      swapped_scores<D>(w, sc, qb, s);
-    }
-    uint32_t pb[2];
-    swapped_softmax<kMTiles>(s, head_scale, t0, end, r, m_run, l_run, o, pb);
-    {
-      uint32_t vw[4][G::kVWords];
-      uint32_t vs2[2];
-      load_v<D>(st, v_off, vs_off, vw, vs2);
-      swapped_pv<D>(vw, vs2, pb, o);
-    }
+    swapped_tile<D>(st, k_off, ks_off, v_off, vs_off, qb, head_scale, t0, end, r, m_run, l_run, o);
     __syncwarp();
   }
   cp_async_wait<0>();

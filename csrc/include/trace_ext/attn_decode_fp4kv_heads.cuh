@@ -296,32 +296,7 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
   // ---- Q^T fragments of head r of this warp's KV head (as in the g8 kernel) ----
   uint32_t qb[G::kKSteps][2];
   float head_scale[2];  // score scale of heads 2c, 2c + 1
-  {
-    float qv[D / 4];
-    float amax = load_q_quarter<D>(p, b, kv_head, r, c, qv);
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    int e2 = 0;
-    if (amax > 0.0f && isfinite(amax)) {
-      const int field = (int)((__float_as_uint(amax) >> 23) & 0xFFu);
-      e2 = kQExp - (field == 0 ? -127 : field - 127);
-      e2 = max(-126, min(127, e2));
-    }
-    const float up = exp2_exact(e2);
-    const float rs = __fmul_rn(p.score_scale, exp2_exact(-e2));
-#pragma unroll
-    for (int e = 0; e < D / 4; ++e) qv[e] = __fmul_rn(qv[e], up);
-#pragma unroll
-    for (int ks = 0; ks < G::kKSteps; ++ks) {
-      const int base = 8 * (ks / 2) + 4 * (ks % 2);
-      __half2 lo = __floats2half2_rn(qv[base + 0], qv[base + 2]);
-      __half2 hi = __floats2half2_rn(qv[base + 1], qv[base + 3]);
-      qb[ks][0] = *reinterpret_cast<uint32_t*>(&lo);
-      qb[ks][1] = *reinterpret_cast<uint32_t*>(&hi);
-    }
-    head_scale[0] = __shfl_sync(0xffffffffu, rs, 8 * c);
-    head_scale[1] = __shfl_sync(0xffffffffu, rs, 8 * c + 4);
-  }
+  swapped_q_fragments<D>(p, b, kv_head, r, c, qb, head_scale);
 
   // Per-thread offsets inside a stage: K rows 8 nt + r of head `warp` (quarter row c), their scale bytes; V rows
   // 2c, 2c+1, 2c+8, 2c+9 (the block of head_dim column r) and their scale bytes. Token t + 8 sits kToken8 bytes
@@ -364,21 +339,7 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
     const int t0 = start + tile * kTile;
 
     // ---- S^T = K.Q^T, the online softmax, O^T += V^T.P^T (the g8 kernel's tile step) ----
-    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    {
-      uint32_t w[2][G::kKWords];
-      uint32_t sc[2][G::kKWords];
-      load_k<D>(st, k_off, ks_off, w, sc);
-      swapped_scores<D>(w, sc, qb, s);
-    }
-    uint32_t pb[2];
-    swapped_softmax<kMTiles>(s, head_scale, t0, end, r, m_run, l_run, o, pb);
-    {
-      uint32_t vw[4][G::kVWords];
-      uint32_t vs2[2];
-      load_v<D>(st, v_off, vs_off, vw, vs2);
-      swapped_pv<D>(vw, vs2, pb, o);
-    }
+    swapped_tile<D>(st, k_off, ks_off, v_off, vs_off, qb, head_scale, t0, end, r, m_run, l_run, o);
   }
   cp_async_wait<0>();
 
