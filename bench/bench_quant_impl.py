@@ -40,6 +40,9 @@ MXFP4 RTN with the NVFP4 lean kernels' element code (the default since round 62)
 MXFP4 RTN of 16-bit x with two lanes per block (the default since round 66) against one lane per block
 (=default@TRACE_EXT_MX_HALF=0), ~10 s:
   QUANT_IMPL_VARIANTS=default@TRACE_EXT_MX_HALF=0 QUANT_IMPL_OPS="mxfp4 rtn" python bench/bench_quant_impl.py
+MXFP4 quantize with another grid (TRACE_EXT_MX_TILES: tiles per warp the grid aims at, default 4), ~20 s:
+  QUANT_IMPL_VARIANTS=default@TRACE_EXT_MX_TILES=1,default@TRACE_EXT_MX_TILES=2,default@TRACE_EXT_MX_TILES=8 \
+  QUANT_IMPL_OPS=mxfp4 python bench/bench_quant_impl.py
 Guided fake quantization (the trainer's TRACE forward) through the lean3 kernel's FAKE guided instantiations (the
 default since rounds 63-65) against the generic flat kernel (=default@TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3=0), ~15 s:
   QUANT_IMPL_VARIANTS=default@TRACE_EXT_QUANT_FAKE_GUIDED_LEAN3=0 QUANT_IMPL_OPS="fake-quant guided" \
