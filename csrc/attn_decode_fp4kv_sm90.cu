@@ -455,6 +455,13 @@ std::tuple<at::Tensor, at::Tensor> fp4kv_decode_attention_cuda(const at::Tensor&
                     "trace_ext: g_k and g_v must be finite and > 0");
   TORCH_CHECK_VALUE(pages * P * Hkv < (int64_t(1) << 31), "trace_ext: fp4kv_decode_attention: at most 2^31 cache rows "
                     "(pages * page_size * H_kv)");
+  TORCH_CHECK_VALUE(P > 0, "trace_ext: fp4kv_decode_attention: page_size must be > 0, got k_codes ", k_codes.sizes());
+  // the cache is read in place: every kernel copies 16-byte code pieces and (g8 / m16) one head's D/16 scale bytes
+  const auto aligned = [](const at::Tensor& t, int64_t a) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % a == 0; };
+  TORCH_CHECK_VALUE(aligned(k_codes, 16) && aligned(v_codes, 16) && aligned(k_scales, D / kNvfp4Block) &&
+                        aligned(v_scales, D / kNvfp4Block),
+                    "trace_ext: fp4kv_decode_attention: k_codes / v_codes must start 16-byte aligned and k_scales / "
+                    "v_scales ", D / kNvfp4Block, "-byte aligned (a uint8 view at an odd offset?)");
 
   c10::cuda::CUDAGuard guard(q.device());
   int major = 0, minor = 0;
@@ -466,7 +473,7 @@ std::tuple<at::Tensor, at::Tensor> fp4kv_decode_attention_cuda(const at::Tensor&
   TORCH_CHECK_VALUE(B <= 65535 && Hkv <= 65535, "trace_ext: fp4kv_decode_attention takes at most 65535 sequences and KV heads");
   at::Tensor out = at::empty({B, Hq, D}, q.options());
   at::Tensor lse = at::empty({B, Hq}, q.options().dtype(at::kFloat));
-  if (B == 0) return {out, lse};
+  if (B == 0 || Hq == 0) return {out, lse};
 
   // Q rows are read with 16-byte loads: an offset view gets an aligned copy
   const at::Tensor q_src = reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 ? q.clone() : q;

@@ -367,7 +367,7 @@ Problem make_problem(const char* op, const at::Tensor& a, const std::optional<at
   if (w4a4) {
     check_dtype(a, at::kByte, "a (W4A4 codes)");
     check_shape(a, {M, K / 2}, "a (W4A4 codes)");
-    TORCH_CHECK(g_a.has_value(), "trace_ext: ", op, ": W4A4 needs g_a (one float32 per row of a)");
+    TORCH_CHECK_VALUE(g_a.has_value(), "trace_ext: ", op, ": W4A4 needs g_a (one float32 per row of a)");
     const at::Tensor& as = *a_scales;
     const at::Tensor& ga = *g_a;
     check_cuda(as, "a_scales");

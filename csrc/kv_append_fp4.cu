@@ -13,7 +13,9 @@
 // - The numerics are those of fp4_numerics.cuh (e4m3_rn, nvfp4_block_divisor, nvfp4_scaled,
 //   e2m1_rn_magnitude): bit-identical to reference.nvfp4_quantize with g = the static g of the layer.
 // - Token -> sequence by binary search in cu_seqlens (B + 1 int32, L1-resident), position = start_pos[b] +
-//   (token - cu[b]), page = block_table[b, pos / P]. The host has checked the table; the kernel trusts it.
+//   (token - cu[b]), page = block_table[b, pos / P]. The kernel trusts the values of cu_seqlens, start_pos and
+//   the table: ops.fp4kv_append checks them (validate=True, one host sync; the caller's duty with validate=False
+//   or when calling the raw op).
 // - Grid-stride loop over 2 * T * H * D/16 blocks (K first, then V) so one launch covers any T. Index
 //   arithmetic is 32-bit with host-precomputed multiply-shift division (64-bit division by runtime values
 //   costs hundreds of instructions and would make this bandwidth kernel compute-bound).
@@ -509,7 +511,15 @@ void fp4kv_append_cuda(at::Tensor& k_codes, at::Tensor& k_scales, at::Tensor& v_
     check_same_device(*t, k_codes, "an argument", "the cache");
   }
   const int64_t T = k_new.size(0);
-  if (T == 0 || B == 0) return;
+  if (k_new.numel() == 0) return;  // no tokens (or H_kv / head_dim 0): nothing to write
+  TORCH_CHECK_VALUE(B > 0 && P > 0 && k_codes.size(0) > 0, "trace_ext: fp4kv_append: ", T,
+                    " new tokens need at least one sequence and a cache with pages and page_size > 0, got block_table ",
+                    block_table.sizes(), " and k_codes ", k_codes.sizes());
+  // the caches are written in place (no aligned copy possible): the narrowest kernel stores 8 code bytes per block
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(k_codes.data_ptr()) % 8 == 0 &&
+                        reinterpret_cast<uintptr_t>(v_codes.data_ptr()) % 8 == 0,
+                    "trace_ext: fp4kv_append: k_codes and v_codes must start 8-byte aligned (a uint8 view at an odd "
+                    "offset?)");
   TORCH_CHECK_VALUE(2 * T * H * (D / kNvfp4Block) < (int64_t(1) << 31), "trace_ext: fp4kv_append: at most 2^31 blocks "
                     "per call (T_new * H_kv * D / 8), got T_new=", T);
   TORCH_CHECK_VALUE(block_table.size(1) * P < (int64_t(1) << 31), "trace_ext: fp4kv_append: positions must fit int32");

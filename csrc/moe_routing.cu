@@ -169,15 +169,16 @@ template <>
 __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
 
 template <typename T, typename W>
-__global__ void unpermute_kernel(const T* y, const int* dest_of, const W* weights, T* out, int64_t T_, int k,
+__global__ void unpermute_kernel(const T* y, const int* dest_of, const W* weights, T* out, int64_t rows, int k,
                                  int64_t H) {
   const int64_t t = blockIdx.y;
   const int64_t h = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (h >= H) return;
   float acc = 0.f;
+  // rows: y's row count T * k; dest_of values outside [0, rows) are dropped like -1 (never read)
   for (int j = 0; j < k; ++j) {
     const int p = dest_of[t * k + j];
-    if (p < 0) continue;
+    if (p < 0 || p >= rows) continue;
     acc = __fadd_rn(acc, __fmul_rn(to_f(weights[t * k + j]), to_f(y[(int64_t)p * H + h])));
   }
   out[t * H + h] = from_f<T>(acc);
@@ -277,7 +278,7 @@ at::Tensor moe_unpermute_cuda(const at::Tensor& y, const at::Tensor& dest_of, co
       const int64_t tn = std::min<int64_t>(65535, T - t0);
       dim3 grid((unsigned)((H + threads - 1) / threads), (unsigned)tn);
       kernel<<<grid, threads, 0, stream>>>(yp, dest_of.data_ptr<int>() + t0 * k, wp + t0 * k,
-                                           reinterpret_cast<Y*>(out.data_ptr()) + t0 * H, tn, (int)k, H);
+                                           reinterpret_cast<Y*>(out.data_ptr()) + t0 * H, T * k, (int)k, H);
     }
   };
   auto with_w = [&](auto* yp) {

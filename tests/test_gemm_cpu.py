@@ -198,6 +198,22 @@ def test_moe_unpermute_weights_in_slot_order_fp32():
     assert torch.equal(out, want.bfloat16())
 
 
+def test_moe_unpermute_checks_dest_of_values_on_cpu():
+    """Protects SPEC 10 for un-permute: dest_of values outside [-1, T*k) raise ValueError naming dest_of (CPU tensors
+    are always checked); -1 is a dropped pair."""
+    T, k, H = 4, 2, 8
+    y = torch.randn(T * k, H)
+    w = torch.rand(T, k)
+    ok = torch.arange(T * k, dtype=torch.int32)
+    ok[3] = -1
+    O.moe_unpermute(y, ok, w)
+    for bad in (T * k, -2):
+        d = ok.clone()
+        d[0] = bad
+        with pytest.raises(ValueError, match="dest_of"):
+            O.moe_unpermute(y, d, w)
+
+
 def test_end_to_end_moe_layer_reference():
     """Protects the composition permute -> grouped GEMM -> unpermute against a per-token loop."""
     T, k, E, N, K = 5, 2, 4, 16, 64

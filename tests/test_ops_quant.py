@@ -47,6 +47,17 @@ def test_capture_record_replays_to_identical_codes():
     assert torch.equal(rec2.payload, rec.payload) and torch.equal(rec2.scales, rec.scales)
 
 
+def test_guided_rounding_rejects_a_g_beside_the_record():
+    """Protects SPEC 10 (nothing ignored silently): guided rounding takes g from the rollout's record, so a g given
+    beside it is a ValueError on every entry (ops quantize / fake quantize, the reference), not dropped."""
+    x = torch.randn(4, 64)
+    _, rec = ops.nvfp4_quantize(x, capture=True)
+    g = torch.ones(4)
+    for fn in (ops.nvfp4_quantize, ops.nvfp4_fake_quantize, R.nvfp4_quantize):
+        with pytest.raises(ValueError, match="g must be None"):
+            fn(x, g, rounding="guided", guidance=rec)
+
+
 def test_swizzled_output_and_dequantize_from_it():
     x = torch.randn(130, 80)
     q = ops.nvfp4_quantize(x, swizzle=True)

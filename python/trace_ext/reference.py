@@ -160,6 +160,12 @@ def _check_guidance(guidance: GuidanceRecord, rows: int, K: int) -> None:
         raise RuntimeError(f"guidance tensors are on different devices: {devices}")
 
 
+def check_no_g_when_guided(g, rounding: str) -> None:
+    """Guided rounding takes the rollout's g from its record (SPEC 5): a g given beside it would be ignored."""
+    if rounding == "guided" and g is not None:
+        raise ValueError("g must be None with rounding='guided': the guidance record carries the rollout's g")
+
+
 def nvfp4_quantize(
     x: torch.Tensor,
     g: torch.Tensor | None = None,
@@ -189,6 +195,7 @@ def nvfp4_quantize(
     if rounding == "guided":
         if guidance is None:
             raise ValueError("rounding='guided' needs a guidance record")
+        check_no_g_when_guided(g, rounding)
         _check_guidance(guidance, R, K)
         if guidance.payload.device != x.device:
             raise RuntimeError(f"guidance is on {guidance.payload.device} but x is on {x.device}")

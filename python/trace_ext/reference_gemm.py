@@ -151,15 +151,16 @@ def moe_permute(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int):
 
 def moe_unpermute(y_sorted: torch.Tensor, dest_of: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """out[t] = sum_j w[t, j] * y_sorted[dest_of[t*k + j]], float32, slot order, one rounding per op; dropped
-    pairs (dest_of < 0) contribute nothing. Output dtype = y_sorted's."""
+    pairs (dest_of < 0, and values past y_sorted's rows, as the kernel does) contribute nothing. Output dtype =
+    y_sorted's."""
     T, k = topk_weights.shape
-    H = y_sorted.shape[1]
+    n, H = y_sorted.shape
     acc = torch.zeros(T, H, dtype=torch.float32, device=y_sorted.device)
     d = dest_of.reshape(T, k).long()
     w = topk_weights.float()
     for j in range(k):
-        ok = d[:, j] >= 0
-        rows = y_sorted[d[:, j].clamp(min=0)].float()
+        ok = (d[:, j] >= 0) & (d[:, j] < n)
+        rows = y_sorted[d[:, j].clamp(0, max(n - 1, 0))].float()
         term = w[:, j : j + 1] * rows
         acc = torch.where(ok[:, None], acc + term, acc)
     return acc.to(y_sorted.dtype)

@@ -366,6 +366,22 @@ def test_moe_permute_unpermute_match_reference(T, k, E):
     assert torch.equal(O.moe_permute(x, ids32, E, backend="cuda").dest_of, p.dest_of)
 
 
+def test_moe_unpermute_drops_unchecked_out_of_range_rows():
+    """Protects the un-permute kernel against dest_of values past y_sorted (validate=False on CUDA): they are dropped
+    like -1, as the reference does, instead of read out of bounds; validate=True raises ValueError."""
+    T, k, H = 300, 4, 96
+    y = torch.randn(T * k, H, device=DEV).bfloat16()
+    wts = torch.rand(T, k, device=DEV)
+    dest = torch.randperm(T * k, device=DEV).int()
+    dest[::7] = -1
+    dest[3::11] = T * k + 5
+    dest[5::13] = 1 << 30
+    out = O.moe_unpermute(y, dest, wts, backend="cuda")
+    assert torch.equal(out, O.moe_unpermute(y, dest, wts, backend="reference"))
+    with pytest.raises(ValueError, match="dest_of"):
+        O.moe_unpermute(y, dest, wts, validate=True, backend="cuda")
+
+
 def test_moe_layer_end_to_end_on_gpu():
     """Protects permute -> grouped W4A16 GEMM -> unpermute on the GPU against the same chain on the reference."""
     T, k, E, N, K = 64, 8, 128, 1536, 2048
@@ -410,6 +426,28 @@ def test_gpu_errors():
                                torch.zeros(3, dtype=torch.int64, device=DEV), None)
     with pytest.raises(ValueError):
         O.fp4_grouped_linear(a, wg, torch.tensor([0, 5, 4], dtype=torch.int32, device=DEV), validate=True)
+    qa = O.nvfp4_quantize(a)
+    with pytest.raises(ValueError, match="g_a"):  # W4A4 activations without their per-row g
+        ops.fp4_linear(qa.codes, qa.scales, None, w.codes, w.scales, g, None)
+
+
+def test_grouped_decode_kernels_stay_in_bounds_on_unchecked_offsets(monkeypatch):
+    """Protects the grouped decode kernels' bound on work units (validate=False skips the offsets' value check):
+    offsets that fall and rise again give every expert all M rows, more units than the host sized the tickets for;
+    the K-slab and stream kernels both cap the units at that bound, so the call finishes without a CUDA error and
+    the stream stays usable (the result of such offsets is undefined)."""
+    E, N, K, M = 16, 2048, 768, 64  # even experts get all 64 rows: 4-8 units each, the bound is 21-25
+    wp = O.prepare_fp4_weight(_quant_w(N, K, E))
+    a = torch.randn(M, K, device=DEV).bfloat16()
+    bad = torch.tensor([0, M] * (E // 2) + [M], dtype=torch.int32, device=DEV)
+    for impl in ("stream", None):
+        _impl(monkeypatch, impl)
+        y = O.fp4_grouped_linear(a, wp, bad, backend="cuda")
+        torch.cuda.synchronize()
+        assert y.shape == (M, N)
+    good = _offsets([M // E + (e < M % E) for e in range(E)])
+    ok = O.fp4_grouped_linear(a, wp, good, backend="cuda")
+    assert torch.equal(ok, O.fp4_grouped_linear(a, wp, good, backend="cuda"))
 
 
 # ---- dense decode: opt-in pair-stream kernel (TRACE_EXT_DECODE_IMPL=pair, read at every call) ------------------

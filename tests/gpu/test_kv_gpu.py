@@ -344,6 +344,26 @@ def test_compiled_ops_raise_spec_errors():
         app(*cache.tensors(), k[:, :1].contiguous(), k[:, :1].contiguous(), table, cu, z, 1.0, 1.0)
     with pytest.raises(ValueError):
         app(*cache.tensors(), k, k, table, cu[:1], z, 1.0, 1.0)
+    # the caches are used in place: a uint8 view at an odd offset is a ValueError, not a misaligned access
+    def odd_view(t):
+        return torch.empty(t.numel() + 16, dtype=torch.uint8, device=DEV)[1 : 1 + t.numel()].view(t.shape)
+
+    with pytest.raises(ValueError, match="aligned"):
+        op(q, odd_view(cache.k_codes), *args[1:])
+    with pytest.raises(ValueError, match="aligned"):
+        op(q, *args[:3], odd_view(cache.v_scales), *args[4:])
+    kc, ks, vc, vs = cache.tensors()
+    with pytest.raises(ValueError, match="aligned"):
+        app(kc, ks, odd_view(vc), vs, k, k, table, cu, z, 1.0, 1.0)
+    # no query heads: empty results; new tokens without a sequence or without pages: ValueError
+    out0, lse0 = op(q[:, :0].contiguous(), *args)
+    assert out0.shape == (1, 0, 128) and lse0.shape == (1, 0)
+    t0 = torch.zeros(0, table.shape[1], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="sequence"):
+        app(*cache.tensors(), k, k, t0, cu[:1], z[:0], 1.0, 1.0)
+    empty = [t[:0] for t in cache.tensors()]
+    with pytest.raises(ValueError, match="pages"):
+        app(*empty, k, k, table, cu, z, 1.0, 1.0)
     # the public ops: a head_dim the kernels are not built for is a clear error when CUDA is forced
     c96 = PagedFP4KVCache(4, 16, 1, 96, device=DEV)
     t96 = torch.zeros(1, 1, dtype=torch.int32, device=DEV)

@@ -166,7 +166,9 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
   if constexpr (kGrouped) {
     // units = (expert with rows, chunk of R rows), numbered expert by expert (gemm_w4_decode_units.cuh)
     __shared__ int s_wsum[kDecWarps];
-    n_units = decode_number_units<kDecWarps, R>(p, s_pref, s_wsum);
+    // at most the host's bound (launch_decode: its tickets and workspace), which holds for offsets that rise within
+    // [0, M]; unchecked offsets that do not (validate=False) lose units past it instead of writing out of bounds
+    n_units = min(decode_number_units<kDecWarps, R>(p, s_pref, s_wsum), min(p.E, p.M) + p.M / R + 1);
     if (threadIdx.x == 0) s_pref[p.E] = n_units;
     __syncthreads();
   }

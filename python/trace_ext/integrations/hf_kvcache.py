@@ -419,13 +419,14 @@ def fake_quantize_kv(x: torch.Tensor, site: str, layer: int, sess, g: float) -> 
     _check_head_dim(D)
     rows = _rows(x.detach())
     cfg = sess.config
-    gt = _g_tensor(g, x.device)
     capture = sess.wants_capture()
     keys = _row_keys(sess, B, S, H, x.device) if (sess.mode == "guided" or capture) else None
     if sess.mode == "guided" and cfg.guides("kv"):
         kwargs = sess.rounding_kwargs(site, layer, keys, D)
     else:
         kwargs = {"rounding": "rtn"}
+    # guided rows take the rollout's g from their record (the same static g); the other roundings take it here
+    gt = None if kwargs["rounding"] == "guided" else _g_tensor(g, x.device)
     if capture:
         q = Q.nvfp4_quantize(rows, gt, backend=cfg.backend, **kwargs)
         sess.capture(site, layer, keys, GuidanceRecord("full", q.codes, q.scales, q.g.reshape(-1)))

@@ -239,7 +239,9 @@ def fp4_grouped_linear(
 
     a: bf16 [M, K] or NVFP4Tensor [M, K]; w: [E, N, K] NVFP4 (g_w [E] or [E, N]); offsets: int32 [E + 1].
     validate: check the offsets' values (0 .. M, non-decreasing) on CUDA tensors too (costs a device sync;
-    CPU offsets are always checked; the kernels never read out of bounds either way).
+    CPU offsets are always checked). Unchecked offsets that break this give an undefined result (rows no expert
+    covers are left unwritten) but never an access out of bounds: the kernels clamp the ranges to [0, M] and cap
+    their work units at the bound their buffers were sized for.
     """
     codes, scales, g_w, packed = _weight_parts(w, grouped=True)
     E, N, K = codes.shape[0], codes.shape[1], codes.shape[2] * 2
@@ -298,10 +300,13 @@ def moe_permute(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, va
     return MoePermutation(*torch_op("moe_permute")(x.contiguous(), topk_ids.contiguous(), int(num_experts)))
 
 
-def moe_unpermute(y_sorted: torch.Tensor, perm, topk_weights: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+def moe_unpermute(y_sorted: torch.Tensor, perm, topk_weights: torch.Tensor, *, validate: bool = False,
+                  backend: str = "auto") -> torch.Tensor:
     """out[t] = sum_j topk_weights[t, j] * y_sorted[dest_of[t*k + j]] (fp32, slot order), in y_sorted's dtype.
 
-    perm: the MoePermutation of moe_permute (or its dest_of tensor).
+    perm: the MoePermutation of moe_permute (or its dest_of tensor). dest_of values outside [-1, T*k) raise
+    ValueError when checked (always on CPU, with validate=True on CUDA: one device sync) and are otherwise dropped
+    like -1 (the kernel never reads outside y_sorted).
     """
     dest_of = perm.dest_of if isinstance(perm, MoePermutation) else perm
     if not all(isinstance(t, torch.Tensor) for t in (y_sorted, dest_of, topk_weights)):
@@ -319,6 +324,10 @@ def moe_unpermute(y_sorted: torch.Tensor, perm, topk_weights: torch.Tensor, *, b
     if tuple(dest_of.shape) != (topk_weights.numel(),):
         raise ValueError(f"dest_of must have shape ({topk_weights.numel()},), got {tuple(dest_of.shape)}")
     _check_device(y_sorted, dest_of, topk_weights)
+    if (validate or not dest_of.is_cuda) and dest_of.numel():
+        lo, hi = int(dest_of.min()), int(dest_of.max())
+        if lo < -1 or hi >= dest_of.numel():
+            raise ValueError(f"dest_of must be in [-1, {dest_of.numel()}) (-1: dropped), got values in [{lo}, {hi}]")
     which = _pick(backend, "moe_unpermute", y_sorted, dest_of, topk_weights)
     if which == "reference":
         return R.moe_unpermute(y_sorted, dest_of, topk_weights)

@@ -92,11 +92,12 @@ def _x_backend(backend: str, x: torch.Tensor, g=None, guidance: GuidanceRecord |
     return _empty_rows_to_reference(resolve_backend(backend, x, *tensors), x.shape)
 
 
-def _check_nvfp4_args(x, scope: str, rounding: str, guidance, seed: int, offset: int) -> int:
+def _check_nvfp4_args(x, g, scope: str, rounding: str, guidance, seed: int, offset: int) -> int:
     """The argument checks of nvfp4_quantize and nvfp4_fake_quantize (SPEC 10), the same for both and for every
     backend (scope is checked even when g is given and does not use it); returns the op's rounding code."""
     ref.check_float_input(x, F.NVFP4_BLOCK)
     code = _rounding_code(rounding, guidance)
+    ref.check_no_g_when_guided(g, rounding)
     _check_seed(seed, offset)
     if scope not in ref.SCOPES:
         raise ValueError(f"scope must be one of {ref.SCOPES}, got {scope!r}")
@@ -124,7 +125,7 @@ def nvfp4_quantize(
     swizzle: return scales in the 128x4 layout of the Blackwell kernels.
     capture: also return the compact GuidanceRecord of what was produced (the rollout side).
     """
-    code = _check_nvfp4_args(x, scope, rounding, guidance, seed, offset)
+    code = _check_nvfp4_args(x, g, scope, rounding, guidance, seed, offset)
     shape = tuple(x.shape)
     K = shape[-1]
     R = ref.rows_of(x.shape)
@@ -189,7 +190,7 @@ def nvfp4_fake_quantize(
 
     capture=True also returns the compact GuidanceRecord of the rounding it made (trainer-side capture).
     """
-    code = _check_nvfp4_args(x, scope, rounding, guidance, seed, offset)
+    code = _check_nvfp4_args(x, g, scope, rounding, guidance, seed, offset)
     which = _x_backend(backend, x, g, guidance)
     if which == "reference":
         q = ref.nvfp4_quantize(x, g, scope=scope, rounding=rounding, seed=seed, offset=offset, guidance=guidance)
