@@ -197,3 +197,69 @@ def test_guided_trainer_lands_on_the_cache_codes(kind):
             agreement[mode] = min(agree)
     assert agreement["guided"] >= 0.999
     assert agreement["qat"] < 0.99
+
+
+def _kv(B=1, H=2, S=3, D=32, dtype=torch.bfloat16):
+    return torch.randn(B, H, S, D).to(dtype)
+
+
+def test_cache_update_refuses_misaligned_or_changing_kv():
+    """Protects SPEC 10 for FP4KVCache.update: k and v of different lengths used to be stored misaligned (keys 3
+    long, values 2), a float32 step into a bf16 cache promoted it silently, a batch / heads / head_dim mismatch was a
+    raw torch.cat RuntimeError and a 3-D k 'not enough values to unpack': each is now a TypeError / ValueError
+    naming k or v and the expected shape, and a refused update leaves the cache as it was."""
+    def cache():
+        c = kv.FP4KVCache(num_layers=1)
+        c.update(_kv(), _kv(), 0)
+        return c
+
+    with pytest.raises(ValueError, match=r"v must be \[B, H_v, S, D_v\] with the B=1 and S=3"):
+        kv.FP4KVCache(num_layers=1).update(_kv(S=3), _kv(S=2), 0)
+    with pytest.raises(ValueError, match="B=1"):
+        kv.FP4KVCache(num_layers=1).update(_kv(B=1), _kv(B=2), 0)
+    with pytest.raises(ValueError, match=r"k must be \[B, H, S, D\]"):
+        kv.FP4KVCache(num_layers=1).update(_kv()[0], _kv()[0], 0)
+    with pytest.raises(TypeError, match="floating"):
+        kv.FP4KVCache(num_layers=1).update(_kv().long(), _kv().long(), 0)
+    with pytest.raises(TypeError, match="share one dtype"):
+        kv.FP4KVCache(num_layers=1).update(_kv(), _kv(dtype=torch.float32), 0)
+    c = cache()
+    with pytest.raises(TypeError, match=r"cache holds torch.bfloat16"):
+        c.update(_kv(S=1, dtype=torch.float32), _kv(S=1, dtype=torch.float32), 0)
+    with pytest.raises(ValueError, match=r"k must be \[1, 2, S, 32\]"):
+        c.update(_kv(S=1, H=4), _kv(S=1, H=4), 0)
+    with pytest.raises(ValueError, match=r"v must be \[1, 2, S, 32\]"):
+        c.update(_kv(S=1), _kv(S=1, D=64), 0)
+    with pytest.raises(ValueError, match=r"k must be \[1, 2, S, 32\]"):
+        c.update(_kv(S=1, B=2), _kv(S=1, B=2), 0)
+    with pytest.raises(ValueError, match="layer_idx"):
+        c.update(_kv(S=1), _kv(S=1), 1)
+    assert c.get_seq_length() == 3 and c.layers[0].keys.shape == c.layers[0].values.shape == (1, 2, 3, 32)
+    keys, values = c.update(_kv(S=1), _kv(S=1), 0)
+    assert keys.shape == values.shape == (1, 2, 4, 32)
+    # V may have its own head_dim (DeepSeek's MLA): fixed per cache like K's
+    c = kv.FP4KVCache(num_layers=1)
+    c.update(_kv(), _kv(D=16), 0)
+    assert c.update(_kv(S=1), _kv(S=1, D=16), 0)[1].shape == (1, 2, 4, 16)
+    # a first update refused for its head_dim leaves the layer uninitialized, ready for a good one
+    c = kv.FP4KVCache(num_layers=1)
+    with pytest.raises(ValueError, match="head_dim"):
+        c.update(_kv(D=24), _kv(D=24), 0)
+    assert c.update(_kv(), _kv(), 0)[0].shape == (1, 2, 3, 32)
+
+
+def test_cache_constructor_argument_types():
+    """Protects: a non-model first argument (a string, an FP4Config) was an AttributeError, g_k="a" a ValueError from
+    float() and g_k="2.0" / True were accepted: all TypeErrors, as PagedFP4KVCache's g check."""
+    for bad in ("x", FP4Config()):
+        with pytest.raises(TypeError, match="model must be"):
+            kv.FP4KVCache(bad)
+    for name in ("g_k", "g_v"):
+        for bad in ("a", "2.0", True):
+            with pytest.raises(TypeError, match=f"FP4KVCache: {name}"):
+                kv.FP4KVCache(num_layers=1, **{name: bad})
+    with pytest.raises(TypeError, match="num_layers"):
+        kv.FP4KVCache(num_layers=2.0)
+    with pytest.raises(TypeError, match="paged"):
+        kv.FP4KVCache(num_layers=1, paged="no")
+    assert kv.FP4KVCache(num_layers=1, g_k=torch.tensor(0.5), g_v=2).layers[0].codes("v")[2] == 2.0

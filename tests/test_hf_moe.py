@@ -415,6 +415,37 @@ def test_replay_weights_are_differentiable_per_rule():
     assert logit.grad.abs().sum() > 0
 
 
+
+def test_replay_weights_arguments_are_checked():
+    """Protects SPEC 10 for replay_weights: fewer idx rows than logits rows returned a [1, k] result, an integer dtype
+    returned zeros, and out-of-range ids were a raw gather error (checked on CPU; on CUDA router_hook checks the
+    recorded ids once, so replay_weights adds no host sync)."""
+    router = tiny().model.layers[0].mlp.gate
+    logit = torch.randn(3, 8)
+    idx = torch.tensor([[0, 1], [2, 3], [7, 4]])
+    with pytest.raises(ValueError, match="idx must be"):
+        replay_weights(router, logit, idx[:1], torch.float32)
+    with pytest.raises(ValueError, match="idx must be"):
+        replay_weights(router, logit, idx[:, 0], torch.float32)
+    with pytest.raises(ValueError, match="logits must be"):
+        replay_weights(router, logit[None], idx, torch.float32)
+    for dt in (torch.int32, torch.bool, "float32"):
+        with pytest.raises(TypeError, match="dtype"):
+            replay_weights(router, logit, idx, dt)
+    for bad in (torch.tensor([[0, 8], [2, 3], [7, 4]]), torch.tensor([[0, -1], [2, 3], [7, 4]])):
+        with pytest.raises(ValueError, match=r"expert ids in idx must be in \[0, 8\)"):
+            replay_weights(router, logit, bad, torch.float32)
+    with pytest.raises(TypeError, match="idx must be an integer"):
+        replay_weights(router, logit, idx.float(), torch.float32)
+    with pytest.raises(TypeError, match="logits"):
+        replay_weights(router, logit.long(), idx, torch.float32)
+    with pytest.raises(TypeError, match="router"):
+        replay_weights("gate", logit, idx, torch.float32)
+    # int32 ids are widened (lossless), not refused
+    torch.testing.assert_close(replay_weights(router, logit, idx.int(), torch.float32),
+                               replay_weights(router, logit, idx, torch.float32))
+
+
 # ---- misuse and bad inputs -------------------------------------------------------------------------------------------
 
 

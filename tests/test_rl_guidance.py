@@ -7,7 +7,8 @@ import torch
 from trace_ext import reference as ref
 from trace_ext.rl import FP4Config, GuidanceCache, GuidanceError, guided_layers
 from trace_ext.rl.guidance import LayerSite, decode_keys, encode_keys, record_bytes_per_row, to_compact
-from trace_ext.rl.session import Session, current_session, train
+from trace_ext.rl.session import Session, current_session, rollout, train
+from trace_ext.tensor import GuidanceRecord
 
 K = 64
 
@@ -155,8 +156,8 @@ def test_config_validation():
     assert c.guidance_layers == (1, 3) and c.with_(format="mxfp4").block == 32
     with pytest.raises(ValueError, match="out of range"):  # known at construction once num_layers is (convert())
         c.with_(num_layers=3)
-    for bad in (0, -1, 1.5):
-        with pytest.raises(ValueError, match="offload_chunk_bytes"):
+    for bad, exc in ((0, ValueError), (-1, ValueError), (1.5, TypeError)):
+        with pytest.raises(exc, match="offload_chunk_bytes"):
             FP4Config(offload_chunk_bytes=bad)
 
 
@@ -326,3 +327,162 @@ def test_load_of_a_non_safetensors_file_is_a_guidance_error(tmp_path):
     p.write_bytes(b"garbage")
     with pytest.raises(GuidanceError, match="not a trace_ext guidance file"):
         GuidanceCache.load(str(p))
+
+
+# ---- SPEC 10: argument validation ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field,bad", [
+    ("guidance_layers", [1.5]), ("guidance_layers", ["1"]), ("guidance_layers", [True]),
+    ("sr_seed", 0.5), ("sr_seed", "5"), ("sr_seed", True),
+    ("num_layers", 2.5), ("num_layers", True), ("num_layers", "3"),
+    ("kv_g_k", "1.0"), ("kv_g_k", True), ("kv_g_v", "1.0"), ("kv_g_v", True),
+    ("routing_replay", "no"), ("routing_replay", 1),
+    ("guidance_budget_bytes_per_token", 1.5), ("guidance_budget_bytes_per_token", True),
+    ("format", None), ("sites", 3), ("sites", {1}), ("qat_compute_dtype", "float32"),
+])
+def test_config_field_types_are_checked(field, bad):
+    """Protects SPEC 10 for FP4Config: a value of the wrong type is a TypeError naming the field, never truncated
+    (guidance_layers=[1.5] and sr_seed=0.5 used to become 1 and 0), parsed ("1", "3") or counted as 1 (True)."""
+    with pytest.raises(TypeError, match=field):
+        FP4Config(**{field: bad})
+
+
+def test_config_float_fields_must_survive_float32():
+    """Protects: kv_g_k / kv_g_v are checked as the float32 the kernels see (1e-50 underflows to 0, 1e39 overflows)."""
+    for name in ("kv_g_k", "kv_g_v"):
+        for bad in (1e-50, 1e39, float("nan"), -1.0):
+            with pytest.raises(ValueError, match=name):
+                FP4Config(**{name: bad})
+    c = FP4Config(num_layers=4, guidance_layers=[2, 3], sr_seed=7, kv_g_k=2, routing_replay=False)
+    assert c.guidance_layers == (2, 3) and c.sr_seed == 7 and c.kv_g_k == 2 and c.routing_replay is False
+
+
+def test_add_record_checks_the_record_against_its_kind():
+    """Protects SPEC 10 at add_record: a non-record is a TypeError (was AttributeError); payload / scales / g must have
+    the record kind's dtypes (uint8, uint8, float32) and widths (K/8 compact or K/2 full, K/16, one g per row)."""
+    c = _cache()
+    keys = encode_keys(_keys([0, 0], [0, 1]))
+    rec = _rec(2)
+    with pytest.raises(TypeError, match="GuidanceRecord"):
+        c.add_record("expert_in", 2, keys, "x")
+    bad = {
+        "payload int32": (TypeError, GuidanceRecord("compact", rec.payload.int(), rec.scales, rec.g)),
+        "payload width": (ValueError, GuidanceRecord("compact", rec.payload[:, :4], rec.scales, rec.g)),
+        "full width": (ValueError, GuidanceRecord("full", rec.payload, rec.scales, rec.g)),
+        "scales float": (TypeError, GuidanceRecord("compact", rec.payload, rec.scales.float(), rec.g)),
+        "scales 1-D": (ValueError, GuidanceRecord("compact", rec.payload, rec.scales[0], rec.g)),
+        "g float64": (TypeError, GuidanceRecord("compact", rec.payload, rec.scales, rec.g.double())),
+        "g rows": (ValueError, GuidanceRecord("compact", rec.payload, rec.scales, rec.g[:1])),
+    }
+    for what, (err, r) in bad.items():
+        with pytest.raises(err, match=r"expert_in\[2\]"):
+            c.add_record("expert_in", 2, keys, r)
+    assert not c.records  # nothing was stored, and no empty store was left behind
+    with pytest.raises(TypeError, match="layer"):
+        c.add_record("expert_in", True, keys, rec)
+    c.add_record("expert_in", 2, keys, rec)
+    assert len(c.records[("expert_in", 2)]) == 2
+
+
+def test_rejected_add_leaves_no_store_behind():
+    """Protects: an add refused for its keys or top-k shape used to create the store first, so the next valid add
+    failed with 'top-k differs' / 'K differs'; and a 0-d topk is a ValueError naming topk (was IndexError)."""
+    c = _cache()
+    keys = encode_keys(_keys([0, 0], [0, 1]))
+    with pytest.raises(ValueError, match="topk must be"):
+        c.add_routes(1, keys, torch.tensor(3))
+    with pytest.raises(ValueError, match="topk must be"):
+        c.add_routes(1, keys, torch.tensor([1, 2]))
+    with pytest.raises(TypeError, match="1-D int64"):
+        c.add_routes(1, keys.int(), torch.tensor([[1, 2, 3], [0, 1, 2]]))
+    with pytest.raises(TypeError, match="1-D int64"):
+        c.add_record("expert_in", 2, keys.int(), _rec(2, K=32))
+    assert not c.routes and not c.records
+    c.add_routes(1, keys, torch.tensor([[1, 2], [0, 1]]))
+    c.add_record("expert_in", 2, keys, _rec(2))
+    assert c.routes[1].meta["k"] == 2 and c.records[("expert_in", 2)].meta["K"] == K
+
+
+def test_lookup_keys_follow_the_add_rule():
+    """Protects: get_record / get_routes take the same 1-D int64 keys as add (float or 2-D keys were accepted)."""
+    c = _filled_cache()
+    keys = encode_keys(_keys([0, 1], [0, 2]))
+    for bad in (keys.double(), keys.reshape(1, 2), keys.int()):
+        with pytest.raises(TypeError, match="1-D int64"):
+            c.get_record("expert_in", 2, bad, K, "cpu")
+        with pytest.raises(TypeError, match="1-D int64"):
+            c.get_routes(2, bad, "cpu")
+    assert c.get_record("expert_in", 2, keys, K, "cpu").rows == 2
+
+
+def test_split_and_merge_arguments():
+    """Protects: split(0) / split(-1) are ValueErrors (were RuntimeError from tensor_split), merge of a non-cache a
+    TypeError (was AttributeError)."""
+    c = _filled_cache()
+    for n in (0, -1):
+        with pytest.raises(ValueError, match="split"):
+            c.split(n)
+    for bad in (True, 1.5, "ab"):
+        with pytest.raises(TypeError, match="split"):
+            c.split(bad)
+    with pytest.raises(TypeError, match=r"caches\[1\]"):
+        GuidanceCache.merge([c, "x"])
+    with pytest.raises(TypeError, match="list of GuidanceCache"):
+        GuidanceCache.merge(c)
+    assert [p.sequence_ids().tolist() for p in c.split(1)] == [[0, 1, 2, 3]]
+
+
+def test_load_refuses_a_header_with_missing_or_odd_fields(tmp_path):
+    """Protects: a header lacking config / stores / a store's meta was a KeyError, and layers="abc" became a frozenset
+    of characters; all are GuidanceErrors naming the field."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    c = _filled_cache()
+    path = str(tmp_path / "g.safetensors")
+    c.save(path)
+    with safe_open(path, "pt") as f:
+        header = json.loads(f.metadata()["trace_ext_guidance"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+
+    def load(name, h):
+        p = str(tmp_path / name)
+        save_file(tensors, p, metadata={"trace_ext_guidance": json.dumps(h)})
+        return GuidanceCache.load(p)
+
+    without = lambda d, k: {n: v for n, v in d.items() if n != k}  # noqa: E731
+    st0 = header["stores"][0]
+    cases = {
+        "config": without(header, "config"),
+        "stores": without(header, "stores"),
+        "meta": {**header, "stores": [without(st0, "meta")] + header["stores"][1:]},
+        "'K'": {**header, "stores": [{**st0, "meta": {"kind": "compact"}}] + header["stores"][1:]},
+        "layers": {**header, "layers": "abc"},
+        "guidance_layers": {**header, "config": {**header["config"], "guidance_layers": "abc"}},
+        "kv_g_k": {**header, "config": {**header["config"], "kv_g_k": "1.0"}},
+    }
+    for i, (what, h) in enumerate(cases.items()):
+        with pytest.raises(GuidanceError, match=what):
+            load(f"h{i}.st", h)
+    with pytest.raises(GuidanceError, match="JSON object"):
+        load("list.st", [])
+    _same(load("ok.st", header), c)
+    # a config field the writer did not know yet (an older file of the same format version) takes its default
+    older = load("older.st", {**header, "config": without(header["config"], "offload_chunk_bytes")})
+    assert older.config.offload_chunk_bytes == FP4Config().offload_chunk_bytes
+
+
+def test_sessions_reject_a_dict_config_and_a_non_module_model():
+    """Protects SPEC 10 for rollout / train: a dict config was an AttributeError inside the session, a string model
+    too; both are TypeErrors naming the argument."""
+    for ctx in (rollout, train):
+        with pytest.raises(TypeError, match="config must be"):
+            with ctx(_Tiny(), {"format": "nvfp4"}):
+                pass
+        with pytest.raises(TypeError, match="model must be"):
+            with ctx("model", FP4Config(num_layers=2)):
+                pass
+    with pytest.raises(TypeError, match="capture_codes"):
+        with train(_Tiny(), FP4Config(num_layers=2, sites=frozenset()), capture_codes="yes"):
+            pass

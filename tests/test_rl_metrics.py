@@ -105,3 +105,39 @@ def test_agreement_needs_full_codes_and_overlap():
     b = _codes_cache({("expert_in", 0): torch.randn(2, 32)})
     with pytest.raises(GuidanceError, match="share no"):
         site_agreement(a, b)
+
+
+def test_mask_and_logprob_types_are_checked():
+    """Protects SPEC 10 for mismatch_metrics: a 0/1 float or int mask selects like a bool one, but a mask value of 0.5
+    or 2 is a ValueError (.bool() counted both as selected); integer / bool log-probs and lists are TypeErrors."""
+    lp = torch.log(torch.tensor([[0.5, 0.25, 0.9], [0.1, 0.3, 0.6]]))
+    lt = lp + 0.1
+    want = mismatch_metrics(lt, lp, torch.tensor([[True, False, True], [True, True, False]]))
+    for m in (torch.tensor([[1.0, 0, 1], [1, 1, 0]]), torch.tensor([[1, 0, 1], [1, 1, 0]])):
+        assert mismatch_metrics(lt, lp, m) == want
+    for bad in (torch.full((2, 3), 0.5), torch.full((2, 3), 2), torch.tensor([[1.0, 0, float("nan")], [1, 1, 0]])):
+        with pytest.raises(ValueError, match="mask must hold only 0 and 1"):
+            mismatch_metrics(lt, lp, bad)
+    for a, b in ((lt.long(), lp.long()), (lt, lp.bool()), (lt.int(), lp)):
+        with pytest.raises(TypeError, match="floating"):
+            mismatch_metrics(a, b)
+    with pytest.raises(TypeError, match="logp_train"):
+        mismatch_metrics(lt.tolist(), lp)
+    with pytest.raises(TypeError, match="mask"):
+        mismatch_metrics(lt, lp, [[1, 0, 1], [1, 1, 0]])
+
+
+def test_router_flip_rate_tensor_arguments_are_checked():
+    """Protects: index tensors must have the same shape (a (2,3,2) and a (3,2,2) used to be compared after reshaping,
+    pairing unrelated rows), integer dtype (float ids were compared as floats), and both be tensors (a list was an
+    AttributeError)."""
+    a = torch.randint(0, 8, (2, 3, 2), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="same shape"):
+        router_flip_rate(a, a.reshape(3, 2, 2))
+    with pytest.raises(TypeError, match="integer expert ids"):
+        router_flip_rate(a.float(), a.float())
+    with pytest.raises(TypeError, match="trainer"):
+        router_flip_rate(a, a.tolist())
+    with pytest.raises(TypeError, match="rollout"):
+        router_flip_rate(a.tolist(), a)
+    assert router_flip_rate(a, a.int()) == 0.0

@@ -25,9 +25,17 @@ def quantize_with_record(x: torch.Tensor, *, kind: str = "compact", rounding: st
         return ops.nvfp4_quantize(x, g, scope=scope, rounding=rounding, seed=seed, offset=offset, guidance=guidance,
                                   capture=True, backend=backend)
     q = ops.nvfp4_quantize(x, g, scope=scope, rounding=rounding, seed=seed, offset=offset, guidance=guidance, backend=backend)
-    K = x.shape[-1]
-    rec = GuidanceRecord("full", q.codes.reshape(-1, K // 2), q.scales.reshape(-1, K // 16), q.g.reshape(-1))
+    K, R = x.shape[-1], q.g.numel()  # rows from g: reshape(-1, 0) cannot infer them when K = 0
+    rec = GuidanceRecord("full", q.codes.reshape(R, K // 2), q.scales.reshape(R, K // 16), q.g.reshape(-1))
     return q, rec
+
+
+def _check_input(x, name: str, block: int) -> None:
+    """The quantizers' input rule (the ops' check_float_input: float32 / bfloat16 / float16, K a multiple of the
+    block), so that fake quantization takes exactly what quantization takes."""
+    from .reference import check_float_input
+
+    check_float_input(x, block, name)
 
 
 def _check_format_options(fmt: str, g, scope: str, scale_rounding: str) -> None:
@@ -98,14 +106,10 @@ def fake_quantize(
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"x must be a floating tensor, got {x.dtype}")
-    block = 16 if format == "nvfp4" else 32
-    if x.dim() < 1 or x.shape[-1] % block:
-        raise ValueError(f"x: the last dimension (K) must be a multiple of the {block}-element {format} block, got shape {tuple(x.shape)}")
+    _check_input(x, "x", 16 if format == "nvfp4" else 32)
     _check_format_options(format, g, scope, scale_rounding)
+    if not capture and kind != "compact":
+        raise ValueError(f"kind={kind!r} names the record of capture=True; leave it unset without capture")
     if out_dtype is not None and (not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point):
         raise TypeError(f"out_dtype must be a floating dtype, got {out_dtype}")
     out_dtype = out_dtype or x.dtype
@@ -147,6 +151,7 @@ class _FakeQuantGroupedMatmul(torch.autograd.Function):
     def backward(ctx, gy):
         x, w = ctx.saved_tensors
         bounds, fmt, backend = ctx.meta
+        gy = gy.contiguous()
         gx = gw = None
         wq = _quantized_weight(w, fmt, gy.dtype, backend) if ctx.needs_input_grad[0] else None
         if ctx.needs_input_grad[0]:
@@ -171,11 +176,21 @@ def fake_quant_grouped_matmul(x: torch.Tensor, w: torch.Tensor, bounds: list[int
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    block = 16 if format == "nvfp4" else 32
+    _check_input(x, "x", block)
+    _check_input(w, "w", block)
     if w.dim() != 3 or x.dim() != 2 or x.shape[1] != w.shape[2]:
-        raise ValueError(f"expected x [M, K] and w [E, N, K] with the same K, got {tuple(x.shape)} and {tuple(w.shape)}")
-    bounds = [int(b) for b in bounds]
+        raise ValueError(f"expected x [M, K] and w [E, N, K] with the same K, got x {tuple(x.shape)} and w {tuple(w.shape)}")
+    if isinstance(bounds, torch.Tensor):
+        if bounds.is_floating_point() or bounds.is_complex() or bounds.dtype == torch.bool:
+            raise TypeError(f"bounds must hold integers, got {bounds.dtype}")
+        bounds = bounds.tolist()
+    if not isinstance(bounds, (list, tuple)) or not all(isinstance(b, int) and not isinstance(b, bool) for b in bounds):
+        raise TypeError(f"bounds must be a list of ints (the offsets), got {bounds!r}")
+    bounds = list(bounds)
     if (len(bounds) != w.shape[0] + 1 or bounds[0] != 0 or bounds[-1] != x.shape[0]
             or any(b > c for b, c in zip(bounds, bounds[1:]))):
         raise ValueError(
             f"bounds must have E + 1 = {w.shape[0] + 1} non-decreasing entries from 0 to M = {x.shape[0]}, got {bounds}")
-    return _FakeQuantGroupedMatmul.apply(x, w, bounds, format, backend)
+    # contiguous rows: torch's matmul may take another path (another summation order) for a strided x
+    return _FakeQuantGroupedMatmul.apply(x.contiguous(), w, bounds, format, backend)

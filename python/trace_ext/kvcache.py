@@ -20,6 +20,8 @@ prefill attention); the methods below are thin conveniences over them.
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from .formats import NVFP4_BLOCK
@@ -122,13 +124,17 @@ class PagedFP4KVCache:
 
 
 def _check_static_g(g, name: str) -> float:
+    """A layer's static decode scale (SPEC 8): one real number, finite and > 0 as the float32 the kernels see."""
     if isinstance(g, torch.Tensor):
         if g.numel() != 1:
             raise ValueError(f"{name} is one static value per layer, got a tensor of shape {tuple(g.shape)}")
         g = g.item()
-    if not isinstance(g, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(g).__name__}")
-    g = float(torch.tensor(float(g), dtype=torch.float32))  # the value the kernels see (fp32)
+    if isinstance(g, bool) or not isinstance(g, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(g).__name__} {g!r}")
+    try:
+        g = float(torch.tensor(float(g), dtype=torch.float32))  # the value the kernels see (fp32)
+    except OverflowError:  # an int beyond float64
+        g = float("inf")
     if not (g > 0 and g < float("inf")):
         raise ValueError(f"{name} must be finite and > 0, got {g}")
     return g

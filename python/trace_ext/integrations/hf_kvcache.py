@@ -19,6 +19,7 @@ The KV cache always uses NVFP4 (SPEC 8), whatever ``FP4Config.format`` says abou
 """
 from __future__ import annotations
 
+import numbers
 import threading
 
 import torch
@@ -205,7 +206,7 @@ class FP4KVLayer(DynamicLayer):
         self._length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
+        # checked before the layer counts as initialized: a refused first update leaves it empty, not half-built
         _check_head_dim(key_states.shape[-1])
         _check_head_dim(value_states.shape[-1])
         B, H, _, D = key_states.shape
@@ -213,9 +214,10 @@ class FP4KVLayer(DynamicLayer):
             paged = kv_kernels_available(key_states.device) and key_states.dtype == torch.bfloat16
         else:
             paged = bool(self.paged_request)
+        if paged and (key_states.dtype != torch.bfloat16 or value_states.shape != key_states.shape):
+            raise TypeError("the paged FP4 KV store takes bfloat16 K and V of one shape")
+        super().lazy_initialization(key_states, value_states)
         if paged:
-            if key_states.dtype != torch.bfloat16 or value_states.shape != key_states.shape:
-                raise TypeError("the paged FP4 KV store takes bfloat16 K and V of one shape")
             self.store = _PagedStore(B, H, D, key_states.device, self.g_k, self.g_v, self.backend)
         else:
             u8 = dict(dtype=torch.uint8, device=key_states.device)
@@ -230,6 +232,7 @@ class FP4KVLayer(DynamicLayer):
         return Q.nvfp4_quantize(x, _g_tensor(g, x.device), backend=self.backend)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self._check_update(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         S = key_states.shape[-2]
@@ -259,6 +262,46 @@ class FP4KVLayer(DynamicLayer):
         _record_rollout(self.layer_idx, (qk, qv))
         _LAST_UPDATE.mark(self, self.keys, self.values, S)
         return self.keys, self.values
+
+    def _check_update(self, k, v) -> None:
+        """SPEC 10 for one update: k / v are floating [B, H, S, D] tensors of one dtype, device, batch and length; after
+        the first update their dtype, device, batch, heads and head_dim must stay those of the cache (a float32 step
+        into a bf16 cache would promote it, a shorter v would leave keys and values misaligned)."""
+        where = f"FP4KVCache layer {self.layer_idx}"
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{where}: {name} must be a tensor [B, H, S, D], got {type(t).__name__}")
+            if not t.is_floating_point():
+                raise TypeError(f"{where}: {name} must be a floating tensor (bfloat16, float16 or float32), got {t.dtype}")
+            if t.dim() != 4:
+                raise ValueError(f"{where}: {name} must be [B, H, S, D], got shape {tuple(t.shape)}")
+        if v.dtype != k.dtype:
+            raise TypeError(f"{where}: k is {k.dtype} but v is {v.dtype}; they must share one dtype")
+        if v.device != k.device:
+            raise RuntimeError(f"{where}: k is on {k.device} but v on {v.device}; move them to one device")
+        if v.shape[0] != k.shape[0] or v.shape[2] != k.shape[2]:
+            raise ValueError(
+                f"{where}: v must be [B, H_v, S, D_v] with the B={k.shape[0]} and S={k.shape[2]} of k {tuple(k.shape)}, "
+                f"got {tuple(v.shape)}"
+            )
+        if not self.is_initialized:
+            return
+        if k.dtype != self.keys.dtype:
+            raise TypeError(f"{where}: the cache holds {self.keys.dtype} (its first update); got k of {k.dtype}")
+        if k.device != self.device:
+            raise RuntimeError(f"{where}: the cache lives on {self.device}; got k on {k.device}")
+        if self.paged:
+            want_k = want_v = (self.store.B, self.store.H, self.store.D)
+        else:
+            want_k = (self.k_codes.shape[0], self.k_codes.shape[1], 2 * self.k_codes.shape[-1])
+            want_v = (self.v_codes.shape[0], self.v_codes.shape[1], 2 * self.v_codes.shape[-1])
+        for name, t, want in (("k", k, want_k), ("v", v, want_v)):
+            got = (t.shape[0], t.shape[1], t.shape[3])
+            if got != want:
+                raise ValueError(
+                    f"{where}: {name} must be [{want[0]}, {want[1]}, S, {want[2]}] (the cache's batch, heads and head_dim), "
+                    f"got {tuple(t.shape)}"
+                )
 
     def get_seq_length(self) -> int:
         return self._length
@@ -325,26 +368,49 @@ class FP4KVCache(Cache):
 
     def __init__(self, model=None, *, num_layers: int | None = None, g_k: float | None = None, g_v: float | None = None,
                  backend: str | None = None, paged: bool | None = None):
+        if model is not None and not (isinstance(model, torch.nn.Module) and hasattr(model, "config")):
+            hint = " (pass the model; the config's g comes from install_fp4_kv / convert)" if _is_fp4_config(model) else ""
+            raise TypeError(
+                f"FP4KVCache: model must be a Hugging Face model (an nn.Module with a .config) or None, got "
+                f"{type(model).__name__}{hint}"
+            )
         cfg = _installed_config(model) if model is not None else None
         if num_layers is None:
             if model is None:
                 raise ValueError("FP4KVCache needs a model or num_layers")
             num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
-        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
+        if not isinstance(num_layers, numbers.Integral) or isinstance(num_layers, bool):
+            raise TypeError(f"FP4KVCache: num_layers must be a positive int, got {type(num_layers).__name__} {num_layers!r}")
+        if num_layers < 1:
             raise ValueError(f"FP4KVCache: num_layers must be a positive int, got {num_layers!r}")
-        g_k = float(g_k if g_k is not None else (cfg.kv_g_k if cfg is not None else 1.0))
-        g_v = float(g_v if g_v is not None else (cfg.kv_g_v if cfg is not None else 1.0))
-        for name, g in (("g_k", g_k), ("g_v", g_v)):  # the paged cache's own check, here before any layer exists
-            _check_static_g(g, f"FP4KVCache: {name}")
+        num_layers = int(num_layers)
+        # the paged cache's own check (a float, finite and > 0 as a float32), here before any layer exists
+        g_k = _check_static_g(g_k if g_k is not None else (cfg.kv_g_k if cfg is not None else 1.0), "FP4KVCache: g_k")
+        g_v = _check_static_g(g_v if g_v is not None else (cfg.kv_g_v if cfg is not None else 1.0), "FP4KVCache: g_v")
         backend = backend or (cfg.backend if cfg is not None else "auto")
         if backend not in BACKENDS:
             raise ValueError(f"FP4KVCache: backend must be one of {BACKENDS}, got {backend!r}")
+        if paged is not None and not isinstance(paged, bool):
+            raise TypeError(f"FP4KVCache: paged must be True, False or None, got {type(paged).__name__} {paged!r}")
         if paged is None and (model is None or cfg is None):
             paged = False  # decode from the codes needs trace_fp4_sdpa as the model's attention
         super().__init__(layers=[FP4KVLayer(i, g_k, g_v, backend, paged) for i in range(num_layers)])
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if not isinstance(layer_idx, numbers.Integral) or isinstance(layer_idx, bool):
+            raise TypeError(f"FP4KVCache.update: layer_idx must be an int, got {type(layer_idx).__name__} {layer_idx!r}")
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"FP4KVCache.update: layer_idx must be in [0, {len(self.layers)}) (its layers), got {layer_idx}")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
+
+
+def _is_fp4_config(x) -> bool:
+    from ..rl.config import FP4Config
+
+    return isinstance(x, FP4Config)
 
 
 def _recording() -> bool:

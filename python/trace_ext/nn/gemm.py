@@ -81,14 +81,38 @@ def grouped_linear_reference(a, w, offsets: torch.Tensor, out_dtype=torch.bfloat
     return round_to_bf16(out) if out_dtype == torch.bfloat16 else out.to(out_dtype)
 
 
-def _check(a, w, offsets):
+def _check_offsets_dtype(offsets) -> None:
+    if not isinstance(offsets, torch.Tensor):
+        raise TypeError(f"offsets must be an integer tensor, got {type(offsets).__name__}")
+    if offsets.is_floating_point() or offsets.is_complex() or offsets.dtype == torch.bool:
+        raise TypeError(f"offsets must be an integer tensor (int32 or int64), got {offsets.dtype}")
+
+
+def _check(a, w, offsets, out_dtype):
+    """The reference path's arguments (SPEC 10); its offsets are read on the host anyway, so their values too."""
     if not isinstance(w, (NVFP4Tensor, MXFP4Tensor)) or len(w.shape) != 3:
         raise TypeError("w must be an FP4 tensor of shape [E, N, K]")
-    K = w.shape[-1]
-    if a.shape[-1] != K:
-        raise ValueError(f"a has K={a.shape[-1]} but w has K={K} (expected a of shape [M, {K}])")
-    if offsets.dim() != 1 or offsets.numel() != w.shape[0] + 1:
-        raise ValueError(f"offsets must have shape [{w.shape[0] + 1}], got {tuple(offsets.shape)}")
+    if isinstance(a, torch.Tensor):
+        if not a.is_floating_point():
+            raise TypeError(f"a must be a floating tensor or an FP4 tensor, got {a.dtype}")
+    elif not isinstance(a, (NVFP4Tensor, MXFP4Tensor)):
+        raise TypeError(f"a must be a floating tensor or an FP4 tensor, got {type(a).__name__}")
+    if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point:
+        raise TypeError(f"out_dtype must be a floating dtype, got {out_dtype}")
+    E, K = w.shape[0], w.shape[-1]
+    if len(a.shape) != 2 or a.shape[-1] != K:
+        raise ValueError(f"a must be [M, {K}] (K of w), got shape {tuple(a.shape)}")
+    _check_offsets_dtype(offsets)
+    if offsets.dim() != 1 or offsets.numel() != E + 1:
+        raise ValueError(f"offsets must have shape [{E + 1}], got {tuple(offsets.shape)}")
+    bounds = offsets.tolist()
+    if bounds[0] != 0 or bounds[-1] != a.shape[0] or any(b > c for b, c in zip(bounds, bounds[1:])):
+        raise ValueError(f"offsets must be non-decreasing from 0 to M = {a.shape[0]}, got {bounds}")
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in ("auto", "cuda", "reference"):
+        raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
 
 
 def _use_op(a, w, out_dtype) -> bool:
@@ -106,24 +130,35 @@ def fp4_grouped_linear(a, w, offsets: torch.Tensor, *, out_dtype=torch.bfloat16,
     NVFP4 weights go through trace_ext.ops.fp4_grouped_linear (kernel when built, its reference otherwise);
     MXFP4 weights, or non-bf16 activations, through ``grouped_linear_reference``.
     """
+    _check_backend(backend)
+    _check_offsets_dtype(offsets)
     op = _compiled("fp4_grouped_linear")
     if op is not None and _use_op(a, w, out_dtype):
+        if offsets.dtype != torch.int32 and not offsets.is_cuda and offsets.numel():
+            lo, hi = int(offsets.min()), int(offsets.max())  # the op checks CPU offsets' values, after this cast
+            if lo < -(2**31) or hi >= 2**31:
+                raise ValueError(f"offsets must fit int32, got values in [{lo}, {hi}]")
         return op(a, w, offsets.to(torch.int32), backend=backend)
     if backend == "cuda":
         raise RuntimeError("backend='cuda': no compiled fp4_grouped_linear for these operands (NVFP4 weights, bf16 out)")
-    _check(a, w, offsets)
+    _check(a, w, offsets, out_dtype)
     return grouped_linear_reference(a, w, offsets, out_dtype)
 
 
 def fp4_linear(a, w, *, out_dtype=torch.bfloat16, backend: str = "auto") -> torch.Tensor:
     """Dense SPEC 7 GEMM: a [M, K] (FP4 or float), w FP4 [N, K] with one g_w -> [M, N]."""
+    _check_backend(backend)
     op = _compiled("fp4_linear")
     if op is not None and _use_op(a, w, out_dtype):
         return op(a, w, backend=backend)
     if backend == "cuda":
         raise RuntimeError("backend='cuda': no compiled fp4_linear for these operands (NVFP4 weights, bf16 out)")
+    if not isinstance(w, (NVFP4Tensor, MXFP4Tensor)) or len(w.shape) != 2:
+        raise TypeError("w must be an FP4 tensor of shape [N, K]")
     w3 = _unsqueeze0(w)
-    offsets = torch.tensor([0, a.shape[0]], dtype=torch.int64, device=w.codes.device)
+    M = a.shape[0] if isinstance(a, torch.Tensor) or isinstance(a, (NVFP4Tensor, MXFP4Tensor)) else 0
+    offsets = torch.tensor([0, M], dtype=torch.int64, device=w.codes.device)
+    _check(a, w3, offsets, out_dtype)
     return grouped_linear_reference(a, w3, offsets, out_dtype)
 
 

@@ -10,6 +10,7 @@ the exact bf16 products q * s and apply g_a[m] * g_w once in the epilogue. Every
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from dataclasses import dataclass
 
@@ -170,7 +171,8 @@ def _activation(a, act_quant, K: int, backend: str):
         raise TypeError(f"a must be bfloat16 (W4A16) or an NVFP4Tensor (W4A4), got {a.dtype}")
     if a.dim() < 1 or a.shape[-1] != K:
         raise ValueError(f"a must be [..., K={K}] (K of the weight), got shape {tuple(a.shape)}")
-    return a.reshape(-1, K).contiguous(), None, None, tuple(a.shape[:-1])
+    lead = tuple(a.shape[:-1])
+    return a.reshape(math.prod(lead), K).contiguous(), None, None, lead  # rows from lead: reshape(-1, 0) fails at K = 0
 
 
 _USABLE: dict = {}  # (device, op) -> backend that "auto" resolves to; the decode GEMMs are ~10 us, so per-call
@@ -287,6 +289,8 @@ def moe_permute(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, va
         raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"x must be [T, H] and topk_ids [T, k], got {tuple(x.shape)} and {tuple(topk_ids.shape)}")
+    if not isinstance(num_experts, numbers.Integral) or isinstance(num_experts, bool):
+        raise TypeError(f"num_experts must be an int, got {type(num_experts).__name__} {num_experts!r}")
     if not (1 <= int(num_experts) <= 1024):
         raise ValueError(f"num_experts must be in [1, 1024], got {num_experts}")
     _check_device(x, topk_ids)

@@ -11,13 +11,14 @@ stores) or guided by the cache's own codes (``fp4kv_gather_guidance``, kind "ful
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
 from .. import reference_kv as rkv
 from .._loader import extension_loaded
 from ..formats import NVFP4_BLOCK
-from ..kvcache import PagedFP4KVCache
+from ..kvcache import PagedFP4KVCache, _check_static_g
 from ..tensor import GuidanceRecord
 from ._backend import resolve_backend, torch_op
 from .quant import nvfp4_fake_quantize
@@ -332,8 +333,15 @@ def fp4kv_prefill_attention(
         raise ValueError(f"causal prefill needs S_q <= S, got S_q={Sq}, S={S}")
     if len({q.device, k.device, v.device}) != 1:
         raise RuntimeError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    g_k = _static_g(g_k, "g_k")
-    g_v = _static_g(g_v, "g_v")
+    g_k = _check_static_g(g_k, "g_k")
+    g_v = _check_static_g(g_v, "g_v")
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+            raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
+        if not math.isfinite(float(softmax_scale)):
+            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    if D == 0:  # empty rows: an empty result (SPEC 10)
+        return q.new_empty(B, Hq, Sq, 0)
     kq = _fake_quantize_kv(k, g_k, guidance_k, "guidance_k", backend)
     vq = _fake_quantize_kv(v, g_v, guidance_v, "guidance_v", backend)
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
@@ -343,14 +351,6 @@ def fp4kv_prefill_attention(
     return torch.nn.functional.scaled_dot_product_attention(
         q, kq, vq, attn_mask=mask, is_causal=causal and Sq == S, scale=scale, enable_gqa=Hq != Hkv
     )
-
-
-def _static_g(g, name: str) -> float:
-    if isinstance(g, torch.Tensor):
-        g = g.item()
-    if not isinstance(g, (int, float)) or not (0 < float(g) < float("inf")):
-        raise ValueError(f"{name} must be a finite float > 0, got {g!r}")
-    return float(g)
 
 
 def _fake_quantize_kv(x: torch.Tensor, g: float, guidance: GuidanceRecord | None, name: str, backend: str) -> torch.Tensor:

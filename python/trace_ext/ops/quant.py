@@ -7,6 +7,8 @@ implementations built on the reference, so ``torch.library.opcheck`` can exercis
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from .. import formats as F
@@ -23,6 +25,8 @@ _SEED_LIMIT = 2**63  # seeds and offsets travel as int64 through the op schemas
 def _rounding_code(rounding: str, guidance: GuidanceRecord | None) -> int:
     if rounding not in ref.ROUNDINGS:
         raise ValueError(f"rounding must be one of {ref.ROUNDINGS}, got {rounding!r}")
+    if guidance is not None and not isinstance(guidance, GuidanceRecord):
+        raise TypeError(f"guidance must be a GuidanceRecord, got {type(guidance).__name__}")
     if rounding == "guided":
         if guidance is None:
             raise ValueError("rounding='guided' needs a guidance record")
@@ -33,6 +37,9 @@ def _rounding_code(rounding: str, guidance: GuidanceRecord | None) -> int:
 
 
 def _check_seed(seed: int, offset: int) -> None:
+    for name, v in (("seed", seed), ("offset", offset)):
+        if not isinstance(v, numbers.Integral) or isinstance(v, bool):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
     if not (0 <= seed < _SEED_LIMIT and 0 <= offset < _SEED_LIMIT):
         raise ValueError(f"seed and offset must be in [0, 2^63), got seed={seed}, offset={offset}")
 
@@ -65,6 +72,9 @@ def _check_fp4_parts(q, block: int) -> None:
     """The parts of an NVFP4Tensor / MXFP4Tensor agree with its logical shape [..., K] (SPEC 10: ValueError naming the
     part): codes [..., K/2], linear scales [..., K/block] (NVFP4 swizzled: checked by from_swizzled), NVFP4 g with one
     value per row or one for all."""
+    want = NVFP4Tensor if block == F.NVFP4_BLOCK else MXFP4Tensor
+    if not isinstance(q, want):
+        raise TypeError(f"q must be an {want.__name__}, got {type(q).__name__}")
     shape = tuple(q.shape)
     if len(shape) < 1 or shape[-1] % block:
         raise ValueError(f"shape must be [..., K] with K a multiple of {block}, got {shape}")
@@ -72,6 +82,8 @@ def _check_fp4_parts(q, block: int) -> None:
     ref.check_uint8(q.codes, "codes", (*lead, K // 2))
     if not getattr(q, "swizzled", False):
         ref.check_uint8(q.scales, "scales", (*lead, K // block))
+    elif q.scales.dtype != torch.uint8:
+        raise TypeError(f"scales must be uint8 (E4M3 bytes, swizzled), got {q.scales.dtype}")
     if block == F.NVFP4_BLOCK:
         if not isinstance(q.g, torch.Tensor) or q.g.dtype != torch.float32:
             raise TypeError(f"g must be a float32 tensor, got {getattr(q.g, 'dtype', type(q.g).__name__)}")

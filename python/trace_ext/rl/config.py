@@ -5,9 +5,12 @@ same config, so the trainer rounds every quantization site exactly where the rol
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field, replace
 
 import torch
+
+from ..kvcache import _check_static_g
 
 FORMATS = ("nvfp4", "mxfp4")
 ACTIVATIONS = ("w4a4", "w4a16")
@@ -97,29 +100,39 @@ class FP4Config:
                 raise ValueError(f"guidance_layers must be 'deeper_half', a list of layer indices or None, got {gl!r}")
         elif gl is not None:
             try:
-                layers = tuple(sorted({int(i) for i in gl}))
+                items = list(gl)
             except TypeError as e:
                 raise TypeError(f"guidance_layers must be 'deeper_half', a list of ints or None, got {gl!r}") from e
+            bad = [i for i in items if not _is_int(i)]
+            if bad:  # int() would truncate 1.5, parse "1" and count True as layer 1
+                b0 = bad[0]
+                raise TypeError(f"guidance_layers must be layer indices (ints), got {b0!r} ({type(b0).__name__}) in {gl!r}")
+            layers = tuple(sorted({int(i) for i in items}))
             if any(i < 0 for i in layers):
                 raise ValueError(f"guidance_layers must be non-negative layer indices, got {list(layers)}")
             object.__setattr__(self, "guidance_layers", layers)
         b = self.guidance_budget_bytes_per_token
-        if b is not None and (not isinstance(b, int) or b < 0):
-            raise ValueError(f"guidance_budget_bytes_per_token must be a non-negative int or None, got {b!r}")
-        for name in ("kv_g_k", "kv_g_v"):
-            v = float(getattr(self, name))
-            if not (v > 0 and v < float("inf")):
-                raise ValueError(f"{name} must be finite and > 0, got {v}")
-        if self.num_layers is not None and self.num_layers <= 0:
-            raise ValueError(f"num_layers must be positive, got {self.num_layers}")
+        if b is not None:
+            b = _int_field(self, "guidance_budget_bytes_per_token", "a non-negative int or None")
+            if b < 0:
+                raise ValueError(f"guidance_budget_bytes_per_token must be a non-negative int or None, got {b!r}")
+        _bool_field("routing_replay", self.routing_replay)
+        for name in ("kv_g_k", "kv_g_v"):  # the KV cache's own rule: a float, finite and > 0 as a float32
+            _check_static_g(getattr(self, name), name)
+        if self.num_layers is not None:
+            _int_field(self, "num_layers", "a positive int or None")
+            if self.num_layers <= 0:
+                raise ValueError(f"num_layers must be positive, got {self.num_layers}")
         layers = self.guidance_layers
         if self.num_layers is not None and isinstance(layers, tuple) and any(i >= self.num_layers for i in layers):
             raise ValueError(f"guidance_layers {list(layers)} out of range for a model with {self.num_layers} layers")
-        c = self.offload_chunk_bytes
-        if not isinstance(c, int) or isinstance(c, bool) or c <= 0:
-            raise ValueError(f"offload_chunk_bytes must be a positive int, got {c!r}")
-        if not 0 <= int(self.sr_seed) < 2**63:
+        if _int_field(self, "offload_chunk_bytes", "a positive int") <= 0:
+            raise ValueError(f"offload_chunk_bytes must be a positive int, got {self.offload_chunk_bytes!r}")
+        _int_field(self, "sr_seed", "an int in [0, 2^63)")
+        if not 0 <= self.sr_seed < 2**63:
             raise ValueError(f"sr_seed must be in [0, 2^63), got {self.sr_seed}")
+        if not isinstance(self.qat_compute_dtype, torch.dtype):
+            raise TypeError(f"qat_compute_dtype must be a torch.dtype, got {type(self.qat_compute_dtype).__name__}")
         if self.qat_compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(f"qat_compute_dtype must be float32, bfloat16 or float16, got {self.qat_compute_dtype}")
 
@@ -155,7 +168,28 @@ class FP4Config:
         }
 
 
+def _is_int(v) -> bool:
+    """An integer that is not a bool (True would otherwise pass as 1)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _int_field(cfg, name: str, what: str) -> int:
+    """Check that field ``name`` is an int (not a bool); numpy / other Integral values are stored as a Python int."""
+    value = getattr(cfg, name)
+    if not _is_int(value):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}")
+    object.__setattr__(cfg, name, int(value))
+    return int(value)
+
+
+def _bool_field(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
 def _choice(name: str, value, allowed) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {allowed} (a str), got {type(value).__name__} {value!r}")
     if value not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
@@ -163,7 +197,13 @@ def _choice(name: str, value, allowed) -> None:
 def _site_set(name: str, sites) -> frozenset:
     if isinstance(sites, str):
         raise TypeError(f"{name} must be a set of site groups, got the string {sites!r}")
-    s = frozenset(sites)
+    try:
+        s = frozenset(sites)
+    except TypeError as e:
+        raise TypeError(f"{name} must be a set of site groups, got {type(sites).__name__} {sites!r}") from e
+    odd = [g for g in s if not isinstance(g, str)]
+    if odd:
+        raise TypeError(f"{name}: site groups are strings from {SITE_GROUPS}, got {odd[0]!r} ({type(odd[0]).__name__})")
     bad = s - set(SITE_GROUPS)
     if bad:
         raise ValueError(f"{name}: unknown site groups {sorted(bad)}; allowed: {SITE_GROUPS}")

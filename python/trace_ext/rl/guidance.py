@@ -12,10 +12,12 @@ on a side stream) and sorts them once, on first lookup, for ``searchsorted``.
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import dataclass
 
 import torch
 
+from ..reference import _check_guidance
 from ..tensor import GuidanceRecord
 from .config import FP4Config, site_group
 
@@ -91,9 +93,7 @@ class RowStore:
     # appending ----------------------------------------------------------------------------------------------------
     def add(self, keys: torch.Tensor, cols: dict) -> None:
         # checked here, at the one entry of every row: a bad chunk would otherwise surface only at finalize / save
-        if not isinstance(keys, torch.Tensor) or keys.dtype != torch.int64 or keys.dim() != 1:
-            raise TypeError(f"keys must be a 1-D int64 tensor (encode_keys), got "
-                            f"{getattr(keys, 'dtype', type(keys).__name__)} of shape {tuple(getattr(keys, 'shape', ()))}")
+        _check_keys(keys)
         for name, col in cols.items():
             if col.shape[:1] != keys.shape:  # (devices may differ: a layer on another GPU; finalize gathers them)
                 raise ValueError(f"{name}: {tuple(col.shape)} rows for {keys.numel()} keys")
@@ -214,6 +214,43 @@ def _nbytes(keys, cols) -> int:
     return keys.numel() * 8 + sum(t.numel() * t.element_size() for t in cols.values())
 
 
+# ---- argument checks (metadata only: no host sync on the recording path) ------------------------------------------
+
+
+def _check_keys(keys, what: str = "") -> None:
+    """Row keys are the 1-D int64 tensor of ``encode_keys`` (int32 / float keys would corrupt the (seq, pos) packing)."""
+    if not isinstance(keys, torch.Tensor) or keys.dtype != torch.int64 or keys.dim() != 1:
+        raise TypeError(f"{what + ': ' if what else ''}keys must be a 1-D int64 tensor (encode_keys), got "
+                        f"{getattr(keys, 'dtype', type(keys).__name__)} of shape {tuple(getattr(keys, 'shape', ()))}")
+
+
+def _check_site_layer(site, layer, label: str = "") -> int:
+    if site is not None and not isinstance(site, str):
+        raise TypeError(f"{label}site must be a str (e.g. 'expert_in'), got {type(site).__name__} {site!r}")
+    if not isinstance(layer, numbers.Integral) or isinstance(layer, bool):
+        raise TypeError(f"{label}layer must be an int (the decoder layer index), got {type(layer).__name__} {layer!r}")
+    if layer < 0:
+        raise ValueError(f"{label}layer must be a non-negative layer index, got {layer}")
+    return int(layer)
+
+
+def _check_record(rec, what: str) -> None:
+    """A GuidanceRecord of its kind's dtypes and widths (GuidanceRecord docstring): payload uint8 [R, K/8] (compact)
+    or [R, K/2] (full), scales uint8 [R, K/16], g float32 [R], all on one device."""
+    if not isinstance(rec, GuidanceRecord):
+        raise TypeError(f"{what}: rec must be a GuidanceRecord, got {type(rec).__name__}")
+    for name in ("payload", "scales", "g"):
+        t = getattr(rec, name)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: record {name} must be a tensor, got {type(t).__name__}")
+    if rec.scales.dim() != 2:
+        raise ValueError(f"{what}: record scales must be uint8 [rows, K/16], got shape {tuple(rec.scales.shape)}")
+    try:
+        _check_guidance(rec, rec.rows, rec.K)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise type(e)(f"{what}: {e}") from None
+
+
 # ---- layer policy -----------------------------------------------------------------------------------------------
 
 
@@ -283,13 +320,18 @@ class GuidanceCache:
 
     # recording (rollout) -----------------------------------------------------------------------------------------
     def add_record(self, site: str, layer: int, keys: torch.Tensor, rec: GuidanceRecord) -> None:
+        # everything is checked before a store exists: a rejected add must leave the cache as it was
+        layer = _check_site_layer(site, layer)
+        what = f"{site}[{layer}]"
+        _check_keys(keys, what)
+        _check_record(rec, what)
+        if rec.rows != keys.numel():
+            raise ValueError(f"{what}: {keys.numel()} keys for a record of {rec.rows} rows")
         if rec.kind != self.config.guidance_kind:
             if rec.kind == "full" and self.config.guidance_kind == "compact":
                 rec = to_compact(rec)
             else:
-                raise GuidanceError(f"{site}[{layer}]: got a {rec.kind!r} record, the config keeps {self.config.guidance_kind!r}")
-        if rec.rows != keys.numel():
-            raise ValueError(f"{site}[{layer}]: {keys.numel()} keys for a record of {rec.rows} rows")
+                raise GuidanceError(f"{what}: got a {rec.kind!r} record, the config keeps {self.config.guidance_kind!r}")
         store = self.records.get((site, layer))
         if store is None:
             store = self.records[(site, layer)] = RowStore({"K": rec.K, "kind": rec.kind})
@@ -299,16 +341,24 @@ class GuidanceCache:
         self._maybe_offload(store)
 
     def add_routes(self, layer: int, keys: torch.Tensor, topk: torch.Tensor) -> None:
+        # everything is checked before a store exists: a rejected add must leave the cache as it was
+        layer = _check_site_layer(None, layer, "routes: ")
+        _check_keys(keys, f"routes[{layer}]")
+        if not isinstance(topk, torch.Tensor) or topk.dtype not in (torch.int16, torch.int32, torch.int64):
+            raise TypeError(f"routes[{layer}]: topk must be an integer [rows, k] tensor, got "
+                            f"{getattr(topk, 'dtype', type(topk).__name__)}")
+        if topk.dim() != 2:
+            raise ValueError(f"routes[{layer}]: topk must be [rows, k] (one row per key), got shape {tuple(topk.shape)}")
+        if topk.shape[0] != keys.numel():
+            raise ValueError(f"routes[{layer}]: topk: {tuple(topk.shape)} rows for {keys.numel()} keys")
         store = self.routes.get(layer)
-        if store is None:
-            store = self.routes[layer] = RowStore({"k": int(topk.shape[-1])})
-        elif store.meta["k"] != topk.shape[-1]:
+        if store is not None and store.meta["k"] != topk.shape[-1]:
             raise GuidanceError(f"routes[{layer}]: top-k {topk.shape[-1]} differs from earlier rows ({store.meta['k']})")
-        if topk.dtype not in (torch.int16, torch.int32, torch.int64) or topk.dim() != 2:
-            raise TypeError(f"routes[{layer}]: topk must be an integer [rows, k] tensor, got {topk.dtype} {tuple(topk.shape)}")
-        if not topk.is_cuda and topk.numel() and not (0 <= int(topk.min()) and int(topk.max()) < 2**15):
+        if topk.device.type == "cpu" and topk.numel() and not (0 <= int(topk.min()) and int(topk.max()) < 2**15):
             # (device ids: convert checks num_experts < 2^15 once; a per-call check would sync the rollout)
             raise ValueError(f"routes[{layer}]: expert ids must be in [0, 2^15), got [{int(topk.min())}, {int(topk.max())}]")
+        if store is None:
+            store = self.routes[layer] = RowStore({"k": int(topk.shape[-1])})
         store.add(keys, {"topk": topk.to(torch.int16)})  # expert ids < 2^15 (checked by convert)
         self._maybe_offload(store)
 
@@ -353,6 +403,7 @@ class GuidanceCache:
             raise GuidanceError(f"guidance comes from another model: (recorded, trainer) differ in {diff}")
 
     def get_record(self, site: str, layer: int, keys: torch.Tensor, K: int, device) -> GuidanceRecord:
+        _check_keys(keys, f"guidance {site}[{layer}]")
         store = self.records.get((site, layer))
         if store is None:
             have = sorted({s for s, _ in self.records})
@@ -366,6 +417,7 @@ class GuidanceCache:
         return GuidanceRecord(store.meta["kind"], cols["payload"], cols["scales"], cols["g"])
 
     def get_routes(self, layer: int, keys: torch.Tensor, device) -> torch.Tensor:
+        _check_keys(keys, f"routes[{layer}]")
         store = self.routes.get(layer)
         if store is None:
             raise GuidanceError(f"no recorded routes for layer {layer} (recorded layers: {sorted(self.routes)})")
@@ -423,6 +475,15 @@ class GuidanceCache:
 
     def split(self, groups) -> list["GuidanceCache"]:
         """One cache per group of sequence ids: ``split([[0, 1], [2, 3]])``, or ``split(n)`` into n equal parts."""
+        if isinstance(groups, bool) or isinstance(groups, (str, bytes)):
+            raise TypeError(f"split: groups must be a number of parts (int) or a list of sequence-id groups, got {groups!r}")
+        if isinstance(groups, numbers.Integral):
+            if groups < 1:
+                raise ValueError(f"split: the number of parts must be >= 1, got {groups}")
+            groups = int(groups)
+        elif not hasattr(groups, "__iter__"):
+            raise TypeError(f"split: groups must be a number of parts (int) or a list of sequence-id groups, got "
+                            f"{type(groups).__name__}")
         seqs = self.sequence_ids()  # once for all groups (it sorts every store's keys)
         if isinstance(groups, int):
             groups = list(torch.tensor_split(seqs, groups))
@@ -432,6 +493,11 @@ class GuidanceCache:
     @staticmethod
     def merge(caches: list["GuidanceCache"]) -> "GuidanceCache":
         """Union of caches over disjoint sequences (same config and model); overlapping sequences are an error."""
+        if isinstance(caches, GuidanceCache) or not isinstance(caches, (list, tuple)):
+            raise TypeError(f"merge takes a list of GuidanceCache, got {type(caches).__name__}")
+        for i, c in enumerate(caches):
+            if not isinstance(c, GuidanceCache):
+                raise TypeError(f"merge: caches[{i}] must be a GuidanceCache, got {type(c).__name__}")
         if not caches:
             raise ValueError("merge needs at least one cache")
         first = caches[0]
@@ -495,23 +561,30 @@ class GuidanceCache:
                 header = json.loads(meta["trace_ext_guidance"])
             except json.JSONDecodeError as e:
                 raise GuidanceError(f"{path}: corrupt guidance header: {e}") from e
+            if not isinstance(header, dict):
+                raise GuidanceError(f"{path}: corrupt guidance header: a JSON object expected, got {type(header).__name__}")
             if header.get("format") != FILE_FORMAT:
                 raise GuidanceError(f"{path}: header format {header.get('format')!r}, expected {FILE_FORMAT!r}")
             if header.get("version") != FILE_VERSION:
                 raise GuidanceError(f"{path}: guidance file version {header.get('version')}, this trace_ext reads {FILE_VERSION}")
             names = set(f.keys())
-            cfgd = dict(header["config"])
-            cfgd["sites"] = frozenset(cfgd["sites"])
-            cfgd["guided_sites"] = frozenset(cfgd["guided_sites"])
-            config = FP4Config(**cfgd)
-            cache = cls(config, header.get("model") or {}, header.get("layers") or ())
+            config = _header_config(path, _hfield(path, header, "config", dict, "the header"))
+            model = header.get("model") or {}
+            if not isinstance(model, dict):
+                raise GuidanceError(f"{path}: corrupt guidance header: 'model' must be an object, got {type(model).__name__}")
+            layers = header.get("layers") or []
+            if not isinstance(layers, list) or not all(_is_index(i) for i in layers):
+                raise GuidanceError(f"{path}: corrupt guidance header: 'layers' must be a list of layer indices, got {layers!r}")
+            stores = _hfield(path, header, "stores", list, "the header")
+            cache = cls(config, model, layers)
 
             def get(n):
                 if n not in names:
                     raise GuidanceError(f"{path}: tensor {n!r} listed in the header is missing")
                 return f.get_tensor(n)
 
-            for st in header["stores"]:
+            for i, st in enumerate(stores):
+                _check_header_store(path, st, i)
                 keys = get(st["name"] + ".keys")
                 if keys.dtype != torch.int64 or keys.dim() != 1:
                     raise GuidanceError(f"{path}: {st['name']}.keys must be int64 [R], got {keys.dtype} {tuple(keys.shape)}")
@@ -538,6 +611,59 @@ class GuidanceCache:
                 if R > 1 and not bool((keys[1:] > keys[:-1]).all()):
                     raise GuidanceError(f"{path}: {st['name']}.keys are not strictly increasing (corrupt file)")
         return cache
+
+
+def _is_index(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _hfield(path: str, d: dict, key: str, types, where: str):
+    """A field of the file's JSON header, of the given type; GuidanceError (a corrupt file) otherwise."""
+    if not isinstance(d, dict) or key not in d:
+        raise GuidanceError(f"{path}: corrupt guidance header: {where} has no {key!r}")
+    v = d[key]
+    if not isinstance(v, types) or isinstance(v, bool):  # (JSON true is not a layer index or a K)
+        raise GuidanceError(f"{path}: corrupt guidance header: {where}'s {key!r} is {v!r}")
+    return v
+
+
+def _header_config(path: str, cfgd: dict) -> FP4Config:
+    """The FP4Config of a file header (FP4Config.to_dict): every field there must be valid; a field the writer did not
+    know yet takes its default."""
+    cfgd = dict(cfgd)
+    for k in ("sites", "guided_sites"):
+        if k not in cfgd:
+            continue
+        if not isinstance(cfgd[k], list):
+            raise GuidanceError(f"{path}: corrupt guidance header: config {k!r} must be a list, got {cfgd[k]!r}")
+        cfgd[k] = frozenset(cfgd[k])
+    try:
+        return FP4Config(**cfgd)
+    except (TypeError, ValueError) as e:
+        raise GuidanceError(f"{path}: corrupt guidance header: invalid config: {e}") from e
+
+
+def _check_header_store(path: str, st, i: int) -> None:
+    where = f"stores[{i}]"
+    if not isinstance(st, dict):
+        raise GuidanceError(f"{path}: corrupt guidance header: {where} must be an object, got {st!r}")
+    _hfield(path, st, "name", str, where)
+    kind = _hfield(path, st, "type", str, where)
+    if not _is_index(_hfield(path, st, "layer", int, where)):
+        raise GuidanceError(f"{path}: corrupt guidance header: {where}'s layer must be >= 0, got {st['layer']}")
+    meta = _hfield(path, st, "meta", dict, where)
+    if kind == "record":
+        _hfield(path, st, "site", str, where)
+        K = _hfield(path, meta, "K", int, f"{where}.meta")
+        if K <= 0 or K % 16:
+            raise GuidanceError(f"{path}: corrupt guidance header: {where}.meta K must be a positive multiple of 16, got {K}")
+        if _hfield(path, meta, "kind", str, f"{where}.meta") not in ("compact", "full"):
+            raise GuidanceError(
+                f"{path}: corrupt guidance header: {where}.meta kind must be 'compact' or 'full', got {meta['kind']!r}"
+            )
+    elif kind == "routes":
+        if not _is_index(_hfield(path, meta, "k", int, f"{where}.meta")):
+            raise GuidanceError(f"{path}: corrupt guidance header: {where}.meta k must be >= 0, got {meta['k']}")
 
 
 def to_compact(rec: GuidanceRecord) -> GuidanceRecord:

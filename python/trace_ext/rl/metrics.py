@@ -20,14 +20,25 @@ RATIO_LOW, RATIO_HIGH = 0.5, 2.0
 
 
 def mismatch_metrics(logp_train: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor | None = None) -> dict:
-    """SPEC 9 panel over the tokens selected by ``mask`` (same shape as the log-probs; all tokens when None)."""
+    """SPEC 9 panel over the tokens selected by ``mask`` (same shape as the log-probs; all tokens when None).
+
+    The log-probs are floating tensors. ``mask`` is a bool tensor, or an integer / floating one holding only 0 and 1
+    (a response mask as verl builds it); any other value (0.5, 2) is a ValueError rather than a guess.
+    """
+    for name, t in (("logp_train", logp_train), ("logp_rollout", logp_rollout)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor of log-probs, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor of log-probs, got {t.dtype}")
     if logp_train.shape != logp_rollout.shape:
         raise ValueError(f"logp_train {tuple(logp_train.shape)} and logp_rollout {tuple(logp_rollout.shape)} differ in shape")
     if mask is None:
         mask = torch.ones_like(logp_train, dtype=torch.bool)
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a tensor (bool, or 0/1 values) or None, got {type(mask).__name__}")
     if mask.shape != logp_train.shape:
         raise ValueError(f"mask must have shape {tuple(logp_train.shape)}, got {tuple(mask.shape)}")
-    m = mask.bool()
+    m = _bool_mask(mask)
     lt = logp_train.detach().double()[m]
     lr = logp_rollout.detach().double()[m].to(lt.device)
     if lt.numel() == 0:
@@ -52,6 +63,17 @@ def mismatch_metrics(logp_train: torch.Tensor, logp_rollout: torch.Tensor, mask:
     }
 
 
+def _bool_mask(mask: torch.Tensor) -> torch.Tensor:
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_complex():
+        raise TypeError(f"mask must be bool, integer or floating (0/1 values), got {mask.dtype}")
+    if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+        bad = mask[(mask != 0) & (mask != 1)].reshape(-1)[0].item()
+        raise ValueError(f"mask must hold only 0 and 1 (or be bool), got the value {bad}")
+    return mask != 0
+
+
 def _pearson(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a - a.mean(), b - b.mean()
     den = torch.sqrt((a * a).sum() * (b * b).sum())
@@ -65,7 +87,8 @@ def router_flip_rate(rollout, trainer, per_layer: bool = False):
     trainer's ``sess.codes`` from ``train(..., capture_codes=True)``, which keeps the router's own choice before
     replay), compared per layer on the (seq, pos) keys both hold. ``per_layer`` adds {layer: rate}.
     """
-    if isinstance(rollout, torch.Tensor):
+    if isinstance(rollout, torch.Tensor) or isinstance(trainer, torch.Tensor):
+        _check_topk_pair(rollout, trainer)
         d = topk_sets_differ(rollout.reshape(-1, rollout.shape[-1]), trainer.reshape(-1, trainer.shape[-1]).to(rollout.device))
         return float(d.double().mean()) if d.numel() else float("nan")
     _check_caches(rollout, trainer)
@@ -133,6 +156,21 @@ def site_agreement(rollout_codes: GuidanceCache, trainer_codes: GuidanceCache) -
 def guidance_bytes_per_token(cache: GuidanceCache, include_routes: bool = False) -> float:
     """Guidance payload (records; routes too when asked) per recorded token."""
     return cache.bytes_per_token(include_routes)
+
+
+def _check_topk_pair(a, b):
+    """Two expert-id tensors [..., k] of one shape (compared row by row: a reshape would pair unrelated rows)."""
+    for name, t in (("rollout", a), ("trainer", b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"router_flip_rate: {name} must be a top-k tensor like the other argument, got {type(t).__name__}")
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise TypeError(f"router_flip_rate: {name} must hold integer expert ids, got {t.dtype}")
+        if t.dim() < 1:
+            raise ValueError(f"router_flip_rate: {name} must be [..., k] expert ids, got a 0-d tensor")
+    if a.shape != b.shape:
+        raise ValueError(
+            f"router_flip_rate: rollout {tuple(a.shape)} and trainer {tuple(b.shape)} must have the same shape [..., k]"
+        )
 
 
 def _check_caches(a, b):

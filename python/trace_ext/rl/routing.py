@@ -33,8 +33,17 @@ def router_kind(router: torch.nn.Module) -> str:
 
 
 def replay_weights(router: torch.nn.Module, logits: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Top-k weights of the experts ``idx`` [T, k] under this router's rule, differentiable in ``logits``."""
+    """Top-k weights of the experts ``idx`` [T, k] under this router's rule, differentiable in ``logits`` [T, E].
+
+    ``dtype``: a floating dtype for the weights. Expert ids outside [0, E) are a ValueError on CPU; on a GPU that
+    check would cost a host sync per router call, so device ids are checked by the caller (``router_hook`` checks the
+    recorded ids once before replaying them), and an out-of-range device id fails in ``gather``.
+    """
+    if not isinstance(router, torch.nn.Module):
+        raise TypeError(f"router must be a torch.nn.Module (the MoE router), got {type(router).__name__}")
     kind = router_kind(router)
+    _check_replay_args(logits, idx, dtype)
+    idx = idx.long()
     if kind == "softmax_topk":
         w = torch.softmax(logits.float(), dim=-1).gather(1, idx)
         if getattr(router, "norm_topk_prob", True):
@@ -47,6 +56,28 @@ def replay_weights(router: torch.nn.Module, logits: torch.Tensor, idx: torch.Ten
     else:
         w = torch.softmax(logits.gather(1, idx), dim=1)
     return w.to(dtype)
+
+
+def _check_replay_args(logits, idx, dtype) -> None:
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        got = getattr(logits, "dtype", type(logits).__name__)
+        raise TypeError(f"replay_weights: logits must be a floating tensor [T, E], got {got}")
+    if not isinstance(idx, torch.Tensor) or idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+        got = getattr(idx, "dtype", type(idx).__name__)
+        raise TypeError(f"replay_weights: idx must be an integer tensor of expert ids [T, k], got {got}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"replay_weights: dtype must be a floating torch.dtype (the weights' dtype), got {dtype!r}")
+    if logits.dim() != 2:
+        raise ValueError(f"replay_weights: logits must be [T, E], got shape {tuple(logits.shape)}")
+    if idx.dim() != 2 or idx.shape[0] != logits.shape[0]:
+        raise ValueError(
+            f"replay_weights: idx must be [T, k] with T = {logits.shape[0]} (the rows of logits), got shape {tuple(idx.shape)}"
+        )
+    if idx.device != logits.device:
+        raise RuntimeError(f"replay_weights: idx is on {idx.device} but logits on {logits.device}; move them to one device")
+    E = logits.shape[1]
+    if idx.device.type == "cpu" and idx.numel() and not (0 <= int(idx.min()) and int(idx.max()) < E):
+        raise ValueError(f"replay_weights: expert ids in idx must be in [0, {E}), got [{int(idx.min())}, {int(idx.max())}]")
 
 
 def router_hook(module, args, output):
@@ -73,9 +104,9 @@ def router_hook(module, args, output):
     rep = sess.replay_routes(layer, keys)
     if rep.shape != idx.shape:
         raise GuidanceError(f"routes[{layer}]: recorded top-k shape {tuple(rep.shape)} != router output {tuple(idx.shape)}")
-    if bool((rep >= logits.shape[-1]).any()) or bool((rep < 0).any()):
+    if bool(((rep >= logits.shape[-1]) | (rep < 0)).any()):  # one host sync per router call
         raise GuidanceError(f"routes[{layer}]: recorded expert ids outside [0, {logits.shape[-1]}): guidance from another model?")
-    rep = rep.to(idx.dtype)
+    rep = rep.to(device=idx.device, dtype=idx.dtype)  # (the router's device: a sharded model's layer)
     return logits, replay_weights(module, logits, rep, weights.dtype), rep
 
 

@@ -54,6 +54,11 @@ class Session:
                  capture_codes: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        _check_model_config(model, config)
+        if config is None:
+            raise TypeError("config must be a trace_ext.rl.FP4Config, got None")
+        if not isinstance(capture_codes, bool):
+            raise TypeError(f"capture_codes must be a bool, got {type(capture_codes).__name__} {capture_codes!r}")
         self.model = model
         self.config = config
         self.mode = mode
@@ -158,6 +163,8 @@ class Session:
         """Keep the full codes of a quantized site (diagnostics; see rl.metrics.site_agreement)."""
         if not self.wants_capture():
             return False
+        if not isinstance(record, GuidanceRecord):
+            raise TypeError(f"record must be a GuidanceRecord, got {type(record).__name__}")
         if record.kind != "full":
             raise ValueError("capture needs a 'full' record (the codes)")
         self.codes.add_record(site, layer, encode_keys(keys), record)
@@ -232,7 +239,15 @@ def _guides_any(config: FP4Config) -> bool:
     return any(config.guides(g) for g in config.guided_sites)
 
 
+def _check_model_config(model, config) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (a Hugging Face model), got {type(model).__name__}")
+    if config is not None and not isinstance(config, FP4Config):
+        raise TypeError(f"config must be a trace_ext.rl.FP4Config or None, got {type(config).__name__}")
+
+
 def _config_for(model, config: FP4Config | None) -> FP4Config:
+    _check_model_config(model, config)
     if config is None:
         config = getattr(model, "_trace_fp4_config", None)
         if config is None:
