@@ -194,17 +194,22 @@ def test_save_load_round_trip(tmp_path):
     assert d.config.to_dict() == c.config.to_dict() and d.model_signature == c.model_signature and d.layers == {2, 3}
 
 
-def test_load_validates_header_and_tensors(tmp_path):
-    """Protects: a wrong version, a foreign file, a missing or mis-shaped tensor are refused on load."""
+def _saved_cache_parts(tmp_path):
+    """A filled cache, and the JSON header and tensors of its saved file (to write altered copies of it)."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     c = _filled_cache()
     path = str(tmp_path / "g.safetensors")
     c.save(path)
     with safe_open(path, "pt") as f:
-        header = json.loads(f.metadata()["trace_ext_guidance"])
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        return c, json.loads(f.metadata()["trace_ext_guidance"]), {k: f.get_tensor(k) for k in f.keys()}
+
+
+def test_load_validates_header_and_tensors(tmp_path):
+    """Protects: a wrong version, a foreign file, a missing or mis-shaped tensor are refused on load."""
+    from safetensors.torch import save_file
+
+    c, header, tensors = _saved_cache_parts(tmp_path)
 
     def write(name, t, h):
         p = str(tmp_path / name)
@@ -436,15 +441,9 @@ def test_split_and_merge_arguments():
 def test_load_refuses_a_header_with_missing_or_odd_fields(tmp_path):
     """Protects: a header lacking config / stores / a store's meta was a KeyError, and layers="abc" became a frozenset
     of characters; all are GuidanceErrors naming the field."""
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
-    c = _filled_cache()
-    path = str(tmp_path / "g.safetensors")
-    c.save(path)
-    with safe_open(path, "pt") as f:
-        header = json.loads(f.metadata()["trace_ext_guidance"])
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    c, header, tensors = _saved_cache_parts(tmp_path)
 
     def load(name, h):
         p = str(tmp_path / name)
