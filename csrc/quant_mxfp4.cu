@@ -259,13 +259,14 @@ bool mx_rtn_lean_selected() { return env_switch("TRACE_EXT_MX_RTN_LEAN", true); 
 // call; an A/B knob): =0 keeps one lane per block (mxfp4_quant_kernel).
 bool mx_half_selected() { return env_switch("TRACE_EXT_MX_HALF", true); }
 
-// Tiles per warp the quantize grid aims at (never fewer warps than the GPU holds): 4; TRACE_EXT_MX_TILES=n (read per
-// call; an A/B knob, 1..64) another count: 1 = one tile per warp, no next-tile loads in flight; large n = one
-// persistent wave.
-int mx_tiles_per_warp() {
+// Tiles per warp the quantize grid aims at (never fewer warps than the GPU holds): RTN 4, SR 2 (H200 round 74, two
+// timings, bit-equal: SR 1.04-1.06x at 2^26 and 1.03x at 2^28 elements with 2; RTN with 1 / 2 / 3 / 6 / 8 / 16:
+// 0.81-1.02x, 4 kept). TRACE_EXT_MX_TILES=n (read per call; an A/B knob, 1..64) sets n for both: 1 = one tile per
+// warp, no next-tile loads in flight; large n = one persistent wave.
+int mx_tiles_per_warp(int rounding) {
   const char* v = std::getenv("TRACE_EXT_MX_TILES");
   const int n = v != nullptr ? std::atoi(v) : 0;
-  return n >= 1 && n <= 64 ? n : 4;
+  return n >= 1 && n <= 64 ? n : rounding == kSR ? 2 : 4;
 }
 
 // SR through mx_block_codes_sr_lean: the default (TRACE_EXT_QUANT_IMPL unset, "rowg-lean3", "fake-lean3", "sr-row" or
@@ -312,10 +313,10 @@ std::tuple<at::Tensor, at::Tensor> mxfp4_quantize_cuda(const at::Tensor& x, int6
       if (half) kernel = mxfp4_quant_half_kernel<T>;
     }
     require_kernel_image(kernel, op);
-    // about four tiles per warp (mx_tiles_per_warp), but never fewer warps than the GPU holds
+    // a few tiles per warp (mx_tiles_per_warp), but never fewer warps than the GPU holds
     const int64_t n_tiles = div_up(p.total_blocks, half ? 16 : 32);
     const int64_t warps =
-        std::max(div_up(n_tiles, mx_tiles_per_warp()), std::min(n_tiles, int64_t(current_sm_count()) * 64));
+        std::max(div_up(n_tiles, mx_tiles_per_warp(rounding)), std::min(n_tiles, int64_t(current_sm_count()) * 64));
     kernel<<<(unsigned)div_up(warps * 32, kThreads), kThreads, 0, stream>>>(p);
     check_launch(op);
   });

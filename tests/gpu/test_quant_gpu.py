@@ -370,6 +370,21 @@ def test_mxfp4_large():
         assert_same(mc.scales, mr.scales, "mx big scales")
 
 
+@pytest.mark.parametrize("tiles", ["1", "2", "3", "16"])
+def test_mxfp4_grid_does_not_change_bits(monkeypatch, tiles):
+    """Protects the MXFP4 quantize grid choice (RTN 4 tiles per warp, SR 2; TRACE_EXT_MX_TILES=n): the grid-stride
+    walk gives the reference's bits at any tile count, on shapes of one partial wave and of several waves with an
+    uneven last one."""
+    monkeypatch.setenv("TRACE_EXT_MX_TILES", tiles)
+    for shape in ((3, 2048), (1001, 4096), (4097, 7168)):
+        x = random_x(shape, torch.bfloat16, seed=5)
+        for kw in ({}, {"rounding": "sr", "seed": 11, "offset": 3}):
+            mc = ops.mxfp4_quantize(x, backend="cuda", **kw)
+            mr = ops.mxfp4_quantize(x, backend="reference", **kw)
+            assert_same(mc.codes, mr.codes, f"mx grid {tiles} codes {shape} {kw}")
+            assert_same(mc.scales, mr.scales, f"mx grid {tiles} scales {shape} {kw}")
+
+
 # ---- empty inputs and errors (SPEC 10) ----------------------------------------------------------------------------
 
 
