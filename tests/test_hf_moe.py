@@ -208,6 +208,26 @@ def test_expert_numerics_match_hand_reference(family, fmt, act, mode):
     assert (got.float() - plain.float()).abs().max() > 10 * (got.float() - want.float()).abs().max()
 
 
+def test_converted_experts_check_the_router_output():
+    """Protects SPEC 10 at the converted experts forward: expert ids outside [0, E) were a scatter RuntimeError deep
+    inside (a device-side assert on CUDA), float ids and mismatched weights went through; now ValueError / TypeError."""
+    model = hf_moe.convert(tiny(), FP4Config(sites=EXPERTS))
+    module = moe_layers(model)[1]
+    T, E = 5, module._trace_fp4.num_experts
+    x = torch.randn(T, module._trace_fp4.hidden_size).to(BF16)
+    idx, w = _route(T, E, 2)
+    bad = idx.clone()
+    bad[2, 1] = E
+    with torch.no_grad(), Session(model, model._trace_fp4_config, "rollout", None, role="rollout"):
+        with pytest.raises(ValueError, match="top_k_index"):
+            module(x, bad, w)
+        with pytest.raises(TypeError, match="top_k_index"):
+            module(x, idx.float(), w)
+        with pytest.raises(ValueError, match="top_k_weights"):
+            module(x, idx, w[:, :1])
+        assert module(x, idx, w).shape == x.shape
+
+
 def test_rollout_packs_weights_once_and_repacks_after_an_update():
     """Protects: rollout weights are quantized once per weight version (load / weight sync), not every forward."""
     model = hf_moe.convert(tiny(), FP4Config(sites=EXPERTS))

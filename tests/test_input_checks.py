@@ -141,3 +141,19 @@ def test_prefill_attention_checks_scale_and_g():
         ops.fp4kv_prefill_attention(q, k, k, g_k=1.0, g_v=1e-50)  # 0 as a float32
     empty = ops.fp4kv_prefill_attention(q[..., :0], k[..., :0], k[..., :0], g_k=1.0, g_v=1.0)
     assert empty.shape == (1, 2, 4, 0)
+
+
+def test_option_flags_must_be_bools():
+    """A truthy string or number ("no", 2) switched modes on (swizzled scales, capture, validation, causality)."""
+    x = torch.randn(2, 32)
+    with pytest.raises(TypeError, match="swizzle"):
+        ops.nvfp4_quantize(x, swizzle="no")
+    with pytest.raises(TypeError, match="capture"):
+        ops.nvfp4_fake_quantize(x, capture=1)
+    with pytest.raises(TypeError, match="capture"):
+        fake_quantize(x, capture="yes")
+    with pytest.raises(TypeError, match="validate"):
+        ops.moe_permute(torch.randn(3, 8), torch.zeros(3, 2, dtype=torch.int64), 4, validate="no")
+    q = torch.randn(1, 2, 4, 32).bfloat16()
+    with pytest.raises(TypeError, match="causal"):
+        ops.fp4kv_prefill_attention(q, q, q, g_k=1.0, g_v=1.0, causal=0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
+from .reference import check_bool, check_float_input
 from .tensor import GuidanceRecord
 
 FORMATS = ("nvfp4", "mxfp4")
@@ -28,14 +29,6 @@ def quantize_with_record(x: torch.Tensor, *, kind: str = "compact", rounding: st
     K, R = x.shape[-1], q.g.numel()  # rows from g: reshape(-1, 0) cannot infer them when K = 0
     rec = GuidanceRecord("full", q.codes.reshape(R, K // 2), q.scales.reshape(R, K // 16), q.g.reshape(-1))
     return q, rec
-
-
-def _check_input(x, name: str, block: int) -> None:
-    """The quantizers' input rule (the ops' check_float_input: float32 / bfloat16 / float16, K a multiple of the
-    block), so that fake quantization takes exactly what quantization takes."""
-    from .reference import check_float_input
-
-    check_float_input(x, block, name)
 
 
 def _check_format_options(fmt: str, g, scope: str, scale_rounding: str) -> None:
@@ -106,8 +99,9 @@ def fake_quantize(
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-    _check_input(x, "x", 16 if format == "nvfp4" else 32)
+    check_float_input(x, 16 if format == "nvfp4" else 32, "x")
     _check_format_options(format, g, scope, scale_rounding)
+    check_bool(capture=capture)
     if not capture and kind != "compact":
         raise ValueError(f"kind={kind!r} names the record of capture=True; leave it unset without capture")
     if out_dtype is not None and (not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point):
@@ -177,8 +171,8 @@ def fake_quant_grouped_matmul(x: torch.Tensor, w: torch.Tensor, bounds: list[int
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     block = 16 if format == "nvfp4" else 32
-    _check_input(x, "x", block)
-    _check_input(w, "w", block)
+    check_float_input(x, block, "x")
+    check_float_input(w, block, "w")
     if w.dim() != 3 or x.dim() != 2 or x.shape[1] != w.shape[2]:
         raise ValueError(f"expected x [M, K] and w [E, N, K] with the same K, got x {tuple(x.shape)} and w {tuple(w.shape)}")
     if isinstance(bounds, torch.Tensor):

@@ -98,6 +98,21 @@ def _original_forward(module):
     return f
 
 
+def _check_top_k(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, T: int, E: int) -> None:
+    """The router's output (SPEC 10): integer ids [T, k] with weights of one shape. Ids outside [0, E) are a ValueError
+    on CPU; on a GPU the check would cost a host sync per layer in the decode loop, so there the router's top-k over E
+    logits (or the replay hook's checked ids) is trusted, as the model's own experts forward trusts it."""
+    if top_k_index.is_floating_point() or top_k_index.is_complex() or top_k_index.dtype == torch.bool:
+        raise TypeError(f"top_k_index must hold integer expert ids, got {top_k_index.dtype}")
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != T or tuple(top_k_weights.shape) != tuple(top_k_index.shape):
+        raise ValueError(f"top_k_index and top_k_weights must be [T={T}, k], got {tuple(top_k_index.shape)} and "
+                         f"{tuple(top_k_weights.shape)}")
+    if not top_k_index.is_cuda and top_k_index.numel():
+        lo, hi = int(top_k_index.min()), int(top_k_index.max())
+        if lo < 0 or hi >= E:
+            raise ValueError(f"top_k_index: expert ids must be in [0, {E}), got values in [{lo}, {hi}]")
+
+
 def fp4_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
     """Forward of a converted fused experts module: (hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]."""
     from ..rl.session import current_session
@@ -111,6 +126,7 @@ def fp4_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Te
     T, H = hidden_states.shape
     k = top_k_index.shape[-1]
     E = spec.num_experts
+    _check_top_k(top_k_index, top_k_weights, T, E)
     out_dtype = hidden_states.dtype
     flat_e = top_k_index.reshape(-1)
     order = torch.sort(flat_e, stable=True).indices

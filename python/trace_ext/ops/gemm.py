@@ -19,6 +19,7 @@ import torch
 from .. import formats as F
 from .. import reference_gemm as R
 from .._loader import extension_loaded
+from ..reference import check_bool
 from ..tensor import NVFP4Tensor
 from ._backend import have_op, resolve_backend, torch_op
 
@@ -257,6 +258,7 @@ def fp4_grouped_linear(
     if tuple(offsets.shape) != (E + 1,):
         raise ValueError(f"offsets must have shape ({E + 1},) (E + 1), got {tuple(offsets.shape)}")
     M = a2.shape[0]
+    check_bool(validate=validate)
     if validate or not offsets.is_cuda:
         R.check_offsets_values([int(v) for v in offsets.tolist()], E, M)
     which = _pick(backend, "fp4_grouped_linear", a2, a_s, g_a, codes, scales, g_w, offsets, packed)
@@ -294,6 +296,7 @@ def moe_permute(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, va
     if not (1 <= int(num_experts) <= 1024):
         raise ValueError(f"num_experts must be in [1, 1024], got {num_experts}")
     _check_device(x, topk_ids)
+    check_bool(validate=validate)
     if (validate or not topk_ids.is_cuda) and topk_ids.numel():
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < 0 or hi >= num_experts:
@@ -328,6 +331,7 @@ def moe_unpermute(y_sorted: torch.Tensor, perm, topk_weights: torch.Tensor, *, v
     if tuple(dest_of.shape) != (topk_weights.numel(),):
         raise ValueError(f"dest_of must have shape ({topk_weights.numel()},), got {tuple(dest_of.shape)}")
     _check_device(y_sorted, dest_of, topk_weights)
+    check_bool(validate=validate)
     if (validate or not dest_of.is_cuda) and dest_of.numel():
         lo, hi = int(dest_of.min()), int(dest_of.max())
         if lo < -1 or hi >= dest_of.numel():

@@ -18,6 +18,7 @@ import torch
 from .. import reference_kv as rkv
 from .._loader import extension_loaded
 from ..formats import NVFP4_BLOCK
+from ..reference import check_bool
 from ..kvcache import PagedFP4KVCache, _check_static_g
 from ..tensor import GuidanceRecord
 from ._backend import resolve_backend, torch_op
@@ -133,6 +134,7 @@ def fp4kv_append(
     _check_int32(start_pos, "start_pos", (B,))
     _check_device(cache, k_new=k_new, v_new=v_new, block_table=block_table, cu_seqlens_new=cu_seqlens_new, start_pos=start_pos)
     which = resolve_backend(backend, cache.k_codes, k_new, v_new, block_table, cu_seqlens_new, start_pos)
+    check_bool(validate=validate)
     if validate and _value_checks_possible(k_new):
         cu = cu_seqlens_new.long()
         counts = cu[1:] - cu[:-1]
@@ -202,7 +204,10 @@ def fp4kv_decode_attention(
     if block_table.shape[0] != B:
         raise ValueError(f"block_table must be [{B}, max_pages], got shape {tuple(block_table.shape)}")
     _check_int32(seq_lens, "seq_lens", (B,))
-    if not isinstance(num_splits, int) or num_splits < 0:
+    check_bool(validate=validate)
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool):
+        raise TypeError(f"num_splits must be an int >= 0 (0: automatic), got {type(num_splits).__name__} {num_splits!r}")
+    if num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     if not math.isfinite(scale):
@@ -333,6 +338,7 @@ def fp4kv_prefill_attention(
         raise ValueError(f"causal prefill needs S_q <= S, got S_q={Sq}, S={S}")
     if len({q.device, k.device, v.device}) != 1:
         raise RuntimeError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    check_bool(causal=causal)
     g_k = _check_static_g(g_k, "g_k")
     g_v = _check_static_g(g_v, "g_v")
     if softmax_scale is not None:

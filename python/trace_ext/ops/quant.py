@@ -138,6 +138,7 @@ def nvfp4_quantize(
     capture: also return the compact GuidanceRecord of what was produced (the rollout side).
     """
     code = _check_nvfp4_args(x, g, scope, rounding, guidance, seed, offset)
+    ref.check_bool(swizzle=swizzle, capture=capture)
     shape = tuple(x.shape)
     K = shape[-1]
     R = ref.rows_of(x.shape)
@@ -203,6 +204,7 @@ def nvfp4_fake_quantize(
     capture=True also returns the compact GuidanceRecord of the rounding it made (trainer-side capture).
     """
     code = _check_nvfp4_args(x, g, scope, rounding, guidance, seed, offset)
+    ref.check_bool(capture=capture)
     which = _x_backend(backend, x, g, guidance)
     if which == "reference":
         q = ref.nvfp4_quantize(x, g, scope=scope, rounding=rounding, seed=seed, offset=offset, guidance=guidance)
