@@ -69,6 +69,23 @@ def test_fp4_linear_with_empty_rows_of_k():
     assert y.shape == (4, 16) and torch.equal(y, torch.zeros(4, 16, dtype=torch.bfloat16))
 
 
+def test_weight_g_shape_says_what_it_scales():
+    """g_w was checked by element count only: a transposed per-row g [N, E] was read as [E, N]."""
+    E, N, K = 3, 16, 32
+    w = ops.nvfp4_quantize(torch.randn(E, N, K), scope="matrix")
+    a = torch.randn(6, K).bfloat16()
+    off = torch.tensor([0, 2, 4, 6], dtype=torch.int32)
+    g_en = torch.rand(E, N) + 0.5
+    for g in (g_en, g_en.reshape(E, N, 1), g_en[:, 0], g_en[:, :1]):
+        ops.fp4_grouped_linear(a, (w.codes, w.scales, g.contiguous()), off)
+    with pytest.raises(ValueError, match="g_w"):
+        ops.fp4_grouped_linear(a, (w.codes, w.scales, g_en.t().contiguous()), off)
+    wd = ops.nvfp4_quantize(torch.randn(N, K), scope="tensor")
+    with pytest.raises(ValueError, match="g_w"):
+        ops.fp4_linear(a, (wd.codes, wd.scales, torch.ones(4, 4)))
+    assert ops.fp4_linear(a, (wd.codes, wd.scales, torch.ones(N, 1))).shape == (6, N)
+
+
 @pytest.mark.parametrize("bad", [2.5, True, "3"])
 def test_moe_permute_num_experts_must_be_an_int(bad):
     with pytest.raises(TypeError, match="num_experts"):

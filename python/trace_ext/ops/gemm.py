@@ -90,14 +90,18 @@ def _weight_parts(w, grouped: bool):
         g = torch.tensor([float(g)], dtype=torch.float32, device=codes.device)
     if g.dtype != torch.float32:
         raise TypeError(f"g_w must be float32, got {g.dtype}")
-    g = g.reshape(-1)
     N = codes.shape[-2]
     E = codes.shape[0] if grouped else 1
-    ok = (g.numel() in (E, E * N)) if grouped else (g.numel() in (1, N))
-    if not ok:
-        want = f"E={E} or E*N={E * N}" if grouped else f"1 or N={N}"
-        raise ValueError(f"g_w must have {want} elements, got {g.numel()}")
-    return codes, scales, g.contiguous(), None
+    # one value, one per matrix [E], or one per row [E, N] / [N]: the shape must say which (trailing 1s aside), so that
+    # a transposed [N, E] is not read as [E, N]
+    shape = tuple(g.shape)
+    while shape and shape[-1] == 1:
+        shape = shape[:-1]
+    allowed = {(E,), (E, N)} if grouped else {(), (N,)}
+    if shape not in allowed and not (g.numel() == 1 and E == 1):
+        want = f"[E={E}] or [E, N]=[{E}, {N}]" if grouped else f"one value or [N={N}]"
+        raise ValueError(f"g_w must be {want} (trailing 1s allowed), got shape {tuple(g.shape)}")
+    return codes, scales, g.reshape(-1).contiguous(), None
 
 
 # TRACE_EXT_DECODE_IMPL values whose dense decode kernels read the second packed form (read per call, like the C++
