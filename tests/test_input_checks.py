@@ -174,3 +174,32 @@ def test_option_flags_must_be_bools():
     q = torch.randn(1, 2, 4, 32).bfloat16()
     with pytest.raises(TypeError, match="causal"):
         ops.fp4kv_prefill_attention(q, q, q, g_k=1.0, g_v=1.0, causal=0)
+
+
+def test_containers_layouts_and_modules_check_their_arguments():
+    """Internal IndexErrors / AttributeErrors / format errors before: 0-d codes, a shape with a str, float or negative
+    row counts for from_swizzled, a list weight for prepare_fp4_weight, FP4Linear's site / layer / group."""
+    from trace_ext import formats as F
+    from trace_ext.nn import FP4Linear
+
+    with pytest.raises(ValueError, match="0-d"):
+        NVFP4Tensor(torch.tensor(1, dtype=torch.uint8), torch.tensor(1, dtype=torch.uint8), torch.ones(1))
+    q = ops.nvfp4_quantize(torch.randn(4, 32))
+    with pytest.raises(TypeError, match="shape"):
+        NVFP4Tensor(q.codes, q.scales, q.g, (4, "32"))
+    with pytest.raises(TypeError, match="codes"):
+        MXFP4Tensor([1, 2], torch.zeros(1, 1, dtype=torch.uint8))
+    sw = ops.nvfp4_quantize(torch.randn(4, 32), swizzle=True).scales
+    for bad, exc in ((4.0, TypeError), (2.5, TypeError), (-1, ValueError)):
+        with pytest.raises(exc, match="rows"):
+            F.from_swizzled(sw, bad, 2)
+    with pytest.raises(TypeError, match="tensors"):
+        ops.prepare_fp4_weight([1, 2, 3])
+    lin = torch.nn.Linear(32, 16)
+    with pytest.raises(ValueError, match="group"):
+        FP4Linear(lin, "attn_proj.q_proj", 0, "bogus")
+    for layer, exc in ((-1, ValueError), ("0", TypeError), (True, TypeError)):
+        with pytest.raises(exc, match="layer"):
+            FP4Linear(lin, "attn_proj.q_proj", layer, "attn_proj")
+    with pytest.raises(TypeError, match="site"):
+        FP4Linear(lin, 5, 0, "attn_proj")

@@ -165,6 +165,11 @@ def to_swizzled(scales: torch.Tensor) -> torch.Tensor:
 
 def from_swizzled(swizzled: torch.Tensor, rows: int, scale_cols: int) -> torch.Tensor:
     """Inverse of to_swizzled: swizzled [..., rows_pad, Kb_pad] -> linear [..., rows, scale_cols]."""
+    for name, v in (("rows", rows), ("scale_cols", scale_cols)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"from_swizzled: {name} must be an int, got {type(v).__name__} {v!r}")
+        if v < 0:
+            raise ValueError(f"from_swizzled: {name} must be >= 0, got {v}")
     if swizzled.dim() < 2:
         raise ValueError(f"from_swizzled: swizzled must be [..., rows_pad, Kb_pad], got shape {tuple(swizzled.shape)}")
     *lead, r_pad, c_pad = swizzled.shape

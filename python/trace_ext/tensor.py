@@ -11,6 +11,20 @@ import torch
 from .formats import MXFP4_BLOCK, NVFP4_BLOCK
 
 
+def _logical_shape(codes, shape, what: str) -> tuple:
+    """The logical shape [..., K] of an FP4 container: given (a sequence of ints), or read off codes [..., K/2]."""
+    if not isinstance(codes, torch.Tensor):
+        raise TypeError(f"{what}: codes must be a uint8 tensor [..., K/2], got {type(codes).__name__}")
+    if not shape:
+        if codes.dim() < 1:
+            raise ValueError(f"{what}: codes must be [..., K/2] (at least 1-D), got a 0-d tensor")
+        return (*codes.shape[:-1], codes.shape[-1] * 2)
+    shape = tuple(shape)
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise TypeError(f"{what}: shape must be a tuple of non-negative ints, got {shape!r}")
+    return shape
+
+
 @dataclass
 class NVFP4Tensor:
     """NVFP4 data of a logical tensor ``shape`` = [..., K].
@@ -28,9 +42,7 @@ class NVFP4Tensor:
     format: str = "nvfp4"
 
     def __post_init__(self):
-        if not self.shape:
-            self.shape = (*self.codes.shape[:-1], self.codes.shape[-1] * 2)
-        self.shape = tuple(self.shape)
+        self.shape = _logical_shape(self.codes, self.shape, "NVFP4Tensor")
 
     @property
     def K(self) -> int:
@@ -57,9 +69,7 @@ class MXFP4Tensor:
     format: str = "mxfp4"
 
     def __post_init__(self):
-        if not self.shape:
-            self.shape = (*self.codes.shape[:-1], self.codes.shape[-1] * 2)
-        self.shape = tuple(self.shape)
+        self.shape = _logical_shape(self.codes, self.shape, "MXFP4Tensor")
 
     @property
     def block(self) -> int:

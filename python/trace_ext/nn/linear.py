@@ -14,6 +14,7 @@ import torch.nn.functional as Fn
 
 from .. import ops
 from ..autograd import fake_quant_grouped_matmul
+from ..rl.config import SITE_GROUPS
 from .gemm import fp4_linear
 from .sites import rollout_quantize, train_fake_quantize
 
@@ -25,6 +26,14 @@ class FP4Linear(torch.nn.Module):
         super().__init__()
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"FP4Linear wraps an nn.Linear, got {type(linear).__name__}")
+        if not isinstance(site, str) or not isinstance(group, str):
+            raise TypeError(f"FP4Linear: site and group must be strings, got {site!r} and {group!r}")
+        if group not in SITE_GROUPS:
+            raise ValueError(f"FP4Linear: group must be one of {SITE_GROUPS}, got {group!r}")
+        if not isinstance(layer, int) or isinstance(layer, bool):
+            raise TypeError(f"{site}: layer must be an int (the decoder layer), got {type(layer).__name__} {layer!r}")
+        if layer < 0:
+            raise ValueError(f"{site}: layer must be >= 0, got {layer}")
         if block not in (16, 32):
             raise ValueError(f"{site}: block must be 16 (NVFP4) or 32 (MXFP4), got {block}")
         if linear.in_features % block:
