@@ -20,7 +20,8 @@ def _logical_shape(codes, shape, what: str) -> tuple:
             raise ValueError(f"{what}: codes must be [..., K/2] (at least 1-D), got a 0-d tensor")
         return (*codes.shape[:-1], codes.shape[-1] * 2)
     shape = tuple(shape)
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+    # integers (incl. torch.SymInt under torch.compile: anything with __index__), not bools, floats or strings
+    if not all(hasattr(type(d), "__index__") and not isinstance(d, bool) and d >= 0 for d in shape):
         raise TypeError(f"{what}: shape must be a tuple of non-negative ints, got {shape!r}")
     return shape
 
