@@ -171,6 +171,10 @@ def test_option_flags_must_be_bools():
         fake_quantize(x, capture="yes")
     with pytest.raises(TypeError, match="validate"):
         ops.moe_permute(torch.randn(3, 8), torch.zeros(3, 2, dtype=torch.int64), 4, validate="no")
+    w = ops.nvfp4_quantize(torch.randn(16, 256), scope="tensor")
+    for kw in ({"grouped": 1}, {"decode_form2": "yes"}):
+        with pytest.raises(TypeError, match=next(iter(kw))):
+            ops.prepare_fp4_weight(w, **kw)
     q = torch.randn(1, 2, 4, 32).bfloat16()
     with pytest.raises(TypeError, match="causal"):
         ops.fp4kv_prefill_attention(q, q, q, g_k=1.0, g_v=1.0, causal=0)

@@ -120,6 +120,9 @@ def prepare_fp4_weight(w, *, grouped: bool | None = None, decode_form2: bool | N
     layout (when N % 16 == 0 and K % 256 == 0). ``grouped`` defaults to (codes.dim() == 3). ``decode_form2``
     (default: TRACE_EXT_DECODE_IMPL is one of DECODE_FORM2_IMPLS now) also builds the second packed form of the
     opt-in dense decode kernels (to_decode_layout2: N * K * 9 / 16 more bytes per expert, as much as packed)."""
+    for name, flag in (("grouped", grouped), ("decode_form2", decode_form2)):
+        if flag is not None:
+            check_bool(**{name: flag})
     codes = w.codes if isinstance(w, (NVFP4Tensor, PreparedFP4Weight)) else w[0] if isinstance(w, (tuple, list)) else None
     if grouped is None:
         grouped = isinstance(codes, torch.Tensor) and codes.dim() == 3  # (_weight_parts reports what else is wrong)
