@@ -147,10 +147,7 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
     for (int kk = 0; kk < 4; ++kk) {
       uint32_t bq[MT8][8];
       if constexpr (kHoistA) {
-#pragma unroll
-        for (int i = 0; i < MT8; ++i)
-#pragma unroll
-          for (int jj = 0; jj < 8; ++jj) bq[i][jj] = bqh[kk][i][jj];
+        copy_frags(bq, bqh[kk]);
       } else if constexpr (kStepA) {
 #pragma unroll
         for (int i = 0; i < MT8; ++i)
@@ -194,11 +191,7 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
     }
     if constexpr (kHoistA) {
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-        for (int i = 0; i < MT8; ++i)
-#pragma unroll
-          for (int jj = 0; jj < 8; ++jj) bqh[kk][i][jj] = bqn[kk][i][jj];
+      for (int kk = 0; kk < 4; ++kk) copy_frags(bqh[kk], bqn[kk]);
     }
   }
   cp_async_wait<0>();  // no copy outlives the kernel's shared memory

@@ -85,6 +85,14 @@ __device__ __forceinline__ void stash_partial(float* dst, const float (&v)[MT8][
 #pragma unroll
     for (int c = 0; c < 4; ++c) __stcg(dst + (i * 4 + c) * 32, v[i][c]);
 }
+// A-fragment registers of one 64-K step (MT8 8-row groups), copied (the hoisted-A kernels' per-step and per-item moves).
+template <int MT8>
+__device__ __forceinline__ void copy_frags(uint32_t (&dst)[MT8][8], const uint32_t (&src)[MT8][8]) {
+#pragma unroll
+  for (int i = 0; i < MT8; ++i)
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) dst[i][jj] = src[i][jj];
+}
 template <int MT8>
 __device__ __forceinline__ void zero_frags(float (&v)[MT8][4]) {
 #pragma unroll
@@ -279,10 +287,7 @@ __global__ void __launch_bounds__(kDecThreads, kMinBlocks)
     for (int kk = 0; kk < 4; ++kk) {
       uint32_t bq[MT8][8];
       if constexpr (kHoistA) {
-#pragma unroll
-        for (int i = 0; i < MT8; ++i)
-#pragma unroll
-          for (int jj = 0; jj < 8; ++jj) bq[i][jj] = bqh[kk][i][jj];
+        copy_frags(bq, bqh[kk]);
       } else {
         load_a(kk, bq);
       }
