@@ -131,11 +131,7 @@ __device__ __forceinline__ void stream_reduce_shared(int pending0, int pending1,
     __syncwarp();
     float v[NB][MT8][4];
 #pragma unroll
-    for (int bb = 0; bb < NB; ++bb)
-#pragma unroll
-      for (int i = 0; i < MT8; ++i)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) v[bb][i][c] = 0.f;
+    for (int bb = 0; bb < NB; ++bb) zero_frags(v[bb]);
     for (int ww = wf; ww <= wl; ++ww) {
       const int slot = stream_first_tile(ww, T, W) < (int64_t)b * KT ? 1 : 0;  // started in an earlier unit
       const float* src = ws + ((int64_t)ww * 2 + slot) * (kFrag * 32) + lane;
