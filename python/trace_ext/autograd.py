@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .reference import check_bool, check_float_input
+from ._args import check_bool, is_int
+from .reference import check_float_input
 from .tensor import GuidanceRecord
 
 FORMATS = ("nvfp4", "mxfp4")
@@ -179,9 +180,9 @@ def fake_quant_grouped_matmul(x: torch.Tensor, w: torch.Tensor, bounds: list[int
         if bounds.is_floating_point() or bounds.is_complex() or bounds.dtype == torch.bool:
             raise TypeError(f"bounds must hold integers, got {bounds.dtype}")
         bounds = bounds.tolist()
-    if not isinstance(bounds, (list, tuple)) or not all(isinstance(b, int) and not isinstance(b, bool) for b in bounds):
+    if not isinstance(bounds, (list, tuple)) or not all(is_int(b) for b in bounds):
         raise TypeError(f"bounds must be a list of ints (the offsets), got {bounds!r}")
-    bounds = list(bounds)
+    bounds = [int(b) for b in bounds]
     if (len(bounds) != w.shape[0] + 1 or bounds[0] != 0 or bounds[-1] != x.shape[0]
             or any(b > c for b, c in zip(bounds, bounds[1:]))):
         raise ValueError(

@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from ._args import is_int
+
 E2M1_MAX = 6.0  # largest E2M1 magnitude
 E4M3_MAX = 448.0  # largest finite E4M3 (OCP E4M3FN)
 E4M3_MIN_SUBNORMAL = 2.0**-9  # smallest positive E4M3
@@ -166,7 +168,7 @@ def to_swizzled(scales: torch.Tensor) -> torch.Tensor:
 def from_swizzled(swizzled: torch.Tensor, rows: int, scale_cols: int) -> torch.Tensor:
     """Inverse of to_swizzled: swizzled [..., rows_pad, Kb_pad] -> linear [..., rows, scale_cols]."""
     for name, v in (("rows", rows), ("scale_cols", scale_cols)):
-        if not isinstance(v, int) or isinstance(v, bool):
+        if not is_int(v):
             raise TypeError(f"from_swizzled: {name} must be an int, got {type(v).__name__} {v!r}")
         if v < 0:
             raise ValueError(f"from_swizzled: {name} must be >= 0, got {v}")

@@ -33,13 +33,6 @@ def check_float_input(x: torch.Tensor, block: int, name: str = "x") -> None:
         )
 
 
-def check_bool(**flags) -> None:
-    """Option flags are bools (SPEC 10): a truthy string or number ("no", 2) would otherwise switch a mode on."""
-    for name, v in flags.items():
-        if not isinstance(v, bool):
-            raise TypeError(f"{name} must be True or False, got {type(v).__name__} {v!r}")
-
-
 def rows_of(shape) -> int:
     """Rows R of a [..., K] tensor: the product of the leading dimensions (also when K = 0, where numel() // K and
     reshape(-1, K) cannot tell)."""

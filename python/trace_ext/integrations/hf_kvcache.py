@@ -19,12 +19,12 @@ The KV cache always uses NVFP4 (SPEC 8), whatever ``FP4Config.format`` says abou
 """
 from __future__ import annotations
 
-import numbers
 import threading
 
 import torch
 
 from .. import formats as F
+from .._args import is_int
 from ..kvcache import _check_static_g
 from ..ops import quant as Q
 from ..ops._backend import BACKENDS
@@ -379,7 +379,7 @@ class FP4KVCache(Cache):
             if model is None:
                 raise ValueError("FP4KVCache needs a model or num_layers")
             num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
-        if not isinstance(num_layers, numbers.Integral) or isinstance(num_layers, bool):
+        if not is_int(num_layers):
             raise TypeError(f"FP4KVCache: num_layers must be a positive int, got {type(num_layers).__name__} {num_layers!r}")
         if num_layers < 1:
             raise ValueError(f"FP4KVCache: num_layers must be a positive int, got {num_layers!r}")
@@ -397,7 +397,7 @@ class FP4KVCache(Cache):
         super().__init__(layers=[FP4KVLayer(i, g_k, g_v, backend, paged) for i in range(num_layers)])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if not isinstance(layer_idx, numbers.Integral) or isinstance(layer_idx, bool):
+        if not is_int(layer_idx):
             raise TypeError(f"FP4KVCache.update: layer_idx must be an int, got {type(layer_idx).__name__} {layer_idx!r}")
         if not 0 <= layer_idx < len(self.layers):
             raise ValueError(f"FP4KVCache.update: layer_idx must be in [0, {len(self.layers)}) (its layers), got {layer_idx}")

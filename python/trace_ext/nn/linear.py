@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as Fn
 
 from .. import ops
+from .._args import is_int
 from ..autograd import fake_quant_grouped_matmul
 from ..rl.config import SITE_GROUPS
 from .gemm import fp4_linear
@@ -30,7 +31,7 @@ class FP4Linear(torch.nn.Module):
             raise TypeError(f"FP4Linear: site and group must be strings, got {site!r} and {group!r}")
         if group not in SITE_GROUPS:
             raise ValueError(f"FP4Linear: group must be one of {SITE_GROUPS}, got {group!r}")
-        if not isinstance(layer, int) or isinstance(layer, bool):
+        if not is_int(layer):
             raise TypeError(f"{site}: layer must be an int (the decoder layer), got {type(layer).__name__} {layer!r}")
         if layer < 0:
             raise ValueError(f"{site}: layer must be >= 0, got {layer}")

@@ -10,7 +10,6 @@ the exact bf16 products q * s and apply g_a[m] * g_w once in the epilogue. Every
 from __future__ import annotations
 
 import math
-import numbers
 import time
 from dataclasses import dataclass
 
@@ -19,7 +18,7 @@ import torch
 from .. import formats as F
 from .. import reference_gemm as R
 from .._loader import extension_loaded
-from ..reference import check_bool
+from .._args import check_bool, is_int
 from ..tensor import NVFP4Tensor
 from ._backend import have_op, resolve_backend, torch_op
 
@@ -298,7 +297,7 @@ def moe_permute(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, va
         raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"x must be [T, H] and topk_ids [T, k], got {tuple(x.shape)} and {tuple(topk_ids.shape)}")
-    if not isinstance(num_experts, numbers.Integral) or isinstance(num_experts, bool):
+    if not is_int(num_experts):
         raise TypeError(f"num_experts must be an int, got {type(num_experts).__name__} {num_experts!r}")
     if not (1 <= int(num_experts) <= 1024):
         raise ValueError(f"num_experts must be in [1, 1024], got {num_experts}")

@@ -18,7 +18,7 @@ import torch
 from .. import reference_kv as rkv
 from .._loader import extension_loaded
 from ..formats import NVFP4_BLOCK
-from ..reference import check_bool
+from .._args import check_bool, is_int
 from ..kvcache import PagedFP4KVCache, _check_static_g
 from ..tensor import GuidanceRecord
 from ._backend import resolve_backend, torch_op
@@ -205,10 +205,11 @@ def fp4kv_decode_attention(
         raise ValueError(f"block_table must be [{B}, max_pages], got shape {tuple(block_table.shape)}")
     _check_int32(seq_lens, "seq_lens", (B,))
     check_bool(validate=validate)
-    if not isinstance(num_splits, int) or isinstance(num_splits, bool):
+    if not is_int(num_splits):
         raise TypeError(f"num_splits must be an int >= 0 (0: automatic), got {type(num_splits).__name__} {num_splits!r}")
     if num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
+    num_splits = int(num_splits)
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")

@@ -7,12 +7,12 @@ implementations built on the reference, so ``torch.library.opcheck`` can exercis
 """
 from __future__ import annotations
 
-import numbers
 
 import torch
 
 from .. import formats as F
 from .. import reference as ref
+from .._args import check_bool, is_int
 from .._loader import extension_loaded
 from ..tensor import GuidanceRecord, MXFP4Tensor, NVFP4Tensor
 from ._backend import resolve_backend, torch_op
@@ -38,7 +38,7 @@ def _rounding_code(rounding: str, guidance: GuidanceRecord | None) -> int:
 
 def _check_seed(seed: int, offset: int) -> None:
     for name, v in (("seed", seed), ("offset", offset)):
-        if not isinstance(v, numbers.Integral) or isinstance(v, bool):
+        if not is_int(v):
             raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
     if not (0 <= seed < _SEED_LIMIT and 0 <= offset < _SEED_LIMIT):
         raise ValueError(f"seed and offset must be in [0, 2^63), got seed={seed}, offset={offset}")
@@ -138,7 +138,7 @@ def nvfp4_quantize(
     capture: also return the compact GuidanceRecord of what was produced (the rollout side).
     """
     code = _check_nvfp4_args(x, g, scope, rounding, guidance, seed, offset)
-    ref.check_bool(swizzle=swizzle, capture=capture)
+    check_bool(swizzle=swizzle, capture=capture)
     shape = tuple(x.shape)
     K = shape[-1]
     R = ref.rows_of(x.shape)
@@ -204,7 +204,7 @@ def nvfp4_fake_quantize(
     capture=True also returns the compact GuidanceRecord of the rounding it made (trainer-side capture).
     """
     code = _check_nvfp4_args(x, g, scope, rounding, guidance, seed, offset)
-    ref.check_bool(capture=capture)
+    check_bool(capture=capture)
     which = _x_backend(backend, x, g, guidance)
     if which == "reference":
         q = ref.nvfp4_quantize(x, g, scope=scope, rounding=rounding, seed=seed, offset=offset, guidance=guidance)

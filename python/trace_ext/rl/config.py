@@ -5,11 +5,11 @@ same config, so the trainer rounds every quantization site exactly where the rol
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, field, replace
 
 import torch
 
+from .._args import check_bool, is_int
 from ..kvcache import _check_static_g
 
 FORMATS = ("nvfp4", "mxfp4")
@@ -103,7 +103,7 @@ class FP4Config:
                 items = list(gl)
             except TypeError as e:
                 raise TypeError(f"guidance_layers must be 'deeper_half', a list of ints or None, got {gl!r}") from e
-            bad = [i for i in items if not _is_int(i)]
+            bad = [i for i in items if not is_int(i)]
             if bad:  # int() would truncate 1.5, parse "1" and count True as layer 1
                 b0 = bad[0]
                 raise TypeError(f"guidance_layers must be layer indices (ints), got {b0!r} ({type(b0).__name__}) in {gl!r}")
@@ -116,7 +116,7 @@ class FP4Config:
             b = _int_field(self, "guidance_budget_bytes_per_token", "a non-negative int or None")
             if b < 0:
                 raise ValueError(f"guidance_budget_bytes_per_token must be a non-negative int or None, got {b!r}")
-        _bool_field("routing_replay", self.routing_replay)
+        check_bool(routing_replay=self.routing_replay)
         for name in ("kv_g_k", "kv_g_v"):  # the KV cache's own rule: a float, finite and > 0 as a float32
             _check_static_g(getattr(self, name), name)
         if self.num_layers is not None:
@@ -168,23 +168,13 @@ class FP4Config:
         }
 
 
-def _is_int(v) -> bool:
-    """An integer that is not a bool (True would otherwise pass as 1)."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
 def _int_field(cfg, name: str, what: str) -> int:
     """Check that field ``name`` is an int (not a bool); numpy / other Integral values are stored as a Python int."""
     value = getattr(cfg, name)
-    if not _is_int(value):
+    if not is_int(value):
         raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}")
     object.__setattr__(cfg, name, int(value))
     return int(value)
-
-
-def _bool_field(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
 def _choice(name: str, value, allowed) -> None:

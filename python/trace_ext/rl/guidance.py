@@ -12,11 +12,11 @@ on a side stream) and sorts them once, on first lookup, for ``searchsorted``.
 from __future__ import annotations
 
 import json
-import numbers
 from dataclasses import dataclass
 
 import torch
 
+from .._args import is_int
 from ..reference import _check_guidance
 from ..tensor import GuidanceRecord
 from .config import FP4Config, site_group
@@ -227,7 +227,7 @@ def _check_keys(keys, what: str = "") -> None:
 def _check_site_layer(site, layer, label: str = "") -> int:
     if site is not None and not isinstance(site, str):
         raise TypeError(f"{label}site must be a str (e.g. 'expert_in'), got {type(site).__name__} {site!r}")
-    if not isinstance(layer, numbers.Integral) or isinstance(layer, bool):
+    if not is_int(layer):
         raise TypeError(f"{label}layer must be an int (the decoder layer index), got {type(layer).__name__} {layer!r}")
     if layer < 0:
         raise ValueError(f"{label}layer must be a non-negative layer index, got {layer}")
@@ -477,7 +477,7 @@ class GuidanceCache:
         """One cache per group of sequence ids: ``split([[0, 1], [2, 3]])``, or ``split(n)`` into n equal parts."""
         if isinstance(groups, bool) or isinstance(groups, (str, bytes)):
             raise TypeError(f"split: groups must be a number of parts (int) or a list of sequence-id groups, got {groups!r}")
-        if isinstance(groups, numbers.Integral):
+        if is_int(groups):
             if groups < 1:
                 raise ValueError(f"split: the number of parts must be >= 1, got {groups}")
             groups = int(groups)
@@ -614,7 +614,7 @@ class GuidanceCache:
 
 
 def _is_index(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    return is_int(v) and v >= 0
 
 
 def _hfield(path: str, d: dict, key: str, types, where: str):

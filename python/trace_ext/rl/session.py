@@ -18,6 +18,7 @@ import zlib
 
 import torch
 
+from .._args import check_bool
 from ..tensor import GuidanceRecord
 from .config import MODES, FP4Config, site_group
 from .guidance import (MAX_POS, MAX_SEQ, GuidanceCache, GuidanceError, GuidanceRecorder, encode_keys, guided_layers,
@@ -57,8 +58,7 @@ class Session:
         _check_model_config(model, config)
         if config is None:
             raise TypeError("config must be a trace_ext.rl.FP4Config, got None")
-        if not isinstance(capture_codes, bool):
-            raise TypeError(f"capture_codes must be a bool, got {type(capture_codes).__name__} {capture_codes!r}")
+        check_bool(capture_codes=capture_codes)
         self.model = model
         self.config = config
         self.mode = mode
