@@ -156,7 +156,7 @@ def fp4_linear(a, w, *, out_dtype=torch.bfloat16, backend: str = "auto") -> torc
     if not isinstance(w, (NVFP4Tensor, MXFP4Tensor)) or len(w.shape) != 2:
         raise TypeError("w must be an FP4 tensor of shape [N, K]")
     w3 = _unsqueeze0(w)
-    M = a.shape[0] if isinstance(a, torch.Tensor) or isinstance(a, (NVFP4Tensor, MXFP4Tensor)) else 0
+    M = a.shape[0] if isinstance(a, (torch.Tensor, NVFP4Tensor, MXFP4Tensor)) else 0  # (_check names a bad a)
     offsets = torch.tensor([0, M], dtype=torch.int64, device=w.codes.device)
     _check(a, w3, offsets, out_dtype)
     return grouped_linear_reference(a, w3, offsets, out_dtype)

@@ -210,9 +210,7 @@ def fp4kv_decode_attention(
     if num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
     num_splits = int(num_splits)
-    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    scale = _softmax_scale(softmax_scale, D)
     _check_device(cache, q=q, block_table=block_table, seq_lens=seq_lens)
     which = resolve_backend(backend, cache.k_codes, q, block_table, seq_lens)
     if which == "cuda" and (D not in CUDA_HEAD_DIMS or Hq // H > CUDA_MAX_GQA):
@@ -342,22 +340,28 @@ def fp4kv_prefill_attention(
     check_bool(causal=causal)
     g_k = _check_static_g(g_k, "g_k")
     g_v = _check_static_g(g_v, "g_v")
-    if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-            raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
-        if not math.isfinite(float(softmax_scale)):
-            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    scale = _softmax_scale(softmax_scale, D)
     if D == 0:  # empty rows: an empty result (SPEC 10)
         return q.new_empty(B, Hq, Sq, 0)
     kq = _fake_quantize_kv(k, g_k, guidance_k, "guidance_k", backend)
     vq = _fake_quantize_kv(v, g_v, guidance_v, "guidance_v", backend)
-    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     mask = None
     if causal and Sq != S:
         mask = rkv.bottom_right_causal_mask(Sq, S, q.device)
     return torch.nn.functional.scaled_dot_product_attention(
         q, kq, vq, attn_mask=mask, is_causal=causal and Sq == S, scale=scale, enable_gqa=Hq != Hkv
     )
+
+
+def _softmax_scale(softmax_scale, D: int) -> float:
+    """The attention's score scale (decode and prefill): a finite real number, 1 / sqrt(D) when None."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(D) if D else 1.0
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__} {softmax_scale!r}")
+    if not math.isfinite(float(softmax_scale)):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    return float(softmax_scale)
 
 
 def _fake_quantize_kv(x: torch.Tensor, g: float, guidance: GuidanceRecord | None, name: str, backend: str) -> torch.Tensor:
