@@ -144,20 +144,27 @@ __device__ __forceinline__ RawBlock<T, kElems> load_raw_block(const T* x, uint64
   return raw;
 }
 
-// max of two pairs of unsigned 16-bit lanes (one instruction on sm_90+).
-__device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
+// Per 16-bit lane of two packed pairs of T (bf16 / fp16): max(|a|, |b|), NaN when either is NaN, the sign bit the XOR
+// of the inputs' (max.NaN.xorsign.abs: one HMNMX2 on sm_90 with the |.| folded into its operands; no flush of
+// subnormals). Finite magnitudes order like their bits, so the magnitude bits are the max of the magnitudes' bits.
+template <typename T>
+__device__ __forceinline__ uint32_t max_abs_nan_x2(uint32_t a, uint32_t b) {
   uint32_t d;
-  asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm("max.NaN.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  } else {
+    asm("max.NaN.xorsign.abs.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  }
   return d;
 }
 
-// max |x| over NV raw 16-byte vectors of T, as float bits (what max_abs_bits gives for the same values): 16-bit
-// inputs are compared two at a time on the raw halves (their bits order like their magnitudes; NaN / Inf stay
-// above every finite value).
+// max |x| over NV raw 16-byte vectors of T, as float bits (what max_abs_bits gives for the same values, except that a
+// NaN comes back as one canonical NaN: callers only test >= 0x7F800000 for Inf / NaN). 16-bit inputs: two chains
+// of max_abs_nan_x2 over the raw words (2 magnitudes per instruction), then the two halves.
 template <typename T, int NV>
 __device__ __forceinline__ uint32_t raw_max_abs_bits(const uint4 (&v)[NV]) {
-  uint32_t m = 0u;
   if constexpr (std::is_same_v<T, float>) {
+    uint32_t m = 0u;
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       m = max(m, max(v[i].x & 0x7FFFFFFFu, v[i].y & 0x7FFFFFFFu));
@@ -165,14 +172,14 @@ __device__ __forceinline__ uint32_t raw_max_abs_bits(const uint4 (&v)[NV]) {
     }
     return m;
   } else {
+    uint32_t a = max_abs_nan_x2<T>(v[0].x, v[0].y), b = max_abs_nan_x2<T>(v[0].z, v[0].w);
 #pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      m = max_u16x2(m, v[i].x & 0x7FFF7FFFu);
-      m = max_u16x2(m, v[i].y & 0x7FFF7FFFu);
-      m = max_u16x2(m, v[i].z & 0x7FFF7FFFu);
-      m = max_u16x2(m, v[i].w & 0x7FFF7FFFu);
+    for (int i = 1; i < NV; ++i) {
+      a = max_abs_nan_x2<T>(a, max_abs_nan_x2<T>(v[i].x, v[i].y));
+      b = max_abs_nan_x2<T>(b, max_abs_nan_x2<T>(v[i].z, v[i].w));
     }
-    const uint32_t h = max(m & 0xFFFFu, m >> 16);
+    const uint32_t m = max_abs_nan_x2<T>(a, b);
+    const uint32_t h = max_abs_nan_x2<T>(m, __byte_perm(m, 0u, 0x1032u)) & 0x7FFFu;
     if constexpr (std::is_same_v<T, __nv_bfloat16>) {
       return h << 16;
     } else {

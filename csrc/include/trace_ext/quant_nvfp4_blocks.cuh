@@ -111,8 +111,8 @@ __device__ __forceinline__ void quantize_elems_bits(const float (&x)[N], float t
 
 // RTN element loop shared by kImplLean (POW2: grid value by e2m1_rn_grid_pow2_x2m14) and kImplRtnSat (grid value by
 // e2m1_rn_grid_unsat_x2m14): u = fl(|x| / t) * 2^-14 by the scaled reciprocal division, packed with the signs of x by
-// e2m1_pack8_abs_x2m14<true>.
-template <bool POW2, int N>
+// e2m1_pack8_abs_x2m14<SATURATE>. SATURATE = false only where no quotient of the block reaches 7 (rtn_needs_no_clamp).
+template <bool POW2, int N, bool SATURATE = true>
 __device__ __forceinline__ void quantize_rtn_abs_x2m14(const float (&x)[N], float t, float r, uint32_t (&w)[N / 8]) {
   const float t14 = __fmul_rn(t, 16384.0f), r14 = __fmul_rn(r, 0x1p-14f);
 #pragma unroll
@@ -128,9 +128,17 @@ __device__ __forceinline__ void quantize_rtn_abs_x2m14(const float (&x)[N], floa
         g[i] = e2m1_rn_grid_unsat_x2m14(v);
       }
     }
-    w[k] = e2m1_pack8_abs_x2m14<true>(g, sb);
+    w[k] = e2m1_pack8_abs_x2m14<SATURATE>(g, sb);
   }
 }
+
+// The RTN fast path's saturation is a no-op for a block when q_max = fl(amax * r) < 6.5 (r = fl(1 / t)): then amax / t <
+// 6.5 (1 + 2^-22) (two roundings of relative size <= 2^-24), so every quotient fl(|x| / t) <= fl(amax / t) < 7 rounds
+// to at most 6 and e2m1_pack8_abs_x2m14 may skip its clamp (one min.u16x2 per two elements). Every block with a normal,
+// unsaturated scale byte has q_max <= ~6.4 (the E4M3 rounding of d / g is within 2^-4 of it), so in practice all blocks
+// but those with subnormal or clamped scales take the shorter code; the codes are the same either way.
+constexpr float kRtnNoClampQuotient = 6.5f;
+__device__ __forceinline__ bool rtn_needs_no_clamp(float q_max) { return q_max < kRtnNoClampQuotient; }
 
 // Element loop over N elements of one block; FAST: v = fl(x / t) from the block reciprocal (div_rn_with_rcp),
 // else __fdiv_rn. IMPL (FAST only): kImplScaled, kImplBits or kImplRtnSat (alternatives kept for A/B timing).
@@ -273,6 +281,12 @@ __device__ __forceinline__ void quantize_block(const float (&x)[N], uint32_t max
     fast = fast && (min_m1 == 0xFFFFFFFFu || (m >= 0x1p-100f && __fmul_rn(m, r) >= 0x1p-99f));
   }
   if (fast) {
+    if constexpr (MODE == kRTN && IMPL == kImplLean) {
+      if (rtn_needs_no_clamp(__fmul_rn(__uint_as_float(max_bits), r))) {  // the lean element code without the clamp
+        quantize_rtn_abs_x2m14<true, N, false>(x, t, r, w);
+        return;
+      }
+    }
     quantize_elems<MODE, true, N, IMPL>(x, t, r, ctr0, p, guide_bits, guide_codes, w);
   } else {
     quantize_elems<MODE, false, N, IMPL>(x, t, r, ctr0, p, guide_bits, guide_codes, w);

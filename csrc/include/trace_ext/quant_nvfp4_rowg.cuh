@@ -251,13 +251,19 @@ __global__ void __launch_bounds__(kRowLeanThreads, MODE == kRTN ? kRowLeanCtasPe
 // an all-zero block of it s_b = e4m3(0 / 0) = NaN and t = NaN, which gave codes 7 where the reference gives 0; the
 // three block quantizers now treat t NaN as t == 0 (round 47).
 
-// quantize_block<kRTN, 16, kImplLean>: the same fast-path test (t in [2^-100, 2^100], amax / t far from overflow)
-// and element code with 1/t by frcp_rn_mid, else its zeros (t == 0 or NaN) or its division path.
+// quantize_block<kRTN, 16, kImplLean>: the same fast-path test (t in [2^-100, 2^100], amax / t far from overflow),
+// the same element code (without the clamp where rtn_needs_no_clamp) with 1/t by frcp_rn_mid, else its zeros (t == 0
+// or NaN) or its division path.
 __device__ __forceinline__ void quantize_block_rtn_mid(const float (&x)[kNvfp4Block], uint32_t max_bits, float t,
                                                        const QuantParams& p, uint32_t (&w)[kNvfp4Block / 8]) {
   if (t >= 0x1p-100f && t <= 0x1p100f) {
     const float r = frcp_rn_mid(t);
-    if (__fmul_rn(__uint_as_float(max_bits), r) <= 0x1p100f) {
+    const float q_max = __fmul_rn(__uint_as_float(max_bits), r);
+    if (rtn_needs_no_clamp(q_max)) {  // every block with a normal, unclamped scale byte: no clamp (same codes)
+      quantize_rtn_abs_x2m14<true, kNvfp4Block, false>(x, t, r, w);
+      return;
+    }
+    if (q_max <= 0x1p100f) {
       quantize_elems<kRTN, true, kNvfp4Block, kImplLean>(x, t, r, 0u, p, 0u, make_uint2(0u, 0u), w);
       return;
     }
