@@ -214,6 +214,50 @@ __global__ void __launch_bounds__(kThreads) mxfp4_quant_half_kernel(const MxPara
   }
 }
 
+// mxfp4_quant_half_kernel's tiling, codes and scales with less work per tile (the default, mx_half_walk32_selected):
+// 32-bit half indices (the host checks halves + 2 * stride < 2^31), two tiles per loop iteration with the two register
+// buffers swapped (no copy of the next tile's 8 words per tile), the next tile's loads from the clamped index
+// min(c, halves - 1) (always in bounds: no predicate, no zero fill; lanes past the end quantize nothing).
+struct MxHalfWalk {
+  uint32_t halves;  // 2 * blocks
+  uint32_t last;    // halves - 1
+  uint32_t stride;  // halves between a warp's consecutive tiles: warps in the grid * 32
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) mxfp4_quant_half32_kernel(const MxParams p, const MxHalfWalk w) {
+  static_assert(sizeof(T) == 2, "16-bit x");
+  constexpr int kHalf = kMxfp4Block / 2;
+  const uint32_t lane = threadIdx.x % 32;
+  uint32_t c = blockIdx.x * (uint32_t)kThreads + threadIdx.x;  // the lane's half in the warp's first tile
+  const T* xp = reinterpret_cast<const T*>(p.x);
+  auto load = [&](uint32_t i, RawBlock<T, kHalf>& buf) { buf = load_raw_block<T, kHalf>(xp, min(i, w.last), true); };
+  // one tile: the next tile's loads in flight, this one's amax (with the partner lane's), codes and scale
+  auto step = [&](const RawBlock<T, kHalf>& cur, RawBlock<T, kHalf>& nxt) {
+    load(c + w.stride, nxt);
+    uint32_t mb = raw_max_abs_bits<T>(cur.v);
+    mb = max(mb, __shfl_xor_sync(0xFFFFFFFFu, mb, 1));
+    if (c < w.halves) {
+      uint32_t q[2] = {0u, 0u};
+      uint8_t scale = kE8M0NaN;
+      if (mb < 0x7F800000u) {
+        float x[kHalf];
+        mx_rtn_lean_words(x, mx_finite_block(mb, cur, p.scale_ceil, scale, x), q);
+      }
+      reinterpret_cast<uint2*>(p.codes)[c] = make_uint2(q[0], q[1]);
+      if ((lane & 1u) == 0u) p.scales[c / 2] = scale;
+    }
+    c += w.stride;
+  };
+  RawBlock<T, kHalf> b0, b1;
+  load(c, b0);
+  while (c - lane < w.halves) {  // the warp's tile start: warp-uniform, so the shuffle sees every lane
+    step(b0, b1);
+    if (c - lane >= w.halves) break;
+    step(b1, b0);
+  }
+}
+
 // Same warp tiling: 4 code bytes in, 8 values out per chunk (one 16-byte store of bf16 / fp16).
 template <typename T>
 __global__ void __launch_bounds__(kThreads) mxfp4_dequant_kernel(const uint8_t* codes, const uint8_t* scales,
@@ -258,6 +302,10 @@ bool mx_rtn_lean_selected() { return env_switch("TRACE_EXT_MX_RTN_LEAN", true); 
 // and 7168, bf16 and fp16: 74.6-75.5% -> 80.0-80.7% of copy), 0.99-1.01x at 2^28 (92-95%). TRACE_EXT_MX_HALF (read per
 // call; an A/B knob): =0 keeps one lane per block (mxfp4_quant_kernel).
 bool mx_half_selected() { return env_switch("TRACE_EXT_MX_HALF", true); }
+
+// The half-block RTN kernel with the 32-bit walk (mxfp4_quant_half32_kernel) where its indices fit.
+// TRACE_EXT_MX_HALF32 (read per call; an A/B knob): =0 keeps mxfp4_quant_half_kernel.
+bool mx_half_walk32_selected() { return env_switch("TRACE_EXT_MX_HALF32", true); }
 
 // Tiles per warp the quantize grid aims at (never fewer warps than the GPU holds): RTN 4, SR 2 (H200 round 74, two
 // timings, bit-equal: SR 1.04-1.06x at 2^26 and 1.03x at 2^28 elements with 2; RTN with 1 / 2 / 3 / 6 / 8 / 16:
@@ -309,15 +357,24 @@ std::tuple<at::Tensor, at::Tensor> mxfp4_quantize_cuda(const at::Tensor& x, int6
                                                            : mxfp4_quant_kernel<T, kSR>)
                   : rtn_lean      ? mxfp4_quant_kernel<T, kRTN, false, true>
                                   : mxfp4_quant_kernel<T, kRTN>;
-    if constexpr (sizeof(T) == 2) {
-      if (half) kernel = mxfp4_quant_half_kernel<T>;
-    }
-    require_kernel_image(kernel, op);
     // a few tiles per warp (mx_tiles_per_warp), but never fewer warps than the GPU holds
     const int64_t n_tiles = div_up(p.total_blocks, half ? 16 : 32);
     const int64_t warps =
         std::max(div_up(n_tiles, mx_tiles_per_warp(rounding)), std::min(n_tiles, int64_t(current_sm_count()) * 64));
-    kernel<<<(unsigned)div_up(warps * 32, kThreads), kThreads, 0, stream>>>(p);
+    const unsigned grid = (unsigned)div_up(warps * 32, kThreads);
+    if constexpr (sizeof(T) == 2) {
+      const int64_t halves = 2 * p.total_blocks, stride = int64_t(grid) * kThreads;
+      if (half && mx_half_walk32_selected() && halves + 2 * stride < (int64_t(1) << 31)) {
+        auto k32 = mxfp4_quant_half32_kernel<T>;
+        require_kernel_image(k32, op);
+        k32<<<grid, kThreads, 0, stream>>>(p, MxHalfWalk{(uint32_t)halves, (uint32_t)(halves - 1), (uint32_t)stride});
+        check_launch(op);
+        return;
+      }
+      if (half) kernel = mxfp4_quant_half_kernel<T>;
+    }
+    require_kernel_image(kernel, op);
+    kernel<<<grid, kThreads, 0, stream>>>(p);
     check_launch(op);
   });
   return {codes, scales};

@@ -158,10 +158,20 @@ __device__ __forceinline__ uint32_t max_abs_nan_x2(uint32_t a, uint32_t b) {
   return d;
 }
 
-// max |x| over NV raw 16-byte vectors of T, as float bits (what max_abs_bits gives for the same values, except that a
-// NaN comes back as one canonical NaN: callers only test >= 0x7F800000 for Inf / NaN). 16-bit inputs: two chains
-// of max_abs_nan_x2 over the raw words (2 magnitudes per instruction), then the two halves.
-template <typename T, int NV>
+// max of two pairs of unsigned 16-bit lanes (one instruction on sm_90+).
+__device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// max |x| over NV raw 16-byte vectors of T, as float bits (what max_abs_bits gives for the same values; a NaN may come
+// back as another NaN: callers only test >= 0x7F800000 for Inf / NaN). 16-bit inputs, kPackedMax (the default): two
+// chains of max_abs_nan_x2 over the raw words (2 magnitudes per HMNMX2), then the two halves; H200 round 78: NVFP4 RTN
+// quantize 1.01-1.06x, MXFP4 1.00-1.05x. Otherwise (the guided kernels: 0.97-0.98x there at 2^26 in round 78) the sign
+// bits masked and the raw halves compared as unsigned integers (their bits order like their magnitudes; NaN / Inf stay
+// above every finite value).
+template <typename T, int NV, bool kPackedMax = true>
 __device__ __forceinline__ uint32_t raw_max_abs_bits(const uint4 (&v)[NV]) {
   if constexpr (std::is_same_v<T, float>) {
     uint32_t m = 0u;
@@ -171,6 +181,21 @@ __device__ __forceinline__ uint32_t raw_max_abs_bits(const uint4 (&v)[NV]) {
       m = max(m, max(v[i].z & 0x7FFFFFFFu, v[i].w & 0x7FFFFFFFu));
     }
     return m;
+  } else if constexpr (!kPackedMax) {
+    uint32_t m = 0u;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      m = max_u16x2(m, v[i].x & 0x7FFF7FFFu);
+      m = max_u16x2(m, v[i].y & 0x7FFF7FFFu);
+      m = max_u16x2(m, v[i].z & 0x7FFF7FFFu);
+      m = max_u16x2(m, v[i].w & 0x7FFF7FFFu);
+    }
+    const uint32_t h = max(m & 0xFFFFu, m >> 16);
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      return h << 16;
+    } else {
+      return __float_as_uint(__half2float(__ushort_as_half((unsigned short)h)));
+    }
   } else {
     uint32_t a = max_abs_nan_x2<T>(v[0].x, v[0].y), b = max_abs_nan_x2<T>(v[0].z, v[0].w);
 #pragma unroll

@@ -399,19 +399,19 @@ __device__ __forceinline__ BlockRaw<T> load_block(const T* x, uint64_t fb, bool 
   return load_raw_block<T, kNvfp4Block>(x, fb, ok);
 }
 
-// max |x| of a block as float bits (raw_max_abs_bits over its vectors).
-template <typename T>
+// max |x| of a block as float bits (raw_max_abs_bits over its vectors; kPackedMax: its choice of instructions).
+template <typename T, bool kPackedMax = true>
 __device__ __forceinline__ uint32_t block_max_abs_bits(const BlockRaw<T>& raw) {
-  return raw_max_abs_bits<T>(raw.v);
+  return raw_max_abs_bits<T, BlockRaw<T>::kVecs, kPackedMax>(raw.v);
 }
 
 // The block's 16 values as floats (exact); returns block_max_abs_bits.
-template <typename T>
+template <typename T, bool kPackedMax = true>
 __device__ __forceinline__ uint32_t unpack_block(const BlockRaw<T>& raw, float (&x)[kNvfp4Block]) {
   constexpr int kV = ElemTraits<T>::kPerVec;
 #pragma unroll
   for (int v = 0; v < BlockRaw<T>::kVecs; ++v) vec_to_float<T>(raw.v[v], x + v * kV);
-  return block_max_abs_bits<T>(raw);
+  return block_max_abs_bits<T, kPackedMax>(raw);
 }
 
 // Folds a block into the row's finite amax (SPEC 2: g over finite values only): its max |x| bits mb, or, for a block

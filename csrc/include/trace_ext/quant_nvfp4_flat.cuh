@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(kFlatThreads) nvfp4_quant_flat_kernel(const Qu
       const uint64_t fb = fb0 + 32 * q;
       if (fb < total_blocks) {
         float x[kNvfp4Block];
-        const uint32_t mb = unpack_block<T>(raw[q], x);
+        const uint32_t mb = unpack_block<T, MODE == kRTN || MODE == kSR>(raw[q], x);
         process_block<T, MODE, FAKE, IMPL>(p, x, mb, g[q], rg[q], fb, rows[q], kbis[q], gbits[q], gcodes[q]);
       }
     }
@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(kFlatThreads, 4) nvfp4_quant_lean_kernel(const
       const uint32_t fb = fb0 + 32 * q;
       if (fb < w.total_blocks) {
         float x[kNvfp4Block];
-        const uint32_t mb = unpack_block<T>(raw[q], x);
+        const uint32_t mb = unpack_block<T, !kGuided>(raw[q], x);
         bool finite = mb < 0x7F800000u;
         uint8_t s;
         float t;
@@ -395,7 +395,7 @@ __global__ void __launch_bounds__(kFlatThreads, 4)
       const uint32_t fb = fb0 + 32 * q;
       if (fb < w.total_blocks) {
         float x[kNvfp4Block];
-        const uint32_t mb = unpack_block<T>(raw[q], x);
+        const uint32_t mb = unpack_block<T, false>(raw[q], x);
         uint8_t s = gscale[q];
         const float t = nvfp4_block_divisor(s, g[q]);
         uint32_t codes[2] = {0u, 0u};

@@ -406,7 +406,7 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
     load_side(row + w.row_stride, side_nxt);
     uint32_t mb[BPL];
 #pragma unroll
-    for (int q = 0; q < BPL; ++q) mb[q] = block_max_abs_bits<T>(cur[q]);
+    for (int q = 0; q < BPL; ++q) mb[q] = block_max_abs_bits<T, !kGuided>(cur[q]);  // (raw_max_abs_bits)
     if (!has_last) mb[BPL - 1] = 0u;
     float g;
     if constexpr (GIVEN) {
