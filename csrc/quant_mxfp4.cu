@@ -1,9 +1,10 @@
 // MXFP4 quantize / dequantize (SPEC 3, 4), bit-exact against reference.py.
 //
 // Design: memory-bound, and on the H200 bound by instruction issue, so the quantize kernel counts instructions (RTN of
-// 16-bit x: mxfp4_quant_half_kernel, two lanes per block, below; the rest as follows): a lane owns whole 32-element
-// blocks (bf16: four 16-byte loads; the warp's loads of one block index cover one contiguous
-// span), so the block amax (two magnitudes per max.u16x2 on the raw halves), the E8M0 exponent and the scale byte are
+// 16-bit x: mxfp4_quant_half32_kernel, two lanes per block and a 32-bit two-buffer walk, below; the rest as
+// follows): a lane owns whole 32-element blocks (bf16: four 16-byte loads; the warp's loads of one block index cover
+// one contiguous span), so the block amax (two magnitudes per HMNMX2 on the raw words), the E8M0 exponent and the
+// scale byte are
 // per-thread work done once per 32 elements, and a lane stores its 16 code bytes with one 16-byte store (contiguous
 // across the warp). Warps loop over tiles of 32 blocks (grid stride) and issue the next tile's loads before quantizing
 // the current one. v = x * 2^-e is one fl multiply (exact unless it underflows, exactly as in the reference). RTN
