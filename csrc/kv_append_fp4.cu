@@ -63,7 +63,9 @@
 // - Static SASS (sm_90a, ptxas 13.0), fast path: 203 instructions per 16-element block (12.7 per element: amax, scale
 //   byte, table, codes), and the loop without its rare branches (sequence change, general blocks) 952 instructions per
 //   64-element item (14.9 per element) at four blocks per item, 511 per 32 (16.0) at two (default: 22.9 executed).
-//   80 registers at four blocks per item (3 CTAs / SM), 61-62 at two (=warp2, 4 CTAs / SM); no spills. (A variant
+//   Since session 16 the block amax takes 8 HMNMX2 (max.NaN.xorsign.abs) instead of the masked integer maxes, and
+//   blocks whose quotients stay below 7 (every normal scale byte below 448) skip the 8 min.u16x2 of the clamp.
+//   80 registers at four blocks per item (3 CTAs / SM), 62 at two (=warp2, 4 CTAs / SM); no spills. (A variant
 //   keeping the next item's loads in flight during the math needed ~16 more registers and spilled: not kept.)
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
@@ -291,9 +293,11 @@ __device__ __forceinline__ float e2m1_rn_grid_expmagic_x2m14(float u) {
 }
 
 // Eight codes (nibble i = element i) of bf16 elements 0..7 held in w0..w3 (element 2j in the low half of w_j):
-// unsigned grid values from e2m1_rn_grid_expmagic_x2m14, fp16 pairs saturated by one min_u16x2 each, code bits
-// gathered by two byte permutes (as e2m1_pack8_abs_x2m14<true>); the signs are x's (t > 0, -0.0 included), taken
-// straight from the bf16 words by sign-replicating byte permutes (bytes 1 / 3 of w_j carry the signs).
+// unsigned grid values from e2m1_rn_grid_expmagic_x2m14, fp16 pairs saturated by one min_u16x2 each (kClamp; without
+// it only where no quotient of the block reaches 7: kFastNoClamp below), code bits gathered by two byte permutes (as
+// e2m1_pack8_abs_x2m14); the signs are x's (t > 0, -0.0 included), taken straight from the bf16 words by
+// sign-replicating byte permutes (bytes 1 / 3 of w_j carry the signs).
+template <bool kClamp>
 __device__ __forceinline__ uint32_t fast_codes8(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, float t14,
                                                 float r14) {
   const uint32_t w[4] = {w0, w1, w2, w3};
@@ -305,11 +309,9 @@ __device__ __forceinline__ uint32_t fast_codes8(uint32_t w0, uint32_t w1, uint32
   }
   const __half2 f02 = __floats2half2_rn(q[0], q[2]), f46 = __floats2half2_rn(q[4], q[6]);
   const __half2 f13 = __floats2half2_rn(q[1], q[3]), f57 = __floats2half2_rn(q[5], q[7]);
-  constexpr uint32_t kSat = 0x0E000E00u;  // fp16 bits of 6 * 2^-14, twice
-  const uint32_t h02 = min_u16x2(*reinterpret_cast<const uint32_t*>(&f02), kSat);
-  const uint32_t h46 = min_u16x2(*reinterpret_cast<const uint32_t*>(&f46), kSat);
-  const uint32_t h13 = min_u16x2(*reinterpret_cast<const uint32_t*>(&f13), kSat);
-  const uint32_t h57 = min_u16x2(*reinterpret_cast<const uint32_t*>(&f57), kSat);
+  uint32_t h02 = *reinterpret_cast<const uint32_t*>(&f02), h46 = *reinterpret_cast<const uint32_t*>(&f46);
+  uint32_t h13 = *reinterpret_cast<const uint32_t*>(&f13), h57 = *reinterpret_cast<const uint32_t*>(&f57);
+  if constexpr (kClamp) saturate_x2m14_halves(h02, h46, h13, h57);
   const uint32_t even = __byte_perm(h02, h46, 0x7531);  // bytes: codes of elements 0 2 4 6 at bits 1..3
   const uint32_t odd = __byte_perm(h13, h57, 0x7531);   // 1 3 5 7
   const uint32_t s01 = prmt_b32(w0, w1, 0xFBD9u);       // sign bytes (0x00 / 0xFF) of elements 0 2 1 3
@@ -317,6 +319,11 @@ __device__ __forceinline__ uint32_t fast_codes8(uint32_t w0, uint32_t w1, uint32
   const uint32_t s_even = __byte_perm(s01, s23, 0x5410), s_odd = __byte_perm(s01, s23, 0x7632);
   return (even >> 1) | (odd << 3) | (s_even & 0x08080808u) | (s_odd & 0x80808080u);
 }
+
+// The fast path skips the clamp of its fp16 pairs where q_max = fl(amax * r14) < 6.5 * 2^-14 (r14 = fl(1 / t) 2^-14):
+// then every quotient fl(|x| / t) < 7 (quant_nvfp4_blocks.cuh, rtn_needs_no_clamp; tests/test_rtn_no_clamp_emulation.py)
+// and e2m1_rn_grid_expmagic_x2m14 gives at most 6 * 2^-14. Every block with a normal scale byte below 448 qualifies.
+constexpr float kFastNoClamp = 6.5f * 0x1p-14f;
 
 // The general block path (quantize_block above, reciprocal path on) out of line: zero / tiny / huge / non-finite
 // blocks, and blocks whose divisor or quotients leave the fast path's range. Returns (codes lo, codes hi, scale).
@@ -418,19 +425,24 @@ __global__ void __launch_bounds__(kAppendThreads) fp4kv_append_warp_kernel(const
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const uint4 lo = raw[2 * j], hi = raw[2 * j + 1];
-      uint32_t amax2 = __vmaxu2(__vmaxu2(lo.x & 0x7FFF7FFFu, lo.y & 0x7FFF7FFFu), lo.z & 0x7FFF7FFFu);
-      amax2 = __vmaxu2(__vmaxu2(amax2, lo.w & 0x7FFF7FFFu), hi.x & 0x7FFF7FFFu);
-      amax2 = __vmaxu2(__vmaxu2(amax2, hi.y & 0x7FFF7FFFu), hi.z & 0x7FFF7FFFu);
-      amax2 = __vmaxu2(amax2, hi.w & 0x7FFF7FFFu);
-      const uint32_t amax16 = max(amax2 & 0xFFFFu, amax2 >> 16);  // bf16 bits of the block's max |x|
+      // bf16 bits of the block's max |x| (NaN / Inf: >= 0x7F80): two magnitudes per max.NaN.xorsign.abs
+      const uint32_t m2 = max_abs_nan_x2<__nv_bfloat16>(
+          max_abs_nan_x2<__nv_bfloat16>(max_abs_nan_x2<__nv_bfloat16>(lo.x, lo.y), max_abs_nan_x2<__nv_bfloat16>(lo.z, lo.w)),
+          max_abs_nan_x2<__nv_bfloat16>(max_abs_nan_x2<__nv_bfloat16>(hi.x, hi.y), max_abs_nan_x2<__nv_bfloat16>(hi.z, hi.w)));
+      const uint32_t amax16 = max_abs_nan_x2<__nv_bfloat16>(m2, __byte_perm(m2, 0u, 0x1032u)) & 0x7FFFu;
       const float amax = bf16_bits_to_float(amax16);
       // amax in [2^-47, 2^50] (finite, nonzero): fl(amax / 6) and fl(. / g) by the exact reciprocal division
       const bool scale_fast = amax16 - 0x2800u <= 0x5880u - 0x2800u;
       const uint8_t s = e4m3_rn(div_rn_with_rcp(div_rn_with_rcp(amax, kE2M1Max, kRcp6), g, rg));
       const float2 tr = tbl[s & (kScaleTable - 1)];
-      if (scale_fast && __fmul_rn(amax, tr.y) <= 0x1p86f) {  // NaN entry: false
-        code[2 * j] = fast_codes8(lo.x, lo.y, lo.z, lo.w, tr.x, tr.y);
-        code[2 * j + 1] = fast_codes8(hi.x, hi.y, hi.z, hi.w, tr.x, tr.y);
+      const float q_max = __fmul_rn(amax, tr.y);  // fl(amax / t) 2^-14 within two roundings; NaN entry: NaN
+      if (scale_fast && q_max < kFastNoClamp) {  // no quotient reaches 7: codes without the clamp
+        code[2 * j] = fast_codes8<false>(lo.x, lo.y, lo.z, lo.w, tr.x, tr.y);
+        code[2 * j + 1] = fast_codes8<false>(hi.x, hi.y, hi.z, hi.w, tr.x, tr.y);
+        scale_word |= (uint32_t)s << (8 * j);
+      } else if (scale_fast && q_max <= 0x1p86f) {  // NaN entry: false
+        code[2 * j] = fast_codes8<true>(lo.x, lo.y, lo.z, lo.w, tr.x, tr.y);
+        code[2 * j + 1] = fast_codes8<true>(hi.x, hi.y, hi.z, hi.w, tr.x, tr.y);
         scale_word |= (uint32_t)s << (8 * j);
       } else {
         const uint3 r = quantize_block_general(lo, hi, g);

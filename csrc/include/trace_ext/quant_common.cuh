@@ -10,6 +10,7 @@
 
 #include <type_traits>
 
+#include "trace_ext/fp4_numerics.cuh"
 #ifndef __CUDACC_RTC__
 #include "trace_ext/host_checks.h"
 #endif
@@ -142,27 +143,6 @@ __device__ __forceinline__ RawBlock<T, kElems> load_raw_block(const T* x, uint64
     raw.v[i] = ok ? ld_vec(x + index * kElems + i * ElemTraits<T>::kPerVec) : make_uint4(0u, 0u, 0u, 0u);
   }
   return raw;
-}
-
-// Per 16-bit lane of two packed pairs of T (bf16 / fp16): max(|a|, |b|), NaN when either is NaN, the sign bit the XOR
-// of the inputs' (max.NaN.xorsign.abs: one HMNMX2 on sm_90 with the |.| folded into its operands; no flush of
-// subnormals). Finite magnitudes order like their bits, so the magnitude bits are the max of the magnitudes' bits.
-template <typename T>
-__device__ __forceinline__ uint32_t max_abs_nan_x2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm("max.NaN.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  } else {
-    asm("max.NaN.xorsign.abs.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  }
-  return d;
-}
-
-// max of two pairs of unsigned 16-bit lanes (one instruction on sm_90+).
-__device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
 }
 
 // max |x| over NV raw 16-byte vectors of T, as float bits (what max_abs_bits gives for the same values; a NaN may come
