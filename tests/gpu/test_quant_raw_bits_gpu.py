@@ -101,20 +101,18 @@ def check_mxfp4(x: torch.Tensor, what: str) -> None:
         assert torch.equal(got.scales, want.scales), f"{what} mxfp4 {rounding} scales"
 
 
-@pytest.mark.parametrize("R,K", SHAPES)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_every_bit_pattern(R, K, dtype):
-    x = all_patterns(R, K, dtype, 7 * R + K)
-    check_nvfp4(x, None, f"all patterns {R}x{K} {dtype}")
-    check_mxfp4(x, f"all patterns {R}x{K} {dtype}")
+# the inputs of test_against_reference: generator and seed multiplier
+INPUTS = {"all patterns": (all_patterns, 7), "subnormal blocks": (subnormal_blocks, 3)}
 
 
+@pytest.mark.parametrize("kind", tuple(INPUTS))
 @pytest.mark.parametrize("R,K", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_subnormal_amax(R, K, dtype):
-    x = subnormal_blocks(R, K, dtype, 3 * R + K)
-    check_nvfp4(x, None, f"subnormal blocks {R}x{K} {dtype}")
-    check_mxfp4(x, f"subnormal blocks {R}x{K} {dtype}")
+def test_against_reference(kind, R, K, dtype):
+    make, m = INPUTS[kind]
+    x = make(R, K, dtype, m * R + K)
+    check_nvfp4(x, None, f"{kind} {R}x{K} {dtype}")
+    check_mxfp4(x, f"{kind} {R}x{K} {dtype}")
 
 
 @pytest.mark.parametrize("K", (4096, 768))
