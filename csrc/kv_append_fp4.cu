@@ -426,10 +426,9 @@ __global__ void __launch_bounds__(kAppendThreads) fp4kv_append_warp_kernel(const
     for (int j = 0; j < kPer; ++j) {
       const uint4 lo = raw[2 * j], hi = raw[2 * j + 1];
       // bf16 bits of the block's max |x| (NaN / Inf: >= 0x7F80): two magnitudes per max.NaN.xorsign.abs
-      const uint32_t m2 = max_abs_nan_x2<__nv_bfloat16>(
-          max_abs_nan_x2<__nv_bfloat16>(max_abs_nan_x2<__nv_bfloat16>(lo.x, lo.y), max_abs_nan_x2<__nv_bfloat16>(lo.z, lo.w)),
-          max_abs_nan_x2<__nv_bfloat16>(max_abs_nan_x2<__nv_bfloat16>(hi.x, hi.y), max_abs_nan_x2<__nv_bfloat16>(hi.z, hi.w)));
-      const uint32_t amax16 = max_abs_nan_x2<__nv_bfloat16>(m2, __byte_perm(m2, 0u, 0x1032u)) & 0x7FFFu;
+      const auto mx = [](uint32_t a, uint32_t b) { return max_abs_nan_x2<__nv_bfloat16>(a, b); };
+      const uint32_t m2 = mx(mx(mx(lo.x, lo.y), mx(lo.z, lo.w)), mx(mx(hi.x, hi.y), mx(hi.z, hi.w)));
+      const uint32_t amax16 = mx(m2, __byte_perm(m2, 0u, 0x1032u)) & 0x7FFFu;
       const float amax = bf16_bits_to_float(amax16);
       // amax in [2^-47, 2^50] (finite, nonzero): fl(amax / 6) and fl(. / g) by the exact reciprocal division
       const bool scale_fast = amax16 - 0x2800u <= 0x5880u - 0x2800u;

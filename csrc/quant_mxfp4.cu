@@ -4,9 +4,8 @@
 // 16-bit x: mxfp4_quant_half32_kernel, two lanes per block and a 32-bit two-buffer walk, below; the rest as
 // follows): a lane owns whole 32-element blocks (bf16: four 16-byte loads; the warp's loads of one block index cover
 // one contiguous span), so the block amax (two magnitudes per HMNMX2 on the raw words), the E8M0 exponent and the
-// scale byte are
-// per-thread work done once per 32 elements, and a lane stores its 16 code bytes with one 16-byte store (contiguous
-// across the warp). Warps loop over tiles of 32 blocks (grid stride) and issue the next tile's loads before quantizing
+// scale byte are per-thread work done once per 32 elements, and a lane stores its 16 code bytes with one 16-byte store
+// (contiguous across the warp). Warps loop over tiles of 32 blocks (grid stride) and issue the next tile's loads before quantizing
 // the current one. v = x * 2^-e is one fl multiply (exact unless it underflows, exactly as in the reference). RTN
 // multiplies by 2^(-e-14) instead and rounds in the scaled fp32 domain with the codes read off fp16 bits, by the NVFP4
 // lean kernels' element code since H200 round 62 (e2m1_rn_grid_pow2_x2m14 / e2m1_pack8_abs_x2m14<true>: 1.05-1.09x;
