@@ -174,6 +174,26 @@ __global__ void __launch_bounds__(kThreads) mxfp4_quant_kernel(const MxParams p)
   }
 }
 
+// One tile of the half-block kernels for the lane's half c (16 elements of block c / 2): the block amax with the
+// partner lane's (every lane of the warp calls this), then, if c < halves, its 8 code bytes and (even lanes) the
+// block's scale byte.
+template <typename T, typename Index>
+__device__ __forceinline__ void mx_half_tile(const MxParams& p, const RawBlock<T, kMxfp4Block / 2>& cur, Index c,
+                                             Index halves, uint32_t lane) {
+  uint32_t mb = raw_max_abs_bits<T>(cur.v);
+  mb = max(mb, __shfl_xor_sync(0xFFFFFFFFu, mb, 1));
+  if (c < halves) {
+    uint32_t q[2] = {0u, 0u};
+    uint8_t scale = kE8M0NaN;
+    if (mb < 0x7F800000u) {
+      float x[kMxfp4Block / 2];
+      mx_rtn_lean_words(x, mx_finite_block(mb, cur, p.scale_ceil, scale, x), q);
+    }
+    reinterpret_cast<uint2*>(p.codes)[c] = make_uint2(q[0], q[1]);
+    if ((lane & 1u) == 0u) p.scales[c / 2] = scale;
+  }
+}
+
 // RTN (mx_rtn_lean_words) of 16-bit x with two lanes per 32-element block (the default since H200 rounds 66-67; knob
 // TRACE_EXT_MX_HALF, mx_half_selected): lane l
 // of a warp owns half l % 2 of block 16 tile + l / 2 (16 elements, 32 bytes), so a warp's loads of one vector index
@@ -198,18 +218,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_quant_half_kernel(const MxPara
     RawBlock<T, kHalf> next;
     if (tile + n_warps < n_tiles) next = load_raw_block<T, kHalf>(xp, nc, nc < halves);
     const uint64_t c = tile * 32 + lane;  // the lane's half; block c / 2 (a block's two halves exist together)
-    uint32_t mb = raw_max_abs_bits<T>(cur.v);
-    mb = max(mb, __shfl_xor_sync(0xFFFFFFFFu, mb, 1));
-    if (c < halves) {
-      uint32_t w[2] = {0u, 0u};
-      uint8_t scale = kE8M0NaN;
-      if (mb < 0x7F800000u) {
-        float x[kHalf];
-        mx_rtn_lean_words(x, mx_finite_block(mb, cur, p.scale_ceil, scale, x), w);
-      }
-      reinterpret_cast<uint2*>(p.codes)[c] = make_uint2(w[0], w[1]);
-      if ((lane & 1u) == 0u) p.scales[c / 2] = scale;
-    }
+    mx_half_tile<T>(p, cur, c, halves, lane);
     cur = next;
   }
 }
@@ -235,18 +244,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_quant_half32_kernel(const MxPa
   // one tile: the next tile's loads in flight, this one's amax (with the partner lane's), codes and scale
   auto step = [&](const RawBlock<T, kHalf>& cur, RawBlock<T, kHalf>& nxt) {
     load(c + w.stride, nxt);
-    uint32_t mb = raw_max_abs_bits<T>(cur.v);
-    mb = max(mb, __shfl_xor_sync(0xFFFFFFFFu, mb, 1));
-    if (c < w.halves) {
-      uint32_t q[2] = {0u, 0u};
-      uint8_t scale = kE8M0NaN;
-      if (mb < 0x7F800000u) {
-        float x[kHalf];
-        mx_rtn_lean_words(x, mx_finite_block(mb, cur, p.scale_ceil, scale, x), q);
-      }
-      reinterpret_cast<uint2*>(p.codes)[c] = make_uint2(q[0], q[1]);
-      if ((lane & 1u) == 0u) p.scales[c / 2] = scale;
-    }
+    mx_half_tile<T>(p, cur, c, w.halves, lane);
     c += w.stride;
   };
   RawBlock<T, kHalf> b0, b1;
