@@ -321,9 +321,9 @@ __device__ __forceinline__ uint32_t fast_codes8(uint32_t w0, uint32_t w1, uint32
 }
 
 // The fast path skips the clamp of its fp16 pairs where q_max = fl(amax * r14) < 6.5 * 2^-14 (r14 = fl(1 / t) 2^-14):
-// then every quotient fl(|x| / t) < 7 (quant_nvfp4_blocks.cuh, rtn_needs_no_clamp; tests/test_rtn_no_clamp_emulation.py)
-// and e2m1_rn_grid_expmagic_x2m14 gives at most 6 * 2^-14. Every block with a normal scale byte below 448 qualifies.
-constexpr float kFastNoClamp = 6.5f * 0x1p-14f;
+// rtn_needs_no_clamp's bound (fp4_numerics.cuh) in the 2^-14-scaled domain, where e2m1_rn_grid_expmagic_x2m14 then
+// gives at most 6 * 2^-14.
+constexpr float kFastNoClamp = kRtnNoClampQuotient * 0x1p-14f;
 
 // The general block path (quantize_block above, reciprocal path on) out of line: zero / tiny / huge / non-finite
 // blocks, and blocks whose divisor or quotients leave the fast path's range. Returns (codes lo, codes hi, scale).

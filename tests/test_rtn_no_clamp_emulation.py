@@ -1,4 +1,4 @@
-"""The RTN fast path's clamp skip (quant_nvfp4_blocks.cuh: rtn_needs_no_clamp): a block whose q_max = fl(amax * r),
+"""The RTN fast path's clamp skip (fp4_numerics.cuh: rtn_needs_no_clamp): a block whose q_max = fl(amax * r),
 r = fl(1 / t), is below 6.5 has every quotient fl(|x| / t) below 7, so the RTN grid values stay <= 6 and
 e2m1_pack8_abs_x2m14 may skip its min.u16x2 clamp. Emulated in numpy float32 (IEEE round-to-nearest-even) on divisors
 t over every binade of the fast path's range [2^-100, 2^100] with random significands, and, for each t, the largest
