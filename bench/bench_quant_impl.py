@@ -34,9 +34,6 @@ against the guided lean kernel (=0), ~15 s:
 The per-team barrier of the per-row lean3 kernel (the default for fake quantization; =1: quantize too; =0: never), ~25 s:
   QUANT_IMPL_VARIANTS=default@TRACE_EXT_QUANT_TEAM_BAR=0,default@TRACE_EXT_QUANT_TEAM_BAR=1 \
   QUANT_IMPL_OPS="rtn (per-row,fake-quant rtn (per-row" python bench/bench_quant_impl.py
-MXFP4 RTN with the NVFP4 lean kernels' element code (the default since round 62) against the previous element code
-(=default@TRACE_EXT_MX_RTN_LEAN=0), ~10 s:
-  QUANT_IMPL_VARIANTS=default@TRACE_EXT_MX_RTN_LEAN=0 QUANT_IMPL_OPS="mxfp4 rtn" python bench/bench_quant_impl.py
 MXFP4 RTN of 16-bit x with two lanes per block (the default since round 66) against one lane per block
 (=default@TRACE_EXT_MX_HALF=0), ~10 s:
   QUANT_IMPL_VARIANTS=default@TRACE_EXT_MX_HALF=0 QUANT_IMPL_OPS="mxfp4 rtn" python bench/bench_quant_impl.py

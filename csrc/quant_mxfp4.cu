@@ -8,8 +8,8 @@
 // (contiguous across the warp). Warps loop over tiles of 32 blocks (grid stride) and issue the next tile's loads before quantizing
 // the current one. v = x * 2^-e is one fl multiply (exact unless it underflows, exactly as in the reference). RTN
 // multiplies by 2^(-e-14) instead and rounds in the scaled fp32 domain with the codes read off fp16 bits, by the NVFP4
-// lean kernels' element code since H200 round 62 (e2m1_rn_grid_pow2_x2m14 / e2m1_pack8_abs_x2m14<true>: 1.05-1.09x;
-// TRACE_EXT_MX_RTN_LEAN=0 keeps e2m1_rn_grid_x2m14 / e2m1_pack8_x2m14). SR: one philox4x32_10 call per 4 elements (SPEC 4
+// lean kernels' element code since H200 round 62 (e2m1_rn_grid_pow2_x2m14 / e2m1_pack8_abs_x2m14<true>: 1.05-1.09x over
+// e2m1_rn_grid_x2m14 / e2m1_pack8_x2m14 with a sign OR per element). SR: one philox4x32_10 call per 4 elements (SPEC 4
 // counters); the lean element routine of the NVFP4 kernels (quant_sr_elems.cuh, t = 2^e) wherever its preconditions
 // hold (mx_block_codes_sr_lean), else per element. Dequantize: lanes own 8-element chunks, one 16-byte store per chunk.
 // Every numeric step comes from fp4_numerics.cuh.
@@ -85,31 +85,17 @@ __device__ __forceinline__ void mx_rtn_lean_words(const float (&x)[N], int e, ui
   }
 }
 
-// Codes of one finite MX block with scale exponent e (SPEC 3, 4): 4 words of 8 codes. kSrLean: SR through
-// mx_block_codes_sr_lean where it applies. kRtnLean (the default since H200 round 62, mx_rtn_lean_selected): RTN by
-// mx_rtn_lean_words instead of e2m1_rn_grid_x2m14 and a sign OR per element; the same codes.
-template <int MODE, bool kSrLean = false, bool kRtnLean = false>
+// Codes of one finite MX block with scale exponent e (SPEC 3, 4): 4 words of 8 codes. RTN: mx_rtn_lean_words. SR:
+// through mx_block_codes_sr_lean where it applies (kSrLean), else per element.
+template <int MODE, bool kSrLean = false>
 __device__ __forceinline__ uint4 mx_block_codes(const float (&x)[kMxfp4Block], int e, uint64_t b, const MxParams& p) {
   uint32_t w[4];
   if constexpr (MODE == kSR && kSrLean) {
     const float m = __uint_as_float(min_nonzero_abs_bits_m1(x) + 1u);  // +0 when the block is all zero
     if (mx_block_codes_sr_lean(x, e, b, m, p, w)) return make_uint4(w[0], w[1], w[2], w[3]);
   }
-  if constexpr (MODE == kRTN && kRtnLean) {
+  if constexpr (MODE == kRTN) {
     mx_rtn_lean_words(x, e, w);
-  } else if constexpr (MODE == kRTN) {
-    const float inv14 = exp2_exact(-e - 14);  // v * 2^-14 in one exact multiply (-e - 14 >= -141)
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      float q[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float xi = x[8 * k + i];
-        const float grid = e2m1_rn_grid_x2m14(__fmul_rn(fabsf(xi), inv14));
-        q[i] = __uint_as_float(__float_as_uint(grid) | (__float_as_uint(xi) & 0x80000000u));
-      }
-      w[k] = e2m1_pack8_x2m14(q);
-    }
   } else {
     const float inv = exp2_exact(-e);
     Philox4 rnd;
@@ -142,7 +128,7 @@ __device__ __forceinline__ int mx_finite_block(uint32_t mb, const RawBlock<T, N>
 }
 
 // Tiles of 32 consecutive blocks: lane l owns block 32 tile + l; warps loop over tiles with a grid stride.
-template <typename T, int MODE, bool kSrLean = false, bool kRtnLean = false>
+template <typename T, int MODE, bool kSrLean = false>
 __global__ void __launch_bounds__(kThreads) mxfp4_quant_kernel(const MxParams p) {
   const uint64_t total = (uint64_t)p.total_blocks;
   const uint64_t n_tiles = (total + 31) / 32;
@@ -165,7 +151,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_quant_kernel(const MxParams p)
       if (mb < 0x7F800000u) {
         float x[kMxfp4Block];
         const int e = mx_finite_block(mb, cur, p.scale_ceil, scale, x);
-        w = mx_block_codes<MODE, kSrLean, kRtnLean>(x, e, b, p);
+        w = mx_block_codes<MODE, kSrLean>(x, e, b, p);
       }
       reinterpret_cast<uint4*>(p.codes)[b] = w;
       p.scales[b] = scale;
@@ -174,12 +160,12 @@ __global__ void __launch_bounds__(kThreads) mxfp4_quant_kernel(const MxParams p)
   }
 }
 
-// One tile of the half-block kernels for the lane's half c (16 elements of block c / 2): the block amax with the
+// One tile of the half-block kernel for the lane's half c (16 elements of block c / 2): the block amax with the
 // partner lane's (every lane of the warp calls this), then, if c < halves, its 8 code bytes and (even lanes) the
 // block's scale byte.
-template <typename T, typename Index>
-__device__ __forceinline__ void mx_half_tile(const MxParams& p, const RawBlock<T, kMxfp4Block / 2>& cur, Index c,
-                                             Index halves, uint32_t lane) {
+template <typename T>
+__device__ __forceinline__ void mx_half_tile(const MxParams& p, const RawBlock<T, kMxfp4Block / 2>& cur, uint32_t c,
+                                             uint32_t halves, uint32_t lane) {
   uint32_t mb = raw_max_abs_bits<T>(cur.v);
   mb = max(mb, __shfl_xor_sync(0xFFFFFFFFu, mb, 1));
   if (c < halves) {
@@ -194,39 +180,15 @@ __device__ __forceinline__ void mx_half_tile(const MxParams& p, const RawBlock<T
   }
 }
 
-// RTN (mx_rtn_lean_words) of 16-bit x with two lanes per 32-element block (the default since H200 rounds 66-67; knob
-// TRACE_EXT_MX_HALF, mx_half_selected): lane l
-// of a warp owns half l % 2 of block 16 tile + l / 2 (16 elements, 32 bytes), so a warp's loads of one vector index
-// cover 1 KB with 32-byte lane strides, as in the NVFP4 lean kernels and the stream probes (tools/probes), instead of
-// 2 KB with 64-byte strides; the block amax takes the partner lane's by one shuffle, each lane stores its 8 code bytes
-// and the even lane the scale byte. Tiles of 16 blocks, the next tile's loads issued before the current one is
-// quantized. Same codes and scales as mxfp4_quant_kernel<T, kRTN, false, true>.
-template <typename T>
-__global__ void __launch_bounds__(kThreads) mxfp4_quant_half_kernel(const MxParams p) {
-  static_assert(sizeof(T) == 2, "16-bit x");
-  constexpr int kHalf = kMxfp4Block / 2;
-  const uint64_t halves = 2 * (uint64_t)p.total_blocks;
-  const uint64_t n_tiles = (halves + 31) / 32;
-  const uint64_t n_warps = (uint64_t)gridDim.x * blockDim.x / 32;
-  const uint32_t lane = threadIdx.x % 32;
-  const T* xp = reinterpret_cast<const T*>(p.x);
-  uint64_t tile = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;  // warp-uniform: the shuffle is safe
-  RawBlock<T, kHalf> cur;
-  if (tile < n_tiles) cur = load_raw_block<T, kHalf>(xp, tile * 32 + lane, tile * 32 + lane < halves);
-  for (; tile < n_tiles; tile += n_warps) {
-    const uint64_t nc = (tile + n_warps) * 32 + lane;
-    RawBlock<T, kHalf> next;
-    if (tile + n_warps < n_tiles) next = load_raw_block<T, kHalf>(xp, nc, nc < halves);
-    const uint64_t c = tile * 32 + lane;  // the lane's half; block c / 2 (a block's two halves exist together)
-    mx_half_tile<T>(p, cur, c, halves, lane);
-    cur = next;
-  }
-}
-
-// mxfp4_quant_half_kernel's tiling, codes and scales with less work per tile (the default, mx_half_walk32_selected):
-// 32-bit half indices (the host checks halves + 2 * stride < 2^31), two tiles per loop iteration with the two register
-// buffers swapped (no copy of the next tile's 8 words per tile), the next tile's loads from the clamped index
-// min(c, halves - 1) (always in bounds: no predicate, no zero fill; lanes past the end quantize nothing).
+// RTN (mx_rtn_lean_words) of 16-bit x with two lanes per 32-element block (H200 rounds 66-67: 1.06-1.07x at 2^26
+// over one lane per block; the 32-bit walk since round 79: 1.014-1.035x over the 64-bit walk it replaced): lane l of a
+// warp owns half l % 2 of block 16 tile + l / 2 (16 elements, 32 bytes), so a warp's loads of one vector index cover
+// 1 KB with 32-byte lane strides, as in the NVFP4 lean kernels and the stream probes (tools/probes); the block amax takes
+// the partner lane's by one shuffle, each lane stores its 8 code bytes and the even lane the scale byte. Tiles of 16
+// blocks; 32-bit half indices (the host checks halves + 2 * stride < 2^31, else mxfp4_quant_kernel runs), two tiles per
+// loop iteration with the two register buffers swapped (no copy of the next tile's 8 words per tile), the next tile's
+// loads issued before the current one is quantized, from the clamped index min(c, halves - 1) (always in bounds: no
+// predicate, no zero fill; lanes past the end quantize nothing). Same codes and scales as mxfp4_quant_kernel<T, kRTN>.
 struct MxHalfWalk {
   uint32_t halves;  // 2 * blocks
   uint32_t last;    // halves - 1
@@ -290,20 +252,10 @@ __global__ void __launch_bounds__(kThreads) mxfp4_dequant_kernel(const uint8_t* 
   }
 }
 
-// RTN through mx_block_codes' kRtnLean element code (3 fewer SASS instructions per element): the default since H200
-// round 62 (bench/results/mx_rtn_lean_ab_h200{,_run2}.md, two timings: 1.05-1.06x at 2^26, 71% -> 75% of copy, 1.09x
-// at 2^28, 86% -> 93%). TRACE_EXT_MX_RTN_LEAN=0 (read per call; an A/B knob) keeps the previous element code.
-bool mx_rtn_lean_selected() { return env_switch("TRACE_EXT_MX_RTN_LEAN", true); }
-
-// Lean RTN of 16-bit x goes through mxfp4_quant_half_kernel (two lanes per block): H200 round 66
-// (bench/results/mx_half_ab_h200{,_run2}.md, mx_half_fp16_ab_h200.md; bit-equal) 1.06-1.07x at 2^26 elements (K 4096
-// and 7168, bf16 and fp16: 74.6-75.5% -> 80.0-80.7% of copy), 0.99-1.01x at 2^28 (92-95%). TRACE_EXT_MX_HALF (read per
-// call; an A/B knob): =0 keeps one lane per block (mxfp4_quant_kernel).
+// MXFP4 RTN of 16-bit x runs mxfp4_quant_half32_kernel where its indices fit. TRACE_EXT_MX_HALF=0 (read per call)
+// runs the one-lane-per-block kernel instead, the kernel that takes 16-bit x past the half kernel's 32-bit indices
+// (2^31 halves: 2^36 elements), so that its 16-bit instantiations are tested; 1.06-1.07x slower at 2^26 (round 66).
 bool mx_half_selected() { return env_switch("TRACE_EXT_MX_HALF", true); }
-
-// The half-block RTN kernel with the 32-bit walk (mxfp4_quant_half32_kernel) where its indices fit.
-// TRACE_EXT_MX_HALF32 (read per call; an A/B knob): =0 keeps mxfp4_quant_half_kernel.
-bool mx_half_walk32_selected() { return env_switch("TRACE_EXT_MX_HALF32", true); }
 
 // Tiles per warp the quantize grid aims at (never fewer warps than the GPU holds): RTN 4, SR 2 (H200 round 74, two
 // timings, bit-equal: SR 1.04-1.06x at 2^26 and 1.03x at 2^28 elements with 2; RTN with 1 / 2 / 3 / 6 / 8 / 16:
@@ -349,12 +301,10 @@ std::tuple<at::Tensor, at::Tensor> mxfp4_quantize_cuda(const at::Tensor& x, int6
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   dispatch_float_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    const bool rtn_lean = rounding == kRTN && mx_rtn_lean_selected();
-    const bool half = sizeof(T) == 2 && rtn_lean && mx_half_selected();  // tiles of 16 blocks instead of 32
-    auto kernel = rounding == kSR ? (mx_sr_lean_selected() ? mxfp4_quant_kernel<T, kSR, true>
-                                                           : mxfp4_quant_kernel<T, kSR>)
-                  : rtn_lean      ? mxfp4_quant_kernel<T, kRTN, false, true>
-                                  : mxfp4_quant_kernel<T, kRTN>;
+    const bool half = sizeof(T) == 2 && rounding == kRTN && mx_half_selected();  // tiles of 16 blocks instead of 32
+    auto kernel = rounding == kRTN ? mxfp4_quant_kernel<T, kRTN>
+                  : mx_sr_lean_selected() ? mxfp4_quant_kernel<T, kSR, true>
+                                          : mxfp4_quant_kernel<T, kSR>;
     // a few tiles per warp (mx_tiles_per_warp), but never fewer warps than the GPU holds
     const int64_t n_tiles = div_up(p.total_blocks, half ? 16 : 32);
     const int64_t warps =
@@ -362,14 +312,13 @@ std::tuple<at::Tensor, at::Tensor> mxfp4_quantize_cuda(const at::Tensor& x, int6
     const unsigned grid = (unsigned)div_up(warps * 32, kThreads);
     if constexpr (sizeof(T) == 2) {
       const int64_t halves = 2 * p.total_blocks, stride = int64_t(grid) * kThreads;
-      if (half && mx_half_walk32_selected() && halves + 2 * stride < (int64_t(1) << 31)) {
+      if (half && halves + 2 * stride < (int64_t(1) << 31)) {
         auto k32 = mxfp4_quant_half32_kernel<T>;
         require_kernel_image(k32, op);
         k32<<<grid, kThreads, 0, stream>>>(p, MxHalfWalk{(uint32_t)halves, (uint32_t)(halves - 1), (uint32_t)stride});
         check_launch(op);
         return;
       }
-      if (half) kernel = mxfp4_quant_half_kernel<T>;
     }
     require_kernel_image(kernel, op);
     kernel<<<grid, kThreads, 0, stream>>>(p);

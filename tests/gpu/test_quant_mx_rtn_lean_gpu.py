@@ -1,18 +1,14 @@
 """MXFP4 RTN with the NVFP4 lean kernels' element code (the grid value by one power-of-two magic add, signs by byte
-permutes, saturation when packing): the default since H200 round 62; TRACE_EXT_MX_RTN_LEAN=0 keeps the previous
-element code (the saturated Veltkamp / magic-add grid and a sign OR per element), =1 names the default.
-The lean code of 16-bit x runs with two lanes per block (the default since round 66); TRACE_EXT_MX_HALF=0 keeps one
-lane per block. The half-block kernel walks 32-bit indices with two swapped register buffers and clamped next-tile
-loads (mxfp4_quant_half32_kernel, the default since round 79); TRACE_EXT_MX_HALF32=0 keeps mxfp4_quant_half_kernel.
+permutes, saturation when packing). 16-bit x runs with two lanes per block and a 32-bit two-buffer walk with clamped
+next-tile loads (mxfp4_quant_half32_kernel); TRACE_EXT_MX_HALF=0 runs one lane per block (mxfp4_quant_kernel, the
+kernel of fp32 x and of 16-bit x past the half kernel's 32-bit indices).
 
-Protects: codes and E8M0 scales of every setting (default, =1, =0, one or two lanes per block, either half-block walk)
-equal the reference's
-bit for bit, floor and ceil scales, bf16 / fp16 / fp32, on every float within 64 ulps of each grid point, tie and
-binade edge of [0, 8) in blocks whose scale is 2^0 (led by +-6 or by +-7.99: quotients up to 8 saturate), the same
-blocks moved through the binades (quotients that underflow in the exact multiply), random activations, the quantizer
-tests' adversarial rows (zero / -0 / NaN / +-Inf blocks, huge and tiny values), partial tiles, warps walking one, two
-and three tiles (odd counts end the two-tile loop early) and 2^26 elements; each half-block kernel runs exactly where
-the settings say.
+Protects: codes and E8M0 scales of both kernels equal the reference's bit for bit, floor and ceil scales, bf16 / fp16 /
+fp32, on every float within 64 ulps of each grid point, tie and binade edge of [0, 8) in blocks whose scale is 2^0 (led
+by +-6 or by +-7.99: quotients up to 8 saturate), the same blocks moved through the binades (quotients that underflow in
+the exact multiply), random activations, the quantizer tests' adversarial rows (zero / -0 / NaN / +-Inf blocks, huge
+and tiny values), partial tiles, warps walking one, two and three tiles (odd counts end the two-tile loop early) and
+2^26 elements; each kernel runs exactly where the switch and the dtype say.
 Run: pytest tests/gpu/test_quant_mx_rtn_lean_gpu.py -q   (on the H200, with the extension built; ~20 s)
 """
 from __future__ import annotations
@@ -30,14 +26,9 @@ from test_quant_rowg_lean3_gpu import launched, set_switch
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
-ENV = "TRACE_EXT_MX_RTN_LEAN"
 HALF = "TRACE_EXT_MX_HALF"
-HALF32 = "TRACE_EXT_MX_HALF32"
-# (TRACE_EXT_MX_RTN_LEAN, TRACE_EXT_MX_HALF, TRACE_EXT_MX_HALF32): the default, the lean code named, the previous code,
-# one lane per block, the half-block kernel named, the previous code with the half switch on (it applies to the lean
-# code only), the half-block kernel with the 64-bit walk, the 32-bit walk named
-SETTINGS = ((None, None, None), ("1", None, None), ("0", None, None), (None, "0", None), (None, "1", None),
-            ("0", "1", None), (None, None, "0"), (None, "1", "1"))
+# TRACE_EXT_MX_HALF: the default, one lane per block, the half-block kernel named
+SETTINGS = (None, "0", "1")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 EXP_RANGE = {torch.bfloat16: (-130, 120), torch.float16: (-14, 12), torch.float32: (-140, 120)}
 
@@ -58,12 +49,10 @@ def mx_blocks_dense(lead: float, seed: int) -> torch.Tensor:
 def check(monkeypatch, x, scale_rounding, what):
     """Every setting == the reference (codes, scales)."""
     want = ops.mxfp4_quantize(x, scale_rounding=scale_rounding, backend="reference")
-    for lean, half, half32 in SETTINGS:
-        set_switch(monkeypatch, ENV, lean)
+    for half in SETTINGS:
         set_switch(monkeypatch, HALF, half)
-        set_switch(monkeypatch, HALF32, half32)
         got = ops.mxfp4_quantize(x, scale_rounding=scale_rounding, backend="cuda")
-        tag = f"{what}: {ENV}={lean} {HALF}={half} {HALF32}={half32}"
+        tag = f"{what}: {HALF}={half}"
         assert_same(got.codes, want.codes, f"{tag} codes vs reference")
         assert_same(got.scales, want.scales, f"{tag} scales vs reference")
 
@@ -101,19 +90,17 @@ def test_large(monkeypatch):
 @pytest.mark.parametrize("R,K", ((1, 32), (3, 160), (7, 4096), (5, 7168), (1000, 544), (1100, 4096), (3125, 4096)))
 def test_half_kernel_shapes(monkeypatch, dtype, R, K):
     """Partial tiles (1, 15, 112, 1120 and 17000 blocks: tiles of 16 blocks, grids of one to many waves; 140800 and
-    400000 blocks: warps walking one to three tiles), the half-block kernels run exactly for 16-bit x with the lean code
-    and the switch not off, the 32-bit walk unless TRACE_EXT_MX_HALF32=0."""
+    400000 blocks: warps walking one to three tiles), the half-block kernel runs exactly for 16-bit x with the switch
+    not off, the one-lane kernel otherwise."""
     x = random_x((R, K), dtype, seed=R + K)
     x[0, :32] = 0.0  # a zero block
     if R > 1:
         x[1, 32:64] = float("nan")  # a NaN block next to a finite one
     check(monkeypatch, x, "floor", f"half-block shapes {R}x{K} {dtype}")
-    for lean, half, half32 in SETTINGS:
-        set_switch(monkeypatch, ENV, lean)
+    for half in SETTINGS:
         set_switch(monkeypatch, HALF, half)
-        set_switch(monkeypatch, HALF32, half32)
         names = launched(lambda: ops.mxfp4_quantize(x, backend="cuda"))
-        halves = half != "0" and lean != "0" and dtype != torch.float32
-        runs64 = any("mxfp4_quant_half_kernel" in n for n in names)
-        runs32 = any("mxfp4_quant_half32_kernel" in n for n in names)
-        assert (runs64, runs32) == (halves and half32 == "0", halves and half32 != "0"), (lean, half, half32, names)
+        halves = half != "0" and dtype != torch.float32
+        runs_half = any("mxfp4_quant_half32_kernel" in n for n in names)
+        runs_lane = any("mxfp4_quant_kernel" in n for n in names)
+        assert (runs_half, runs_lane) == (halves, not halves), (half, names)
