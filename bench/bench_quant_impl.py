@@ -34,6 +34,10 @@ against the guided lean kernel (=0), ~15 s:
 The per-team barrier of the per-row lean3 kernel (the default for fake quantization; =1: quantize too; =0: never), ~25 s:
   QUANT_IMPL_VARIANTS=default@TRACE_EXT_QUANT_TEAM_BAR=0,default@TRACE_EXT_QUANT_TEAM_BAR=1 \
   QUANT_IMPL_OPS="rtn (per-row,fake-quant rtn (per-row" python bench/bench_quant_impl.py
+Swizzled scales of the per-row lean3 kernel staged per CTA and stored as 16-byte chunks (the default) against the
+scattered byte stores (=default@TRACE_EXT_QUANT_SWZ_STAGED=0), ~20 s:
+  QUANT_IMPL_VARIANTS=default@TRACE_EXT_QUANT_SWZ_STAGED=0 QUANT_IMPL_OPS=swizzled \
+  QUANT_IMPL_SHAPES=16384x4096,65536x4096,9362x7168,37449x7168,65536x1024 python bench/bench_quant_impl.py
 MXFP4 RTN of 16-bit x with two lanes per block (the default since round 66) against one lane per block
 (=default@TRACE_EXT_MX_HALF=0), ~10 s:
   QUANT_IMPL_VARIANTS=default@TRACE_EXT_MX_HALF=0 QUANT_IMPL_OPS="mxfp4 rtn" python bench/bench_quant_impl.py

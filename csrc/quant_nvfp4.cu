@@ -297,6 +297,12 @@ int64_t lean_iters_cap() {
   return v != nullptr ? std::max<int64_t>(std::atoll(v), 0) : kLeanItersMax;
 }
 
+// Swizzled scales of the per-row lean3 quantize kernel staged in shared memory and stored as whole 16-byte chunks of
+// the 128x4 layout (SWZ_STAGED; the CTA's rows are 4 groups 32 rows apart in one 128-row tile) instead of one byte per
+// block scattered over 8 sectors per warp store. TRACE_EXT_QUANT_SWZ_STAGED (read per call; an A/B knob): =0 keeps
+// the scattered byte stores.
+bool swz_staged_selected() { return env_switch("TRACE_EXT_QUANT_SWZ_STAGED", true); }
+
 // log2 of the row team of the lean per-row kernels: the smallest power of two of threads with team * bpl >= kb.
 uint32_t lean_team_shift(int64_t kb, int bpl) {
   uint32_t shift = 0;
@@ -395,12 +401,24 @@ bool launch_rowg_lean3(const QuantParams& p, cudaStream_t stream, const char* op
                        (uint32_t)plan.rows_per_cta,
                        (uint32_t)plan.row_stride,
                        (uint32_t)(p.kb_pad / 4 * 512),
-                       team >= 4u ? team * 128u : team};
+                       team >= 4u ? team * 128u : team,
+                       0u};
   auto go = [&](auto kernel) {
     require_kernel_image(kernel, op);
     kernel<<<(unsigned)plan.grid, kRowLeanThreads, 0, stream>>>(p, w);
     check_launch(op);
   };
+  // swizzled scales staged per CTA (swz_staged_selected): the CTA takes rows_per_cta rows of each 32-row phase of
+  // one 128-row tile, so rows_per_cta <= 32 (teams of >= 8 threads); every tile of rows_pad gets its CTAs
+  auto go_staged = [&](auto kernel) {
+    RowLean3Walk ws = w;
+    ws.swz_cta_shift = 5u - (uint32_t)__builtin_ctzll((unsigned long long)plan.rows_per_cta);
+    ws.row_stride = 32u;
+    require_kernel_image(kernel, op);
+    kernel<<<(unsigned)((p.rows_pad / 128) << ws.swz_cta_shift), kRowLeanThreads, 0, stream>>>(p, ws);
+    check_launch(op);
+  };
+  const bool staged = !FAKE && !kGuided && p.swizzle && plan.rows_per_cta <= 32 && swz_staged_selected();
   const bool capture = p.mbits != nullptr;
   if constexpr (kGuided) {
     capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, true, FAKE, true, MODE>)
@@ -408,6 +426,9 @@ bool launch_rowg_lean3(const QuantParams& p, cudaStream_t stream, const char* op
   } else if constexpr (FAKE) {
     capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, true, true, GIVEN, kRTN, TEAM_BAR>)
             : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, false, false, true, GIVEN, kRTN, TEAM_BAR>);
+  } else if (staged) {
+    capture ? go_staged(nvfp4_quant_rowg_lean3_kernel<T, kBpl, true, true, false, GIVEN, kRTN, TEAM_BAR, true>)
+            : go_staged(nvfp4_quant_rowg_lean3_kernel<T, kBpl, true, false, false, GIVEN, kRTN, TEAM_BAR, true>);
   } else if (p.swizzle) {
     capture ? go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, true, true, false, GIVEN, kRTN, TEAM_BAR>)
             : go(nvfp4_quant_rowg_lean3_kernel<T, kBpl, true, false, false, GIVEN, kRTN, TEAM_BAR>);

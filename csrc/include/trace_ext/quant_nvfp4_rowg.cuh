@@ -291,7 +291,13 @@ struct RowLean3Walk {
   uint32_t row_stride;    // rows between a thread's consecutive rows: gridDim.x * rows_per_cta
   uint32_t tile_bytes;    // swizzled scales: bytes of one 128-row tile (kb_pad / 4 * 512); rows_pad * kb_pad < 2^31
   uint32_t swz_team;      // swizzled offset of block kbi + team minus that of kbi (team >= 4: team * 128, else team)
+  uint32_t swz_cta_shift;  // SWZ_STAGED: log2 of the CTAs per 128-row tile (32 / rows_per_cta)
 };
+
+// SWZ_STAGED: a CTA's swizzled scale bytes, staged in shared memory as the 16-byte chunks of the 128x4 layout it owns
+// (rows_per_cta <= 32 rows of a tile's 32-row phase x kb_pad / 4 column chunks; rows_per_cta * kb_pad * 4 <= 2 KB,
+// since kb_pad <= 2 team = 512 / rows_per_cta).
+constexpr int kSwzStageChunks = 128;
 
 // threadIdx.x read where it is used: values derived from it are recomputed in the loop instead of being hoisted out
 // of it and kept live (at 64 registers ptxas then spills them).
@@ -323,22 +329,39 @@ struct RowSide {  // a row's inputs besides x, loaded with it: GIVEN: g; guided:
 // named barrier of the row's team (bar.sync 1 + team, team threads) instead of the CTA's __syncthreads: the 2 / 4 teams
 // of a CTA at K 4096 / 2048 no longer wait for each other.
 template <typename T, int BPL, bool SWIZZLE, bool CAPTURE, bool FAKE = false, bool GIVEN = false, int MODE = kRTN,
-          bool TEAM_BAR = false>
+          bool TEAM_BAR = false, bool SWZ_STAGED = false>
 __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
     nvfp4_quant_rowg_lean3_kernel(const QuantParams p, const RowLean3Walk w) {
   constexpr bool kGuided = MODE == kGuidedCompact || MODE == kGuidedFull;
   static_assert(BPL == 1 || BPL == 2, "one or two blocks per lane");
   static_assert(!(FAKE && SWIZZLE), "fake quantization emits linear scales");
   static_assert(MODE == kRTN || (kGuided && GIVEN && !SWIZZLE), "guided: the rollout's g, linear outputs");
+  static_assert(!SWZ_STAGED || SWIZZLE, "staged scale stores are the swizzled layout's");
   constexpr bool kScalesOut = !FAKE || CAPTURE;  // scale bytes and g_out exist
   __shared__ uint32_t warp_max[2][kRowLeanThreads / 32];
+  __shared__ uint4 swz_stage[SWZ_STAGED ? kSwzStageChunks : 1];
   const uint32_t lane = threadIdx.x & w.team_mask;
   const bool has_last = lane < w.last_lanes;  // blocks q < BPL - 1 always exist (the host's team: team * BPL >= kb)
   const T* xp = reinterpret_cast<const T*>(p.x);
-  uint32_t base = blockIdx.x * w.rows_per_cta;  // the CTA's row group (uniform: every thread runs every iteration)
+  // The CTA's row groups (uniform: every thread runs every iteration): base, base + stride, ... below row_end.
+  // SWZ_STAGED: the CTA owns rows_per_cta consecutive rows of each 32-row phase of one 128-row tile (4 groups, 32 rows
+  // apart), i.e. whole 16-byte chunks of the tile's swizzled scales; loads past row_end read row R - 1 (L2 hits).
+  uint32_t base, row_end, stride;
+  if constexpr (SWZ_STAGED) {
+    const uint32_t tile0 = (blockIdx.x >> w.swz_cta_shift) * 128u;
+    base = tile0 + (blockIdx.x & ((1u << w.swz_cta_shift) - 1u)) * w.rows_per_cta;
+    row_end = min(w.rows, tile0 + 128u);
+    stride = 32u;
+  } else {
+    base = blockIdx.x * w.rows_per_cta;
+    row_end = w.rows;
+    stride = w.row_stride;
+  }
+  const uint32_t base0 = base;
   uint32_t row = base + (threadIdx.x >> w.team_shift);
+  auto clamp_row = [&](uint32_t r) { return SWZ_STAGED ? (r < row_end ? r : w.last_row) : min(r, w.last_row); };
   auto load = [&](uint32_t r, BlockRaw<T>(&buf)[BPL]) {
-    const uint32_t i0 = min(r, w.last_row) * w.kb + lane;
+    const uint32_t i0 = clamp_row(r) * w.kb + lane;
 #pragma unroll
     for (int q = 0; q < BPL - 1; ++q) buf[q] = load_block<T>(xp, i0 + q * w.team, true);
     if (has_last) buf[BPL - 1] = load_block<T>(xp, i0 + (BPL - 1) * w.team, true);
@@ -378,7 +401,7 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
   // The side inputs of row r (rows past R read row R - 1's, as the loads of x do): GIVEN: its g; guided: the
   // rollout's g and its guidance of the thread's blocks
   auto load_side = [&](uint32_t r, RowSide<BPL>& sd) {
-    const uint32_t rc = min(r, w.last_row);
+    const uint32_t rc = clamp_row(r);
     if constexpr (kGuided) {
       sd.g = __ldg(p.guide_g + rc);
       const uint32_t i0 = rc * w.kb + lane;
@@ -402,8 +425,8 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
   // and side_nxt (in flight during this row's work), cur's row reduced and quantized.
   auto step = [&](auto parity, BlockRaw<T>(&cur)[BPL], BlockRaw<T>(&nxt)[BPL], const RowSide<BPL>& side,
                   RowSide<BPL>& side_nxt) {
-    load(row + w.row_stride, nxt);
-    load_side(row + w.row_stride, side_nxt);
+    load(row + stride, nxt);
+    load_side(row + stride, side_nxt);
     uint32_t mb[BPL];
 #pragma unroll
     for (int q = 0; q < BPL; ++q) mb[q] = block_max_abs_bits<T, !kGuided>(cur[q]);  // (raw_max_abs_bits)
@@ -455,7 +478,12 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
             reinterpret_cast<uint16_t*>(p.mbits)[fb] =
                 (uint16_t)(nibble_lsbs(codes[0]) | (nibble_lsbs(codes[1]) << 8));
           }
-          if constexpr (SWIZZLE) {
+          if constexpr (SWZ_STAGED) {
+            // chunk (team row, column chunk kbi / 4) of the stage, byte 4 (row group) + kbi % 4
+            const uint32_t kbi = lane + q * w.team, it = (base - base0) >> 5;
+            const uint32_t chunk = (tid_in_loop() >> w.team_shift) * (w.tile_bytes >> 9) + (kbi >> 2);
+            reinterpret_cast<uint8_t*>(swz_stage)[chunk * 16u + it * 4u + (kbi & 3u)] = s;
+          } else if constexpr (SWIZZLE) {
             // the swizzled offset of block lane of the row, computed here (kept across the element code, it spilled)
             const uint32_t swz = (row >> 7) * w.tile_bytes + (row & 31u) * 16u + ((row >> 5) & 3u) * 4u +
                                  (lane >> 2) * 512u + (lane & 3u);
@@ -466,8 +494,8 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
         }
       }
     }
-    base += w.row_stride;
-    row += w.row_stride;
+    base += stride;
+    row += stride;
   };
   BlockRaw<T> buf0[BPL], buf1[BPL];
   buf0[BPL - 1] = BlockRaw<T>{};  // a lane without a last block never loads it (its amax is masked)
@@ -475,12 +503,30 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
   RowSide<BPL> side0{}, side1{};  // (a lane without a last block never loads its guidance)
   load(row, buf0);
   load_side(row, side0);
-  while (base < w.rows) {
+  // SWZ_STAGED: the stage's chunks of rows past R and of blocks past kb (up to kb_pad) are zeros
+  const uint32_t stage_chunks = SWZ_STAGED ? w.rows_per_cta * (w.tile_bytes >> 9) : 0u;
+  const uint32_t tile0 = base0 & ~127u;
+  if constexpr (SWZ_STAGED) {
+    if (row_end < tile0 + 128u || (w.kb & 3u) != 0u) {
+      for (uint32_t ch = threadIdx.x; ch < stage_chunks; ch += kRowLeanThreads) swz_stage[ch] = make_uint4(0u, 0u, 0u, 0u);
+      __syncthreads();
+    }
+  }
+  while (base < row_end) {
     step(std::integral_constant<int, 0>{}, buf0, buf1, side0, side1);
-    if (base >= w.rows) break;
+    if (base >= row_end) break;
     step(std::integral_constant<int, 1>{}, buf1, buf0, side1, side0);
   }
-  if constexpr (SWIZZLE) {
+  if constexpr (SWZ_STAGED) {
+    // the CTA's chunks: column chunk kt of team row j to tile offset kt * 512 + (its row in the 32-row phase) * 16
+    __syncthreads();
+    const uint32_t kt_n = w.tile_bytes >> 9;
+    uint8_t* dst = p.scales + (size_t)(tile0 >> 7) * w.tile_bytes + (base0 - tile0) * 16u;
+    for (uint32_t ch = threadIdx.x; ch < stage_chunks; ch += kRowLeanThreads) {
+      const uint32_t j = ch / kt_n, kt = ch - j * kt_n;
+      *reinterpret_cast<uint4*>(dst + kt * 512u + j * 16u) = swz_stage[ch];
+    }
+  } else if constexpr (SWIZZLE) {
     swizzle_pad_zero(p, (int64_t)blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
   }
 }
