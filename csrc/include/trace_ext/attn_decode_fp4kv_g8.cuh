@@ -66,14 +66,34 @@ __device__ __forceinline__ void swapped_scores(const uint32_t (&w)[2][Geo<D>::kK
   }
 }
 
+// What the online softmax derives from the running max m of heads 2c, 2c + 1: the rescale threshold m + kRescaleSlack
+// and the exponent reference (m, or 0 while m = -inf). RunRefs forms them only when m changes (the rescale path);
+// RunRefsRecomputed per tile, two registers fewer (the g8 and 4-warp heads kernels, at <= 102 registers, spilled with
+// RunRefs).
+struct RunRefs {
+  float t[2] = {-INFINITY, -INFINITY};
+  float r[2] = {0.0f, 0.0f};
+  __device__ __forceinline__ float thr(const float (&)[2], int h) const { return t[h]; }
+  __device__ __forceinline__ float ref(const float (&)[2], int h) const { return r[h]; }
+  __device__ __forceinline__ void set(int h, float m) {
+    t[h] = m + kRescaleSlack;
+    r[h] = m == -INFINITY ? 0.0f : m;
+  }
+};
+struct RunRefsRecomputed {
+  __device__ __forceinline__ float thr(const float (&m)[2], int h) const { return m[h] + kRescaleSlack; }
+  __device__ __forceinline__ float ref(const float (&m)[2], int h) const { return m[h] == -INFINITY ? 0.0f : m[h]; }
+  __device__ __forceinline__ void set(int, float) {}
+};
+
 // (2) The online softmax (log2 domain) per head (column) over the tile's 16 tokens (rows): scale, mask tokens at or
 // past `end` (the split's last tile), lazy rescaling of (m, l, O) when a head's max grows by more than kRescaleSlack,
 // P = 2^(s - m) summed into l (this lane's tokens; summed over r after the loop) and transposed into P^T's B
 // fragment pb: P[head r][tokens 2c, 2c+1] and [2c+8, 2c+9].
-template <int kMTiles>
+template <int kMTiles, class Refs>
 __device__ __forceinline__ void swapped_softmax(float (&s)[4], const float (&head_scale)[2], int t0, int end, int r,
-                                                float (&m_run)[2], float (&l_run)[2], float (&o)[kMTiles][4],
-                                                uint32_t (&pb)[2]) {
+                                                float (&m_run)[2], Refs& refs, float (&l_run)[2],
+                                                float (&o)[kMTiles][4], uint32_t (&pb)[2]) {
 #pragma unroll
   for (int e = 0; e < 4; ++e) s[e] *= head_scale[e & 1];
   if (t0 + kTile > end) {  // the last tile of the split: mask tokens past its end (warp-uniform branch)
@@ -82,22 +102,22 @@ __device__ __forceinline__ void swapped_softmax(float (&s)[4], const float (&hea
       if (t0 + r + 8 * (e >> 1) >= end) s[e] = -INFINITY;
     }
   }
+  // The rescale test on this lane's own scores: some lane's exceed m_run + slack iff the head's max over the tile
+  // does (m_run is the same in the 8 lanes of a head), so the max over the tile's rows (3 shuffles per head) is only
+  // formed when the warp rescales.
   float mx[2] = {fmaxf(s[0], s[2]), fmaxf(s[1], s[3])};
-  bool grow = false;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 4));
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 8));
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 16));
-    grow = grow || (mx[h] > m_run[h] + kRescaleSlack);
-  }
+  const bool grow = mx[0] > refs.thr(m_run, 0) || mx[1] > refs.thr(m_run, 1);
   if (__any_sync(0xffffffffu, grow)) {
     float alpha[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 4));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 8));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 16));
       const float m_new = fmaxf(m_run[h], mx[h]);
       alpha[h] = m_new == -INFINITY ? 1.0f : exp2f(m_run[h] - m_new);
       m_run[h] = m_new;
+      refs.set(h, m_new);
       l_run[h] *= alpha[h];
     }
 #pragma unroll
@@ -107,10 +127,7 @@ __device__ __forceinline__ void swapped_softmax(float (&s)[4], const float (&hea
     }
   }
 #pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const float m_ref = m_run[e & 1] == -INFINITY ? 0.0f : m_run[e & 1];
-    s[e] = exp2_ftz(s[e] - m_ref);
-  }
+  for (int e = 0; e < 4; ++e) s[e] = exp2_ftz(s[e] - refs.ref(m_run, e & 1));
   l_run[0] += s[0] + s[2];
   l_run[1] += s[1] + s[3];
   __half2 h0 = __floats2half2_rn(s[0], s[1]);  // token r, heads 2c, 2c+1
@@ -167,12 +184,12 @@ __device__ __forceinline__ void swapped_q_fragments(const DecodeParams& p, int b
 
 // One swapped-operand tile step over the stage st (tokens t0 .. t0 + 15, the split ends at end): S^T = K.Q^T, the
 // online softmax, O^T += V^T.P^T, with this thread's K / V code and scale offsets inside the stage.
-template <int D>
+template <int D, class Refs>
 __device__ __forceinline__ void swapped_tile(const uint8_t* st, const int (&k_off)[2], const int (&ks_off)[2],
                                              const int (&v_off)[4], const int (&vs_off)[4],
                                              const uint32_t (&qb)[Geo<D>::kKSteps][2], const float (&head_scale)[2],
-                                             int t0, int end, int r, float (&m_run)[2], float (&l_run)[2],
-                                             float (&o)[D / 16][4]) {
+                                             int t0, int end, int r, float (&m_run)[2], Refs& refs,
+                                             float (&l_run)[2], float (&o)[D / 16][4]) {
   float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   {
     uint32_t w[2][Geo<D>::kKWords];
@@ -181,7 +198,7 @@ __device__ __forceinline__ void swapped_tile(const uint8_t* st, const int (&k_of
     swapped_scores<D>(w, sc, qb, s);
   }
   uint32_t pb[2];
-  swapped_softmax<D / 16>(s, head_scale, t0, end, r, m_run, l_run, o, pb);
+  swapped_softmax<D / 16>(s, head_scale, t0, end, r, m_run, refs, l_run, o, pb);
   {
     uint32_t vw[4][Geo<D>::kVWords];
     uint32_t vs2[2];
@@ -207,6 +224,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksSwap) fp4kv_decode_kernel_
 #pragma unroll
   for (int m = 0; m < kMTiles; ++m) o[m][0] = o[m][1] = o[m][2] = o[m][3] = 0.0f;
   float m_run[2] = {-INFINITY, -INFINITY};  // heads 2c, 2c + 1
+  RunRefsRecomputed refs;
   float l_run[2] = {0.0f, 0.0f};
 
   uint8_t* wsmem = smem + warp * kStages * G::kStageBytes;
@@ -246,7 +264,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksSwap) fp4kv_decode_kernel_
     const int t0 = tile_start(i);
 
     // ---- S^T = K.Q^T, the online softmax, O^T += V^T.P^T (the swapped-operand tile step) ----
-    swapped_tile<D>(st, k_off, ks_off, v_off, vs_off, qb, head_scale, t0, end, r, m_run, l_run, o);
+    swapped_tile<D>(st, k_off, ks_off, v_off, vs_off, qb, head_scale, t0, end, r, m_run, refs, l_run, o);
     __syncwarp();
   }
   cp_async_wait<0>();

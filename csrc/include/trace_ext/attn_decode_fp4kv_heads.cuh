@@ -325,6 +325,8 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
 #pragma unroll
   for (int m = 0; m < kMTiles; ++m) o[m][0] = o[m][1] = o[m][2] = o[m][3] = 0.0f;
   float m_run[2] = {-INFINITY, -INFINITY};  // heads 2c, 2c + 1
+  // heads8 (<= 128 registers) keeps the softmax references; the 4-warp kernel (<= 102) spilled them
+  std::conditional_t<kSets == 2, RunRefs, RunRefsRecomputed> refs;
   float l_run[2] = {0.0f, 0.0f};
 
   for (int i = 0; i < n_stages; ++i) {
@@ -339,7 +341,7 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
     const int t0 = start + tile * kTile;
 
     // ---- S^T = K.Q^T, the online softmax, O^T += V^T.P^T (the g8 kernel's tile step) ----
-    swapped_tile<D>(st, k_off, ks_off, v_off, vs_off, qb, head_scale, t0, end, r, m_run, l_run, o);
+    swapped_tile<D>(st, k_off, ks_off, v_off, vs_off, qb, head_scale, t0, end, r, m_run, refs, l_run, o);
   }
   cp_async_wait<0>();
 
