@@ -164,17 +164,16 @@ __global__ void __launch_bounds__(kThreads, kQSmem ? kMinBlocks : kMinBlocksQReg
     }
     // Lazy rescaling: the running max only moves (and O, l are rescaled) when a row's max grew by more than
     // kRescaleSlack (log2 units); otherwise P = 2^(x - m_run) <= 2^kRescaleSlack, still exact enough in fp16
-    // and harmless in the fp32 accumulators. Saves the D/2 multiplies per thread per tile of the O rescale.
-    bool grow = false;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-      grow = grow || (mx[h] > m_run[h] + kRescaleSlack);  // also true on the first finite max (m_run = -inf)
-    }
+    // and harmless in the fp32 accumulators. Saves the D/2 multiplies per thread per tile of the O rescale. The test
+    // runs on this lane's own scores (some lane's exceed m_run + slack iff the row's max does: m_run is the same in
+    // the row's 4 lanes); the row max over the tile (2 shuffles per row) is formed only when the warp rescales.
+    // Also true on the first finite max (m_run = -inf).
+    const bool grow = mx[0] > m_run[0] + kRescaleSlack || mx[1] > m_run[1] + kRescaleSlack;
     if (__any_sync(0xffffffffu, grow)) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
         const float m_new = fmaxf(m_run[h], mx[h]);
         const float alpha = m_new == -INFINITY ? 1.0f : exp2f(m_run[h] - m_new);
         m_run[h] = m_new;
