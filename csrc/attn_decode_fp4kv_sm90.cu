@@ -358,29 +358,6 @@ DecodeKernelFn heads8_ring_kernel(int device) {
   return kernel;
 }
 
-// heads8 with its default ring and the block-table walk of the page size (kWalkPagesPerStage where P divides a stage's
-// 32 tokens, kWalkStagesPerPage where 32 divides P, else kWalkAny: the same pages, fewer instructions per stage).
-// TRACE_EXT_KV_DECODE_WALK=any (read per call; an A/B knob) keeps the general walk.
-template <int D, int kWalk>
-DecodeKernelFn heads8_walk_kernel(int device) {
-  static bool attr_set[64] = {false};
-  const DecodeKernelFn kernel = fp4kv_decode_kernel_heads<D, 2, kHeads8Ring, kWalk>;
-  if (!attr_set[device & 63]) {
-    set_decode_kernel_attrs(kernel, heads8_smem<D>(kHeads8Ring));
-    attr_set[device & 63] = true;
-  }
-  return kernel;
-}
-template <int D>
-DecodeKernelFn heads8_kernel_for_pages(int page_size, int device) {
-  const char* env = std::getenv("TRACE_EXT_KV_DECODE_WALK");
-  if (env != nullptr && std::strcmp(env, "any") == 0) return decode_kernel<D, kImplHeads8>();
-  constexpr int kStageTokens = 2 * kTile;
-  if (kStageTokens % page_size == 0) return heads8_walk_kernel<D, kWalkPagesPerStage>(device);
-  if (page_size % kStageTokens == 0) return heads8_walk_kernel<D, kWalkStagesPerPage>(device);
-  return decode_kernel<D, kImplHeads8>();
-}
-
 template <int D, int kImpl>
 void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max_len, const at::Tensor& q,
             at::Tensor& out, at::Tensor& lse) {
@@ -415,8 +392,6 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
     if (ring != 0) {
       kernel = ring == 2 ? heads8_ring_kernel<D, 2>(device) : heads8_ring_kernel<D, 4>(device);
       smem = heads8_smem<D>(ring);
-    } else {
-      kernel = heads8_kernel_for_pages<D>(p.page_size, device);
     }
   }
   require_kernel_image(kernel, "fp4kv_decode_attention");

@@ -249,26 +249,6 @@ def test_decode_heads_and_g8_kernels_fused_split_combine_matches_combine_kernel(
     assert_fused_finish_equals_combine_kernel(monkeypatch, ((16, 4, 128), (64, 8, 64)), (7, 64, 3, 7, 20))
 
 
-@pytest.mark.parametrize("P", [1, 2, 16, 32, 64, 128, 24])
-def test_decode_heads8_block_table_walks_agree(P, monkeypatch):
-    """heads8's block-table walk for the page size (one table load per stage where P divides the stage's 32 tokens,
-    one per page where 32 divides P) reads the same pages as the general walk (TRACE_EXT_KV_DECODE_WALK=any): outputs
-    and LSE equal bit for bit, shuffled pages, mixed lengths (an empty sequence, lengths off the page and stage
-    grid), one split and several."""
-    lens = [1, 31, 33, 1000, 0, 2049]
-    cache, table, seq_lens, *_ = make_cache(lens, 8, 128, P, seed=P)
-    q = torch.randn(len(lens), 32, 128, device=DEV).to(torch.bfloat16)
-    for splits in (1, 3, 0):
-        monkeypatch.delenv("TRACE_EXT_KV_DECODE_WALK", raising=False)
-        out, lse = ops.fp4kv_decode_attention(q, cache, table, seq_lens, num_splits=splits, backend="cuda")
-        monkeypatch.setenv("TRACE_EXT_KV_DECODE_WALK", "any")
-        out_any, lse_any = ops.fp4kv_decode_attention(q, cache, table, seq_lens, num_splits=splits, backend="cuda")
-        assert torch.equal(out.view(torch.int16), out_any.view(torch.int16)), (P, splits)
-        assert torch.equal(lse.view(torch.int32), lse_any.view(torch.int32)), (P, splits)
-        err, err_sdpa, _ = errors_vs_reference(out, lse, q, cache, table, seq_lens, 1.0 / math.sqrt(128))
-        assert err <= 2 * err_sdpa + 1e-6, (P, splits, err, err_sdpa)
-
-
 @pytest.mark.parametrize("impl", ["default", "heads8"])
 def test_decode_with_large_and_tiny_query_rows(impl, monkeypatch):
     """Q rows of very different magnitudes (the kernel rescales each row by a power of two) and a zero row."""

@@ -55,11 +55,6 @@ constexpr int kMinBlocksHeads8 = 2;    // heads8 (8 warps): CTAs per SM (<= 128 
 // decode cases in both passes, bit-equal; 2 stages 0.98-0.99x), TRACE_EXT_KV_DECODE_RING=4 / 2 (read per call) select
 // the others.
 constexpr int kHeads8Ring = 3;
-// How a thread's token walks the block table from one stage to the next (kSets * kTile tokens on): any page size
-// (kWalkAny), page sizes that divide the stage (kWalkPagesPerStage: the same slot, the column steps by stage / P, one
-// table load per stage) or that the stage divides (kWalkStagesPerPage: the same column until the slot wraps). The two
-// special walks compute the same pages with fewer instructions per stage (heads8's default ring, H200 round 84).
-constexpr int kWalkAny = 0, kWalkPagesPerStage = 1, kWalkStagesPerPage = 2;
 constexpr int64_t kHeadsFusedMax = 1 << 16;  // partial floats (splits x 4 G x D) the fused finish of one CTA reads
 
 template <int D>
@@ -216,7 +211,7 @@ __device__ __forceinline__ void merge_warp_sets(uint8_t* smem, int warp, int set
   }
 }
 
-template <int D, int kSets, int kRing = kStages, int kWalk = kWalkAny>
+template <int D, int kSets, int kRing = kStages>
 __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads : kMinBlocksHeads8)
     fp4kv_decode_kernel_heads(const DecodeParams p) {
   using G = Geo<D>;
@@ -285,22 +280,11 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
     issue_stage = issue_stage == (kRing - 1) * kSetStage ? 0u : issue_stage + kSetStage;
     // next tile of this thread's token: same page unless the column moves (then one table load)
     tok += kSetTokens;
-    if constexpr (kWalk == kWalkPagesPerStage) {  // step_slot == 0
-      tp += step_col;
-      if (tok < end) page = __ldg(tp);
-    } else if constexpr (kWalk == kWalkStagesPerPage) {  // step_col == 0, step_slot == kSetTokens
-      slot += kSetTokens;
-      if (slot >= psize) {
-        slot -= psize, ++tp;
-        if (tok < end) page = __ldg(tp);
-      }
-    } else {
-      slot += step_slot;
-      tp += step_col;
-      bool moved = step_col != 0;
-      if (slot >= psize) slot -= psize, ++tp, moved = true;
-      if (moved && tok < end) page = __ldg(tp);
-    }
+    slot += step_slot;
+    tp += step_col;
+    bool moved = step_col != 0;
+    if (slot >= psize) slot -= psize, ++tp, moved = true;
+    if (moved && tok < end) page = __ldg(tp);
   };
 
 #pragma unroll
