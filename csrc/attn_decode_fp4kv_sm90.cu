@@ -220,7 +220,7 @@ DecodeKernelFn decode_kernel() {
   } else if constexpr (kImpl == kImplHeads) {
     return fp4kv_decode_kernel_heads<D, 1>;
   } else if constexpr (kImpl == kImplHeads8) {
-    return fp4kv_decode_kernel_heads<D, 2, kHeads8Ring, 2>;
+    return fp4kv_decode_kernel_heads<D, 2, kHeads8Ring>;
   } else {
     return fp4kv_decode_kernel<D, kImpl == kImplSmemQ>;
   }
@@ -347,22 +347,6 @@ void set_decode_kernel_attrs(DecodeKernelFn kernel, int smem) {
   if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
 }
 
-// heads8's scores in two MMA accumulator chains (the default since H200 round 85; swapped_scores' kChains = 2).
-// TRACE_EXT_KV_DECODE_CHAINS=1 (read per call; an A/B knob) keeps the one chain of the kernel before (the k-steps
-// summed in order).
-template <int D>
-DecodeKernelFn heads8_one_chain_if_selected(DecodeKernelFn two_chains, int device) {
-  const char* env = std::getenv("TRACE_EXT_KV_DECODE_CHAINS");
-  if (!(env != nullptr && std::strcmp(env, "1") == 0)) return two_chains;
-  static bool attr_set[64] = {false};  // per D (template) and device
-  const DecodeKernelFn one_chain = fp4kv_decode_kernel_heads<D, 2, kHeads8Ring, 1>;
-  if (!attr_set[device & 63]) {
-    set_decode_kernel_attrs(one_chain, heads8_smem<D>(kHeads8Ring));
-    attr_set[device & 63] = true;
-  }
-  return one_chain;
-}
-
 template <int D, int kRing>
 DecodeKernelFn heads8_ring_kernel(int device) {
   static bool attr_set[64] = {false};
@@ -408,8 +392,6 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
     if (ring != 0) {
       kernel = ring == 2 ? heads8_ring_kernel<D, 2>(device) : heads8_ring_kernel<D, 4>(device);
       smem = heads8_smem<D>(ring);
-    } else {
-      kernel = heads8_one_chain_if_selected<D>(kernel, device);
     }
   }
   require_kernel_image(kernel, "fp4kv_decode_attention");

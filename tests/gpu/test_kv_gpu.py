@@ -232,19 +232,6 @@ def test_decode_heads_and_g8_kernels_error_at_most_twice_sdpa_bf16(lens, Hq, Hkv
     test_decode_error_at_most_twice_sdpa_bf16(lens, Hq, Hkv, D, P)
 
 
-@pytest.mark.parametrize("chains", [None, "1"])
-@pytest.mark.parametrize("lens, Hq, Hkv, D, P", HEADS_CASES)
-def test_decode_heads8_score_chains_error_at_most_twice_sdpa_bf16(lens, Hq, Hkv, D, P, chains, monkeypatch):
-    """heads8's scores in two MMA accumulator chains (the default) and in one (TRACE_EXT_KV_DECODE_CHAINS=1, the
-    kernel before: another fp32 summation order) both meet the decode bound."""
-    monkeypatch.setenv("TRACE_EXT_KV_DECODE_IMPL", "heads8")
-    if chains is None:
-        monkeypatch.delenv("TRACE_EXT_KV_DECODE_CHAINS", raising=False)
-    else:
-        monkeypatch.setenv("TRACE_EXT_KV_DECODE_CHAINS", chains)
-    test_decode_error_at_most_twice_sdpa_bf16(lens, Hq, Hkv, D, P)
-
-
 @pytest.mark.parametrize("impl", ["heads", "g8", "heads8"])
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 64, 1000])
 def test_decode_heads_and_g8_kernels_split_counts_agree(num_splits, impl, monkeypatch):

@@ -44,16 +44,10 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 
 // The swapped-operand tile step, shared by the g8 and heads kernels: (1) S^T = K.Q^T from the staged K code words w and
 // their half2 block scales sc (load_k) into s: rows tokens r (half 0) and 8 + r (half 1), columns heads 2c, 2c + 1.
-// kChains = 2: the even and the odd k-steps accumulate into two registers sets, added at the end, so the tile's
-// chain of dependent MMAs (on the path from the K tile to the softmax) is half as long; another fp32 summation order
-// than kChains = 1 (the k-steps in order), within the decode bound all the same.
-template <int D, int kChains = 1>
+template <int D>
 __device__ __forceinline__ void swapped_scores(const uint32_t (&w)[2][Geo<D>::kKWords],
                                                const uint32_t (&sc)[2][Geo<D>::kKWords],
                                                const uint32_t (&qb)[Geo<D>::kKSteps][2], float (&s)[4]) {
-  static_assert(kChains == 1 || kChains == 2, "one or two accumulator chains");
-  float s_odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  float(&acc_odd)[4] = kChains == 2 ? s_odd : s;
 #pragma unroll
   for (int wi = 0; wi < Geo<D>::kKWords; ++wi) {
     uint32_t hb[2], lb[2];
@@ -68,11 +62,7 @@ __device__ __forceinline__ void swapped_scores(const uint32_t (&w)[2][Geo<D>::kK
     mma_f16(s, a0, qb[2 * wi][0], qb[2 * wi][1]);
     const uint32_t a1[4] = {dequant_pair(lb[0], kPairHi, sc[0][wi]), dequant_pair(lb[1], kPairHi, sc[1][wi]),
                             dequant_pair(hb[0], kPairHi, sc[0][wi]), dequant_pair(hb[1], kPairHi, sc[1][wi])};
-    mma_f16(acc_odd, a1, qb[2 * wi + 1][0], qb[2 * wi + 1][1]);
-  }
-  if constexpr (kChains == 2) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[e] += s_odd[e];
+    mma_f16(s, a1, qb[2 * wi + 1][0], qb[2 * wi + 1][1]);
   }
 }
 
@@ -194,7 +184,7 @@ __device__ __forceinline__ void swapped_q_fragments(const DecodeParams& p, int b
 
 // One swapped-operand tile step over the stage st (tokens t0 .. t0 + 15, the split ends at end): S^T = K.Q^T, the
 // online softmax, O^T += V^T.P^T, with this thread's K / V code and scale offsets inside the stage.
-template <int D, class Refs, int kChains = 1>
+template <int D, class Refs>
 __device__ __forceinline__ void swapped_tile(const uint8_t* st, const int (&k_off)[2], const int (&ks_off)[2],
                                              const int (&v_off)[4], const int (&vs_off)[4],
                                              const uint32_t (&qb)[Geo<D>::kKSteps][2], const float (&head_scale)[2],
@@ -205,7 +195,7 @@ __device__ __forceinline__ void swapped_tile(const uint8_t* st, const int (&k_of
     uint32_t w[2][Geo<D>::kKWords];
     uint32_t sc[2][Geo<D>::kKWords];  // half2 (s, s) per word
     load_k<D>(st, k_off, ks_off, w, sc);
-    swapped_scores<D, kChains>(w, sc, qb, s);
+    swapped_scores<D>(w, sc, qb, s);
   }
   uint32_t pb[2];
   swapped_softmax<D / 16>(s, head_scale, t0, end, r, m_run, refs, l_run, o, pb);

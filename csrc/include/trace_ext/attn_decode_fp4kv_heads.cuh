@@ -211,7 +211,7 @@ __device__ __forceinline__ void merge_warp_sets(uint8_t* smem, int warp, int set
   }
 }
 
-template <int D, int kSets, int kRing = kStages, int kChains = 1>
+template <int D, int kSets, int kRing = kStages>
 __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads : kMinBlocksHeads8)
     fp4kv_decode_kernel_heads(const DecodeParams p) {
   using G = Geo<D>;
@@ -341,8 +341,7 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
     const int t0 = start + tile * kTile;
 
     // ---- S^T = K.Q^T, the online softmax, O^T += V^T.P^T (the g8 kernel's tile step) ----
-    swapped_tile<D, decltype(refs), kChains>(st, k_off, ks_off, v_off, vs_off, qb, head_scale, t0, end, r, m_run, refs,
-                                             l_run, o);
+    swapped_tile<D>(st, k_off, ks_off, v_off, vs_off, qb, head_scale, t0, end, r, m_run, refs, l_run, o);
   }
   cp_async_wait<0>();
 
