@@ -145,6 +145,16 @@ __device__ __forceinline__ RawBlock<T, kElems> load_raw_block(const T* x, uint64
   return raw;
 }
 
+// A 16-bit magnitude's bits h (sign clear) of T (bf16 / fp16) as the float bits of the same value (exact).
+template <typename T>
+__device__ __forceinline__ uint32_t half_magnitude_as_float_bits(uint32_t h) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return h << 16;
+  } else {
+    return __float_as_uint(__half2float(__ushort_as_half((unsigned short)h)));
+  }
+}
+
 // max |x| over NV raw 16-byte vectors of T, as float bits (what max_abs_bits gives for the same values; a NaN may come
 // back as another NaN: callers only test >= 0x7F800000 for Inf / NaN). 16-bit inputs, kPackedMax (the default): two
 // chains of max_abs_nan_x2 over the raw words (2 magnitudes per HMNMX2), then the two halves; H200 round 78: NVFP4 RTN
@@ -170,12 +180,7 @@ __device__ __forceinline__ uint32_t raw_max_abs_bits(const uint4 (&v)[NV]) {
       m = max_u16x2(m, v[i].z & 0x7FFF7FFFu);
       m = max_u16x2(m, v[i].w & 0x7FFF7FFFu);
     }
-    const uint32_t h = max(m & 0xFFFFu, m >> 16);
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      return h << 16;
-    } else {
-      return __float_as_uint(__half2float(__ushort_as_half((unsigned short)h)));
-    }
+    return half_magnitude_as_float_bits<T>(max(m & 0xFFFFu, m >> 16));
   } else {
     uint32_t a = max_abs_nan_x2<T>(v[0].x, v[0].y), b = max_abs_nan_x2<T>(v[0].z, v[0].w);
 #pragma unroll
@@ -184,12 +189,7 @@ __device__ __forceinline__ uint32_t raw_max_abs_bits(const uint4 (&v)[NV]) {
       b = max_abs_nan_x2<T>(b, max_abs_nan_x2<T>(v[i].z, v[i].w));
     }
     const uint32_t m = max_abs_nan_x2<T>(a, b);
-    const uint32_t h = max_abs_nan_x2<T>(m, __byte_perm(m, 0u, 0x1032u)) & 0x7FFFu;
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      return h << 16;
-    } else {
-      return __float_as_uint(__half2float(__ushort_as_half((unsigned short)h)));
-    }
+    return half_magnitude_as_float_bits<T>(max_abs_nan_x2<T>(m, __byte_perm(m, 0u, 0x1032u)) & 0x7FFFu);
   }
 }
 
