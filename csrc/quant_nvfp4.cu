@@ -406,20 +406,19 @@ bool launch_rowg_lean3(const QuantParams& p, cudaStream_t stream, const char* op
                        (uint32_t)(p.kb_pad / 4 * 512),
                        team >= 4u ? team * 128u : team,
                        0u};
-  auto go = [&](auto kernel) {
+  auto launch = [&](auto kernel, int64_t grid, const RowLean3Walk& walk) {
     require_kernel_image(kernel, op);
-    kernel<<<(unsigned)plan.grid, kRowLeanThreads, 0, stream>>>(p, w);
+    kernel<<<(unsigned)grid, kRowLeanThreads, 0, stream>>>(p, walk);
     check_launch(op);
   };
+  auto go = [&](auto kernel) { launch(kernel, plan.grid, w); };
   // swizzled scales staged per CTA (swz_staged_selected): the CTA takes rows_per_cta rows of each 32-row phase of
   // one 128-row tile, so rows_per_cta <= 32 (teams of >= 8 threads); every tile of rows_pad gets its CTAs
   auto go_staged = [&](auto kernel) {
     RowLean3Walk ws = w;
     ws.swz_cta_shift = 5u - (uint32_t)__builtin_ctzll((unsigned long long)plan.rows_per_cta);
     ws.row_stride = 32u;
-    require_kernel_image(kernel, op);
-    kernel<<<(unsigned)((p.rows_pad / 128) << ws.swz_cta_shift), kRowLeanThreads, 0, stream>>>(p, ws);
-    check_launch(op);
+    launch(kernel, (p.rows_pad / 128) << ws.swz_cta_shift, ws);
   };
   const bool staged = !FAKE && !kGuided && p.swizzle && plan.rows_per_cta <= 32 && swz_staged_selected();
   const bool capture = p.mbits != nullptr;
