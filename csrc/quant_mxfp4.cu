@@ -1,11 +1,11 @@
 // MXFP4 quantize / dequantize (SPEC 3, 4), bit-exact against reference.py.
 //
 // Design: memory-bound, and on the H200 bound by instruction issue, so the quantize kernel counts instructions (RTN of
-// 16-bit x: mxfp4_quant_half32_kernel, two lanes per block and a 32-bit two-buffer walk, below; the rest as
-// follows): a lane owns whole 32-element blocks (bf16: four 16-byte loads; the warp's loads of one block index cover
-// one contiguous span), so the block amax (two magnitudes per HMNMX2 on the raw words), the E8M0 exponent and the
-// scale byte are per-thread work done once per 32 elements, and a lane stores its 16 code bytes with one 16-byte store
-// (contiguous across the warp). Warps loop over tiles of 32 blocks (grid stride) and issue the next tile's loads before quantizing
+// 16-bit x: mxfp4_quant_half32_kernel, two lanes per block and a 32-bit two-buffer walk, below; the rest as follows): a
+// lane owns whole 32-element blocks (bf16: four 16-byte loads; the warp's loads of one block index cover one contiguous
+// span), so the block amax (two magnitudes per HMNMX2 on the raw words), the E8M0 exponent and the scale byte are
+// per-thread work done once per 32 elements, and a lane stores its 16 code bytes with one 16-byte store (contiguous
+// across the warp). Warps loop over tiles of 32 blocks (grid stride) and issue the next tile's loads before quantizing
 // the current one. v = x * 2^-e is one fl multiply (exact unless it underflows, exactly as in the reference). RTN
 // multiplies by 2^(-e-14) instead and rounds in the scaled fp32 domain with the codes read off fp16 bits, by the NVFP4
 // lean kernels' element code since H200 round 62 (e2m1_rn_grid_pow2_x2m14 / e2m1_pack8_abs_x2m14<true>: 1.05-1.09x over
@@ -180,10 +180,10 @@ __device__ __forceinline__ void mx_half_tile(const MxParams& p, const RawBlock<T
   }
 }
 
-// RTN (mx_rtn_lean_words) of 16-bit x with two lanes per 32-element block (H200 rounds 66-67: 1.06-1.07x at 2^26
-// over one lane per block; the 32-bit walk since round 79: 1.014-1.035x over the 64-bit walk it replaced): lane l of a
-// warp owns half l % 2 of block 16 tile + l / 2 (16 elements, 32 bytes), so a warp's loads of one vector index cover
-// 1 KB with 32-byte lane strides, as in the NVFP4 lean kernels and the stream probes (tools/probes); the block amax takes
+// RTN (mx_rtn_lean_words) of 16-bit x with two lanes per 32-element block (H200 rounds 66-67: 1.06-1.07x at 2^26 over
+// one lane per block; the 32-bit walk since round 79: 1.014-1.035x over the 64-bit walk it replaced): lane l of a warp
+// owns half l % 2 of block 16 tile + l / 2 (16 elements, 32 bytes), so a warp's loads of one vector index cover 1 KB
+// with 32-byte lane strides, as in the NVFP4 lean kernels and the stream probes (tools/probes); the block amax takes
 // the partner lane's by one shuffle, each lane stores its 8 code bytes and the even lane the scale byte. Tiles of 16
 // blocks; 32-bit half indices (the host checks halves + 2 * stride < 2^31, else mxfp4_quant_kernel runs), two tiles per
 // loop iteration with the two register buffers swapped (no copy of the next tile's 8 words per tile), the next tile's

@@ -245,8 +245,8 @@ __device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
   return d;
 }
 
-// The RTN fast path's saturation is a no-op for a block when q_max = fl(amax * r) < 6.5 (r = fl(1 / t)): then amax / t <
-// 6.5 (1 + 2^-22) (two roundings of relative size <= 2^-24), so every quotient fl(|x| / t) <= fl(amax / t) < 7 rounds
+// The RTN fast path's saturation is a no-op for a block when q_max = fl(amax * r) < 6.5 (r = fl(1 / t)): then amax / t
+// < 6.5 (1 + 2^-22) (two roundings of relative size <= 2^-24), so every quotient fl(|x| / t) <= fl(amax / t) < 7 rounds
 // to at most 6 and e2m1_pack8_abs_x2m14 may skip its clamp (one min.u16x2 per two elements). Every block with a normal,
 // unsaturated scale byte has q_max <= ~6.4 (the E4M3 rounding of d / g is within 2^-4 of it), so in practice all blocks
 // but those with subnormal or clamped scales take the shorter code; the codes are the same either way.

@@ -85,7 +85,8 @@ __device__ __forceinline__ void stash_partial(float* dst, const float (&v)[MT8][
 #pragma unroll
     for (int c = 0; c < 4; ++c) __stcg(dst + (i * 4 + c) * 32, v[i][c]);
 }
-// A-fragment registers of one 64-K step (MT8 8-row groups), copied (the hoisted-A kernels' per-step and per-item moves).
+// A-fragment registers of one 64-K step (MT8 8-row groups), copied (the hoisted-A kernels' per-step and per-item
+// moves).
 template <int MT8>
 __device__ __forceinline__ void copy_frags(uint32_t (&dst)[MT8][8], const uint32_t (&src)[MT8][8]) {
 #pragma unroll

@@ -132,7 +132,6 @@ __device__ __forceinline__ void quantize_rtn_abs_x2m14(const float (&x)[N], floa
   }
 }
 
-
 // Element loop over N elements of one block; FAST: v = fl(x / t) from the block reciprocal (div_rn_with_rcp),
 // else __fdiv_rn. IMPL (FAST only): kImplScaled, kImplBits or kImplRtnSat (alternatives kept for A/B timing).
 template <int MODE, bool FAST, int N, int IMPL>

@@ -7,7 +7,6 @@ implementations built on the reference, so ``torch.library.opcheck`` can exercis
 """
 from __future__ import annotations
 
-
 import torch
 
 from .. import formats as F
