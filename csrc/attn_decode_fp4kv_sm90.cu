@@ -137,6 +137,7 @@ template <int D>
 __global__ void __launch_bounds__(D) fp4kv_decode_combine_kernel(const float* __restrict__ o_part,
                                                                   const float* __restrict__ lse_part, uint16_t* out,
                                                                   float* lse, int num_splits) {
+  griddep_wait();  // launched as a programmatic dependent of the decode kernel: its partials are complete
   const int64_t bh = blockIdx.x;
   const int d = threadIdx.x;
   const Combined cmb = combine_splits<D>(o_part, lse_part, bh, d, num_splits);
@@ -162,6 +163,7 @@ __global__ void __launch_bounds__(kWideWarps * 32) fp4kv_decode_combine_wide_ker
   __shared__ float sm_red[kWideWarps];
   __shared__ float sm_acc[kWideWarps][D];
   __shared__ float sm_l[kWideWarps];
+  griddep_wait();  // launched as a programmatic dependent of the decode kernel: its partials are complete
   const int64_t bh = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const float* lp = lse_part + bh * num_splits;
@@ -202,6 +204,19 @@ __global__ void __launch_bounds__(kWideWarps * 32) fp4kv_decode_combine_wide_ker
 }
 
 // ---- host ------------------------------------------------------------------------------------------------
+
+// Programmatic dependent launch (read per call; TRACE_EXT_KV_DECODE_PDL): by default the combine kernels are launched
+// as programmatic dependents of the decode kernel (cudaLaunchKernelEx with programmatic stream serialization), so that
+// their launch overlaps the decode grid's end; they wait for its completion with griddepcontrol.wait. "0" launches
+// them plainly; "all" (the heads kernels only; an A/B knob) also launches the decode kernel as a programmatic
+// dependent of the work before it in the stream (the kernel waits at entry).
+enum PdlMode : int { kPdlOff = 0, kPdlCombine = 1, kPdlAll = 2 };
+PdlMode pdl_mode() {
+  const char* env = std::getenv("TRACE_EXT_KV_DECODE_PDL");
+  if (env != nullptr && std::strcmp(env, "0") == 0) return kPdlOff;
+  if (env != nullptr && std::strcmp(env, "all") == 0) return kPdlAll;
+  return kPdlCombine;
+}
 
 // Kernel variants, read per call so that one process can time them all: the heads kernels (4 KV heads per CTA,
 // CTA-shared contiguous tile copies) where they apply (G <= 8, H_kv % 4 == 0, 16-byte aligned cache bases): by
@@ -397,18 +412,24 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
   require_kernel_image(kernel, "fp4kv_decode_attention");
   auto stream = c10::cuda::getCurrentCUDAStream();
   dim3 grid(splits, head_ctas<kImpl>(p.heads_kv), batch);
-  kernel<<<grid, decode_threads<kImpl>(), smem, stream>>>(p);
-  check_launch("fp4kv_decode_attention");
-  if (splits > 1 && wide) {
-    fp4kv_decode_combine_wide_kernel<D><<<batch * p.heads_q, kWideWarps * 32, 0, stream>>>(
-        o_part.data_ptr<float>(), lse_part.data_ptr<float>(), reinterpret_cast<uint16_t*>(out.data_ptr()),
-        lse.data_ptr<float>(), splits);
-    check_launch("fp4kv_decode_attention (combine)");
-  } else if (splits > 1 && p.split_counters == nullptr) {
-    fp4kv_decode_combine_kernel<D><<<batch * p.heads_q, D, 0, stream>>>(
-        o_part.data_ptr<float>(), lse_part.data_ptr<float>(), reinterpret_cast<uint16_t*>(out.data_ptr()),
-        lse.data_ptr<float>(), splits);
-    check_launch("fp4kv_decode_attention (combine)");
+  const PdlMode pdl = pdl_mode();
+  const bool heads = kImpl == kImplHeads || kImpl == kImplHeads8;  // the kernels that wait at entry
+  launch_kernel(kernel, grid, decode_threads<kImpl>(), smem, stream.stream(), heads && pdl == kPdlAll,
+                "fp4kv_decode_attention", p);
+  if (splits > 1 && (wide || p.split_counters == nullptr)) {
+    const float* op = o_part.data_ptr<float>();
+    const float* lp = lse_part.data_ptr<float>();
+    uint16_t* outp = reinterpret_cast<uint16_t*>(out.data_ptr());
+    float* lsep = lse.data_ptr<float>();
+    const unsigned int ctas = (unsigned int)(batch * p.heads_q);
+    const char* what = "fp4kv_decode_attention (combine)";
+    if (wide) {
+      launch_kernel(fp4kv_decode_combine_wide_kernel<D>, dim3(ctas), kWideWarps * 32, 0, stream.stream(),
+                    pdl != kPdlOff, what, op, lp, outp, lsep, splits);
+    } else {
+      launch_kernel(fp4kv_decode_combine_kernel<D>, dim3(ctas), D, 0, stream.stream(), pdl != kPdlOff, what, op, lp,
+                    outp, lsep, splits);
+    }
   }
 }
 

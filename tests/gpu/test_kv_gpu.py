@@ -465,6 +465,52 @@ def test_decode_heads8_ring_depth_is_bit_equal(lens, Hkv, D, P, splits, ring, mo
     monkeypatch.delenv("TRACE_EXT_KV_DECODE_RING", raising=False)
 
 
+# ---- programmatic dependent launch (TRACE_EXT_KV_DECODE_PDL, read per call): by default the combine kernels are
+# launched as programmatic dependents of the decode kernel and wait for it with griddepcontrol.wait; "0" launches them
+# plainly; "all" also launches the heads kernels as dependents of the work before them. The same bits in every mode.
+@pytest.mark.parametrize("impl", ["heads8", "heads", "g8", "qsmem"])
+@pytest.mark.parametrize("Hq, splits, combine", [(32, 7, "kernel"), (32, 300, None), (64, 40, "kernel"),
+                                                 (64, 40, None)], ids=str)
+def test_decode_programmatic_dependent_launch_is_bit_equal(impl, Hq, splits, combine, monkeypatch):
+    """The decode and combine kernels (separate; wide: heads kernels past 2^16 partial floats per head group, 300
+    splits; fused finish) launched as programmatic dependents give the bits of plain launches, over back-to-back calls
+    on alternating queries right after the cache was rewritten (a kernel that read before the previous one finished
+    would mix two calls' partials or see stale pages), with an empty sequence and G = 4 / 8; and the result is within
+    the decode bound of the reference."""
+    lens = [20000, 5, 0, 4097]
+    cache, table, seq_lens, *_ = make_cache(lens, 8, 128, 16, seed=21)
+    qs = [torch.randn(len(lens), Hq, 128, device=DEV).to(torch.bfloat16) for _ in range(2)]
+    # two cache contents (the second with other K / V codes), written by a copy kernel before each decode
+    contents = [[t.clone() for t in cache.tensors()], [t.clone() for t in cache.tensors()]]
+    contents[1][0] ^= 0x35
+    contents[1][2] ^= 0x5A
+    monkeypatch.setenv("TRACE_EXT_KV_DECODE_IMPL", impl)
+    if combine is None:
+        monkeypatch.delenv("TRACE_EXT_KV_DECODE_COMBINE", raising=False)
+    else:
+        monkeypatch.setenv("TRACE_EXT_KV_DECODE_COMBINE", combine)
+    results = {}
+    for pdl in ("0", None, "all"):
+        if pdl is None:
+            monkeypatch.delenv("TRACE_EXT_KV_DECODE_PDL", raising=False)
+        else:
+            monkeypatch.setenv("TRACE_EXT_KV_DECODE_PDL", pdl)
+        calls = []
+        for i in range(6):
+            for t, src in zip(cache.tensors(), contents[(i // 2) % 2]):
+                t.copy_(src)
+            calls.append(ops.fp4kv_decode_attention(qs[i % 2], cache, table, seq_lens, 0.1, num_splits=splits,
+                                                    backend="cuda"))
+        results[pdl] = calls
+    monkeypatch.delenv("TRACE_EXT_KV_DECODE_PDL", raising=False)
+    for pdl in (None, "all"):
+        for i, ((o1, l1), (o0, l0)) in enumerate(zip(results[pdl], results["0"])):
+            assert torch.equal(o1.view(torch.int16), o0.view(torch.int16)), f"out pdl={pdl} call {i}"
+            assert torch.equal(l1.view(torch.int32), l0.view(torch.int32)), f"lse pdl={pdl} call {i}"
+    err, err_sdpa, lse_err = errors_vs_reference(*results["all"][-1], qs[1], cache, table, seq_lens, 0.1)  # contents 0
+    assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
+
+
 # ---- append: warp-stream kernel (TRACE_EXT_KV_APPEND_IMPL=warp / warp2; the default picks warp2 for appends of at
 # least 32 items per resident warp, the grid kernel below that: =grid forces the grid kernel) -----------------------
 # "warp" takes four blocks per item where D % 64 == 0 (else two, else one), "warp2" at most two; both must write the

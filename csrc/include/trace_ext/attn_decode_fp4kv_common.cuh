@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "trace_ext/fp4_numerics.cuh"
+#include "trace_ext/pdl.cuh"
 
 namespace trace_ext {
 namespace {
