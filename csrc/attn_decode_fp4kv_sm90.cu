@@ -8,10 +8,11 @@
 // - Grid (split, kv head, sequence). A CTA owns one KV head of one sequence and a contiguous slice of its
 //   tokens, and serves all G query heads of that KV head from one read of K/V: the G heads are the M rows of
 //   an m16n8k16 MMA, so the FLOPs of GQA ride on tensor cores (at G = 8 the CUDA-core FMA rate alone would
-//   be slower than the memory stream). Splits make batch 1 at 128K fill the GPU; the last CTA to finish
-//   a (sequence, KV head) combines the per-split (output, LSE) pairs in the same launch (arrival counter,
-//   threadFenceReduction pattern): the separate combine kernel cost 5.5 us of 74 plus a launch gap at B32 S8K
-//   (TRACE_EXT_KV_DECODE_COMBINE=kernel keeps it for A/B timing).
+//   be slower than the memory stream). Splits make batch 1 at 128K fill the GPU; a combine kernel merges the
+//   per-split (output, LSE) pairs. Since round 87 it is launched as a programmatic dependent of the decode kernel
+//   (griddepcontrol.wait), which hides its launch gap. Before that, the last CTA to finish a (sequence, KV head)
+//   combined the pairs in the same launch (arrival counter, threadFenceReduction pattern; =fused keeps it), because the
+//   plainly launched combine kernel cost 5.5 us of 74 plus a launch gap at B32 S8K.
 // - Split count: the H200 sweeps showed an SM's throughput saturating at 2 resident CTAs and every extra
 //   split costing time (5 splits 83 us vs 4 splits 79 us at B32 S8K; 5 vs 1 split 88 vs 76 us at B64 S4K;
 //   82 vs 32 splits 94 vs 81 us at B1 S128K), so choose_splits takes the fewest splits whose busiest SM
@@ -205,18 +206,10 @@ __global__ void __launch_bounds__(kWideWarps * 32) fp4kv_decode_combine_wide_ker
 
 // ---- host ------------------------------------------------------------------------------------------------
 
-// Programmatic dependent launch (read per call; TRACE_EXT_KV_DECODE_PDL): by default the combine kernels are launched
-// as programmatic dependents of the decode kernel (cudaLaunchKernelEx with programmatic stream serialization), so that
-// their launch overlaps the decode grid's end; they wait for its completion with griddepcontrol.wait. "0" launches
-// them plainly; "all" (the heads kernels only; an A/B knob) also launches the decode kernel as a programmatic
-// dependent of the work before it in the stream (the kernel waits at entry).
-enum PdlMode : int { kPdlOff = 0, kPdlCombine = 1, kPdlAll = 2 };
-PdlMode pdl_mode() {
-  const char* env = std::getenv("TRACE_EXT_KV_DECODE_PDL");
-  if (env != nullptr && std::strcmp(env, "0") == 0) return kPdlOff;
-  if (env != nullptr && std::strcmp(env, "all") == 0) return kPdlAll;
-  return kPdlCombine;
-}
+// TRACE_EXT_KV_DECODE_PDL=0 (read per call; an A/B knob): the combine kernels are launched plainly. Default: as
+// programmatic dependents of the decode kernel (pdl.cuh), so that their launch overlaps the decode grid's end; they
+// wait for its completion and memory flush with griddepcontrol.wait before they read the partials.
+bool combine_pdl() { return env_switch("TRACE_EXT_KV_DECODE_PDL", true); }
 
 // Kernel variants, read per call so that one process can time them all: the heads kernels (4 KV heads per CTA,
 // CTA-shared contiguous tile copies) where they apply (G <= 8, H_kv % 4 == 0, 16-byte aligned cache bases): by
@@ -312,11 +305,13 @@ int choose_splits(int batch_heads, int64_t max_len, int device) {
   return splits;
 }
 
-// TRACE_EXT_KV_DECODE_COMBINE=kernel: the splits are combined by the separate combine kernel (read per call);
-// default: the last CTA of each (sequence, KV head) combines them in the decode kernel (no second launch).
+// TRACE_EXT_KV_DECODE_COMBINE=fused (read per call): the last CTA of each (sequence, KV head) combines the splits in
+// the decode kernel (no second launch; the default before round 87). Default (or =kernel): the separate combine kernel,
+// launched as a programmatic dependent of the decode kernel (combine_pdl): H200 round 87, heads8, 1.03x at B32 S8K and
+// B64 S4K, 1.01x at B8 S32K against the fused finish, bit-equal (bench/results/kv_pdl_ab_r87_h200.md).
 bool fused_combine() {
   const char* env = std::getenv("TRACE_EXT_KV_DECODE_COMBINE");
-  return !(env != nullptr && std::strcmp(env, "kernel") == 0);
+  return env != nullptr && std::strcmp(env, "fused") == 0;
 }
 
 // Arrival counters of the fused split-K finish: zeroed once, kept per (device, stream) (launches on one stream
@@ -412,10 +407,8 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
   require_kernel_image(kernel, "fp4kv_decode_attention");
   auto stream = c10::cuda::getCurrentCUDAStream();
   dim3 grid(splits, head_ctas<kImpl>(p.heads_kv), batch);
-  const PdlMode pdl = pdl_mode();
-  const bool heads = kImpl == kImplHeads || kImpl == kImplHeads8;  // the kernels that wait at entry
-  launch_kernel(kernel, grid, decode_threads<kImpl>(), smem, stream.stream(), heads && pdl == kPdlAll,
-                "fp4kv_decode_attention", p);
+  kernel<<<grid, decode_threads<kImpl>(), smem, stream>>>(p);
+  check_launch("fp4kv_decode_attention");
   if (splits > 1 && (wide || p.split_counters == nullptr)) {
     const float* op = o_part.data_ptr<float>();
     const float* lp = lse_part.data_ptr<float>();
@@ -425,9 +418,9 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
     const char* what = "fp4kv_decode_attention (combine)";
     if (wide) {
       launch_kernel(fp4kv_decode_combine_wide_kernel<D>, dim3(ctas), kWideWarps * 32, 0, stream.stream(),
-                    pdl != kPdlOff, what, op, lp, outp, lsep, splits);
+                    combine_pdl(), what, op, lp, outp, lsep, splits);
     } else {
-      launch_kernel(fp4kv_decode_combine_kernel<D>, dim3(ctas), D, 0, stream.stream(), pdl != kPdlOff, what, op, lp,
+      launch_kernel(fp4kv_decode_combine_kernel<D>, dim3(ctas), D, 0, stream.stream(), combine_pdl(), what, op, lp,
                     outp, lsep, splits);
     }
   }

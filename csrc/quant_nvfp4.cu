@@ -306,10 +306,6 @@ int64_t lean_iters_cap() {
 // the scattered byte stores.
 bool swz_staged_selected() { return env_switch("TRACE_EXT_QUANT_SWZ_STAGED", true); }
 
-// TRACE_EXT_QUANT_PDL=1 (read per call; an A/B knob): the lean3 kernels are launched as programmatic dependents of the
-// work before them in the stream (pdl.cuh; they wait at entry), so that their launch overlaps its end.
-bool quant_pdl_selected() { return env_switch("TRACE_EXT_QUANT_PDL", false); }
-
 // log2 of the row team of the lean per-row kernels: the smallest power of two of threads with team * bpl >= kb.
 uint32_t lean_team_shift(int64_t kb, int bpl) {
   uint32_t shift = 0;
@@ -412,7 +408,8 @@ bool launch_rowg_lean3(const QuantParams& p, cudaStream_t stream, const char* op
                        0u};
   auto launch = [&](auto kernel, int64_t grid, const RowLean3Walk& walk) {
     require_kernel_image(kernel, op);
-    launch_kernel(kernel, dim3((unsigned)grid), kRowLeanThreads, 0, stream, quant_pdl_selected(), op, p, walk);
+    kernel<<<(unsigned)grid, kRowLeanThreads, 0, stream>>>(p, walk);
+    check_launch(op);
   };
   auto go = [&](auto kernel) { launch(kernel, plan.grid, w); };
   // swizzled scales staged per CTA (swz_staged_selected): the CTA takes rows_per_cta rows of each 32-row phase of

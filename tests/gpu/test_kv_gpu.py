@@ -179,8 +179,8 @@ def test_decode_split_counts_agree(num_splits):
 
 
 def assert_fused_finish_equals_combine_kernel(monkeypatch, shapes, splits):
-    """For each (Hq, H_kv, D): the in-kernel split-K finish (default) and the separate combine kernel
-    (TRACE_EXT_KV_DECODE_COMBINE=kernel) give the same bits over back-to-back launches with the given split counts (a
+    """For each (Hq, H_kv, D): the in-kernel split-K finish (TRACE_EXT_KV_DECODE_COMBINE=fused) and the separate combine
+    kernel (the default) give the same bits over back-to-back launches with the given split counts (a
     counter left off 0 would pick the wrong last CTA), on sequences of 3000, 5, 0 and 777 tokens; and the last result
     is within the decode bound of the reference."""
     lens = [3000, 5, 0, 777]
@@ -189,10 +189,7 @@ def assert_fused_finish_equals_combine_kernel(monkeypatch, shapes, splits):
         q = torch.randn(len(lens), Hq, D, device=DEV).to(torch.bfloat16)
         results = {}
         for mode in ("fused", "kernel"):
-            if mode == "kernel":
-                monkeypatch.setenv("TRACE_EXT_KV_DECODE_COMBINE", "kernel")
-            else:
-                monkeypatch.delenv("TRACE_EXT_KV_DECODE_COMBINE", raising=False)
+            monkeypatch.setenv("TRACE_EXT_KV_DECODE_COMBINE", mode)
             results[mode] = [
                 ops.fp4kv_decode_attention(q, cache, table, seq_lens, 0.1, num_splits=n, backend="cuda")
                 for n in splits
@@ -451,7 +448,7 @@ def test_decode_heads8_ring_depth_is_bit_equal(lens, Hkv, D, P, splits, ring, mo
         cache.k_scales[int(table[0, 0]), 0, 0, 0] = 0x7F  # an E4M3 NaN scale on sequence 0's only token
     q = torch.randn(len(lens), 8 * Hkv, D, device=DEV).to(torch.bfloat16)
     monkeypatch.delenv("TRACE_EXT_KV_DECODE_IMPL", raising=False)
-    for combine in (None, "kernel"):
+    for combine in (None, "fused"):
         if combine is None:
             monkeypatch.delenv("TRACE_EXT_KV_DECODE_COMBINE", raising=False)
         else:
@@ -467,16 +464,16 @@ def test_decode_heads8_ring_depth_is_bit_equal(lens, Hkv, D, P, splits, ring, mo
 
 # ---- programmatic dependent launch (TRACE_EXT_KV_DECODE_PDL, read per call): by default the combine kernels are
 # launched as programmatic dependents of the decode kernel and wait for it with griddepcontrol.wait; "0" launches them
-# plainly; "all" also launches the heads kernels as dependents of the work before them. The same bits in every mode.
+# plainly. The same bits either way.
 @pytest.mark.parametrize("impl", ["heads8", "heads", "g8", "qsmem"])
-@pytest.mark.parametrize("Hq, splits, combine", [(32, 7, "kernel"), (32, 300, None), (64, 40, "kernel"),
-                                                 (64, 40, None)], ids=str)
+@pytest.mark.parametrize("Hq, splits, combine", [(32, 7, None), (32, 300, None), (64, 40, None), (64, 40, "fused")],
+                         ids=str)
 def test_decode_programmatic_dependent_launch_is_bit_equal(impl, Hq, splits, combine, monkeypatch):
-    """The decode and combine kernels (separate; wide: heads kernels past 2^16 partial floats per head group, 300
-    splits; fused finish) launched as programmatic dependents give the bits of plain launches, over back-to-back calls
-    on alternating queries right after the cache was rewritten (a kernel that read before the previous one finished
-    would mix two calls' partials or see stale pages), with an empty sequence and G = 4 / 8; and the result is within
-    the decode bound of the reference."""
+    """The combine kernels (separate; wide: heads kernels past 2^16 partial floats per head group, 300 splits; and the
+    fused finish, which launches none) launched as programmatic dependents give the bits of plain launches, over
+    back-to-back calls on alternating queries and cache contents rewritten just before each call (a combine that read
+    the partials before the decode grid finished would mix two calls' partials), with an empty sequence and G = 4 / 8;
+    and the result is within the decode bound of the reference."""
     lens = [20000, 5, 0, 4097]
     cache, table, seq_lens, *_ = make_cache(lens, 8, 128, 16, seed=21)
     qs = [torch.randn(len(lens), Hq, 128, device=DEV).to(torch.bfloat16) for _ in range(2)]
@@ -490,7 +487,7 @@ def test_decode_programmatic_dependent_launch_is_bit_equal(impl, Hq, splits, com
     else:
         monkeypatch.setenv("TRACE_EXT_KV_DECODE_COMBINE", combine)
     results = {}
-    for pdl in ("0", None, "all"):
+    for pdl in ("0", None):
         if pdl is None:
             monkeypatch.delenv("TRACE_EXT_KV_DECODE_PDL", raising=False)
         else:
@@ -503,11 +500,10 @@ def test_decode_programmatic_dependent_launch_is_bit_equal(impl, Hq, splits, com
                                                     backend="cuda"))
         results[pdl] = calls
     monkeypatch.delenv("TRACE_EXT_KV_DECODE_PDL", raising=False)
-    for pdl in (None, "all"):
-        for i, ((o1, l1), (o0, l0)) in enumerate(zip(results[pdl], results["0"])):
-            assert torch.equal(o1.view(torch.int16), o0.view(torch.int16)), f"out pdl={pdl} call {i}"
-            assert torch.equal(l1.view(torch.int32), l0.view(torch.int32)), f"lse pdl={pdl} call {i}"
-    err, err_sdpa, lse_err = errors_vs_reference(*results["all"][-1], qs[1], cache, table, seq_lens, 0.1)  # contents 0
+    for i, ((o1, l1), (o0, l0)) in enumerate(zip(results[None], results["0"])):
+        assert torch.equal(o1.view(torch.int16), o0.view(torch.int16)), f"out call {i}"
+        assert torch.equal(l1.view(torch.int32), l0.view(torch.int32)), f"lse call {i}"
+    err, err_sdpa, lse_err = errors_vs_reference(*results[None][-1], qs[1], cache, table, seq_lens, 0.1)  # contents 0
     assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
 
 

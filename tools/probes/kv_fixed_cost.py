@@ -1,8 +1,8 @@
 """Probe (H200): the FP4-KV decode launch at almost no work, against the smallest device copy, under do_bench
 (cold L2), to split the decode kernel's ~13.5 us fixed part (bench_kv_scaling.py, 1 split) into launch floor and
 kernel prologue / epilogue. 256 CTAs (B256 Hq32 Hkv4, 1 split) with every sequence 0, 16, 32, 64, 128 tokens long;
-also B32 Hq32 Hkv4 with 8 splits, with the fused split finish (default) and the separate combine kernel
-(TRACE_EXT_KV_DECODE_COMBINE=kernel); the batched finish (TRACE_EXT_KV_FINISH=batched) exists only on branch
+also B32 Hq32 Hkv4 with 8 splits, with the separate combine kernel (the default since round 87) and the fused split
+finish (TRACE_EXT_KV_DECODE_COMBINE=fused); the batched finish (TRACE_EXT_KV_FINISH=batched) exists only on branch
 next/round48 (add its case there). For the default at 0, 128 and 1024 tokens also do_bench of two back-to-back calls
 (the second follows a kernel with the same shared-memory carveout; at 0 tokens it reads nothing but the block table
 and Q, at 128 tokens per CTA its 19 MB are still in L2, at 1024 its 151 MB mostly not): if the second call at 0
@@ -32,7 +32,7 @@ print(f"copy 4 KB: {1e3 * do_bench_cold(lambda: dst.copy_(src)):.2f} us")
 x = torch.zeros(1, device="cuda")
 print(f"add_ on 1 float: {1e3 * do_bench_cold(lambda: x.add_(1.0)):.2f} us")
 # (B, H_kv, splits, variant as in the A/B benches: a TRACE_EXT_KV_DECODE_IMPL value with optional @VAR=VALUE)
-CASES = ((256, 4, 1, "default"), (32, 4, 8, "default"), (32, 4, 8, "default@TRACE_EXT_KV_DECODE_COMBINE=kernel"))
+CASES = ((256, 4, 1, "default"), (32, 4, 8, "default"), (32, 4, 8, "default@TRACE_EXT_KV_DECODE_COMBINE=fused"))
 for B, Hkv, splits, variant in CASES:
     kc, ks, vc, vs, table, seq_lens = random_cache(B, Hkv, 1024 * splits, gen)
     q = torch.randn(B, 32, D, device="cuda", generator=gen).to(torch.bfloat16)

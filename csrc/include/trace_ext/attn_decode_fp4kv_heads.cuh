@@ -229,7 +229,6 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
   const int r = lane / 4, c = lane % 4;  // MMA fragment row / column group
   const int kv_head = hg * kHeadsPerCta + warp;
 
-  griddep_wait();  // TRACE_EXT_KV_DECODE_PDL=all launches this kernel as a programmatic dependent
   const int len = __ldg(p.seq_lens + b);
   const int per_split = (len + p.num_splits - 1) / p.num_splits;
   const int chunk_len = (per_split + kTile - 1) / kTile * kTile;

@@ -8,7 +8,6 @@
 #include <type_traits>
 
 #include "trace_ext/fp4_numerics.cuh"
-#include "trace_ext/pdl.cuh"
 #include "trace_ext/quant_common.cuh"
 #include "trace_ext/quant_sr_elems.cuh"
 #include "trace_ext/quant_nvfp4_blocks.cuh"
@@ -341,7 +340,6 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
   constexpr bool kScalesOut = !FAKE || CAPTURE;  // scale bytes and g_out exist
   __shared__ uint32_t warp_max[2][kRowLeanThreads / 32];
   __shared__ uint4 swz_stage[SWZ_STAGED ? kSwzStageChunks : 1];
-  griddep_wait();  // TRACE_EXT_QUANT_PDL=1 launches this kernel as a programmatic dependent
   const uint32_t lane = threadIdx.x & w.team_mask;
   const bool has_last = lane < w.last_lanes;  // blocks q < BPL - 1 always exist (the host's team: team * BPL >= kb)
   const T* xp = reinterpret_cast<const T*>(p.x);
