@@ -37,7 +37,7 @@ REP_MS = 120  # do_bench_cold's timing window per call (~1500 calls of ~70 us): 
 
 def main() -> None:
     gen, copy_gbs, op = decode_ab_start(ENV, "TRACE_EXT_KV_DECODE_COMBINE", "TRACE_EXT_KV_DECODE_RING",
-                                         "TRACE_EXT_KV_DECODE_PDL", "TRACE_EXT_KV_COMBINE_UNROLL")
+                                         "TRACE_EXT_KV_DECODE_PDL")
     rows = []
     for name, nbytes, head_args in decode_case_inputs(gen):
         args = head_args + (0,)  # automatic split count

@@ -134,15 +134,14 @@ namespace trace_ext {
 namespace {
 
 // Combine the splits of one (sequence, query head) (TRACE_EXT_KV_DECODE_COMBINE=kernel: the separate pass).
-// kUnroll: splits whose loads are in flight together (kCombineUnroll; TRACE_EXT_KV_COMBINE_UNROLL=old: 8).
-template <int D, int kUnroll>
+template <int D>
 __global__ void __launch_bounds__(D) fp4kv_decode_combine_kernel(const float* __restrict__ o_part,
                                                                   const float* __restrict__ lse_part, uint16_t* out,
                                                                   float* lse, int num_splits) {
   griddep_wait();  // launched as a programmatic dependent of the decode kernel: its partials are complete
   const int64_t bh = blockIdx.x;
   const int d = threadIdx.x;
-  const Combined cmb = combine_splits<D, kUnroll>(o_part, lse_part, bh, d, num_splits);
+  const Combined cmb = combine_splits<D>(o_part, lse_part, bh, d, num_splits);
   __nv_bfloat16 ob = __float2bfloat16_rn(cmb.out);
   out[bh * D + d] = *reinterpret_cast<uint16_t*>(&ob);
   if (d == 0) lse[bh] = cmb.lse;
@@ -152,10 +151,9 @@ __global__ void __launch_bounds__(D) fp4kv_decode_combine_kernel(const float* __
 // CTA of 4 warps per (sequence, query head); the max LSE by a block reduction, then warp w sums splits w, w + 4,
 // ... with a lane owning D/32 consecutive head_dim values (one 16- or 8-byte load per split), and the 4 warps'
 // sums are added in shared memory. Same weights 2^(lse_s - max) as combine_splits, summed in a different order
-// (so not bit-equal to it): ~n/4 dependent rounds per warp instead of n per thread. kUnroll: a warp's splits whose
-// loads are in flight together (kWideUnroll; TRACE_EXT_KV_COMBINE_UNROLL=old: 4).
+// (so not bit-equal to it): ~n/4 dependent rounds per warp instead of n per thread.
 constexpr int kWideWarps = 4;
-template <int D, int kUnroll>
+template <int D>
 __global__ void __launch_bounds__(kWideWarps * 32) fp4kv_decode_combine_wide_kernel(const float* __restrict__ o_part,
                                                                                    const float* __restrict__ lse_part,
                                                                                    uint16_t* out, float* lse,
@@ -179,7 +177,7 @@ __global__ void __launch_bounds__(kWideWarps * 32) fp4kv_decode_combine_wide_ker
   m = fmaxf(fmaxf(sm_red[0], sm_red[1]), fmaxf(sm_red[2], sm_red[3]));
   float l = 0.0f, acc[kPer] = {};
   if (m != -INFINITY) {
-#pragma unroll kUnroll
+#pragma unroll 4
     for (int s = warp; s < num_splits; s += kWideWarps) {
       const float ls = lp[s];
       const Vec v = *reinterpret_cast<const Vec*>(o_part + (bh * num_splits + s) * D + lane * kPer);
@@ -212,15 +210,6 @@ __global__ void __launch_bounds__(kWideWarps * 32) fp4kv_decode_combine_wide_ker
 // programmatic dependents of the decode kernel (pdl.cuh), so that their launch overlaps the decode grid's end; they
 // wait for its completion and memory flush with griddepcontrol.wait before they read the partials.
 bool combine_pdl() { return env_switch("TRACE_EXT_KV_DECODE_PDL", true); }
-
-// Splits whose loads a combine kernel keeps in flight together: 16 per thread in the separate kernel, 16 per warp in
-// the wide one. TRACE_EXT_KV_COMBINE_UNROLL=old (read per call; an A/B knob): 8 and 4, the kernels before round 89.
-// Same arithmetic in the same order, so the same bits.
-constexpr int kCombineUnroll = 16, kWideUnroll = 16;
-bool combine_unroll_old() {
-  const char* env = std::getenv("TRACE_EXT_KV_COMBINE_UNROLL");
-  return env != nullptr && std::strcmp(env, "old") == 0;
-}
 
 // Kernel variants, read per call so that one process can time them all: the heads kernels (4 KV heads per CTA,
 // CTA-shared contiguous tile copies) where they apply (G <= 8, H_kv % 4 == 0, 16-byte aligned cache bases): by
@@ -427,15 +416,12 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
     float* lsep = lse.data_ptr<float>();
     const unsigned int ctas = (unsigned int)(batch * p.heads_q);
     const char* what = "fp4kv_decode_attention (combine)";
-    const bool old = combine_unroll_old();
-    auto go = [&](auto kernel, unsigned int threads) {
-      launch_kernel(kernel, dim3(ctas), threads, 0, stream.stream(), combine_pdl(), what, op, lp, outp, lsep, splits);
-    };
     if (wide) {
-      old ? go(fp4kv_decode_combine_wide_kernel<D, 4>, kWideWarps * 32)
-          : go(fp4kv_decode_combine_wide_kernel<D, kWideUnroll>, kWideWarps * 32);
+      launch_kernel(fp4kv_decode_combine_wide_kernel<D>, dim3(ctas), kWideWarps * 32, 0, stream.stream(),
+                    combine_pdl(), what, op, lp, outp, lsep, splits);
     } else {
-      old ? go(fp4kv_decode_combine_kernel<D, 8>, D) : go(fp4kv_decode_combine_kernel<D, kCombineUnroll>, D);
+      launch_kernel(fp4kv_decode_combine_kernel<D>, dim3(ctas), D, 0, stream.stream(), combine_pdl(), what, op, lp,
+                    outp, lsep, splits);
     }
   }
 }

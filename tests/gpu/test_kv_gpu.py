@@ -507,33 +507,6 @@ def test_decode_programmatic_dependent_launch_is_bit_equal(impl, Hq, splits, com
     assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
 
 
-# ---- loads in flight in the combine kernels (16 splits per thread / per warp; TRACE_EXT_KV_COMBINE_UNROLL=old, read
-# per call: 8 / 4, the kernels before round 89): the same arithmetic in the same order, so the same bits.
-@pytest.mark.parametrize("impl", ["heads8", "g8"])
-@pytest.mark.parametrize("splits", [3, 16, 17, 40, 126, 300], ids=str)
-def test_decode_combine_unroll_is_bit_equal(impl, splits, monkeypatch):
-    """Separate combine kernel (heads8 up to 2^16 partial floats per head group, g8 always) and the wide one (heads8
-    past it: 126 / 300 splits), split counts below, at and past the unroll (and not multiples of it), an empty
-    sequence, a sequence shorter than the splits (empty splits), and NaN scale bytes in one sequence."""
-    lens = [20000, 5, 0, 4097]
-    cache, table, seq_lens, *_ = make_cache(lens, 8, 128, 16, seed=splits)
-    cache.k_scales[int(table[3, 0]), 0, 0, 0] = 0x7F  # an E4M3 NaN scale in sequence 3's first token
-    q = torch.randn(len(lens), 32, 128, device=DEV).to(torch.bfloat16)
-    monkeypatch.setenv("TRACE_EXT_KV_DECODE_IMPL", impl)
-    monkeypatch.delenv("TRACE_EXT_KV_DECODE_COMBINE", raising=False)
-    results = {}
-    for unroll in ("old", None):
-        if unroll is None:
-            monkeypatch.delenv("TRACE_EXT_KV_COMBINE_UNROLL", raising=False)
-        else:
-            monkeypatch.setenv("TRACE_EXT_KV_COMBINE_UNROLL", unroll)
-        results[unroll] = ops.fp4kv_decode_attention(q, cache, table, seq_lens, 0.1, num_splits=splits, backend="cuda")
-    monkeypatch.delenv("TRACE_EXT_KV_COMBINE_UNROLL", raising=False)
-    (o1, l1), (o0, l0) = results[None], results["old"]
-    assert torch.equal(o1.view(torch.int16), o0.view(torch.int16))
-    assert torch.equal(l1.view(torch.int32), l0.view(torch.int32))
-
-
 # ---- append: warp-stream kernel (TRACE_EXT_KV_APPEND_IMPL=warp / warp2; the default picks warp2 for appends of at
 # least 32 items per resident warp, the grid kernel below that: =grid forces the grid kernel) -----------------------
 # "warp" takes four blocks per item where D % 64 == 0 (else two, else one), "warp2" at most two; both must write the

@@ -177,19 +177,17 @@ __device__ __forceinline__ int code_offset(int t, int chunk) {
 struct Combined {
   float out, lse;
 };
-// kUnroll: splits whose loads are in flight together (8 in the decode kernels' fused finishes; the separate combine
-// kernel, whose registers are free, takes more). The arithmetic does not depend on it.
-template <int D, int kUnroll = 8>
+template <int D>
 __device__ __forceinline__ Combined combine_splits(const float* o_part, const float* lse_part, int64_t bh, int d,
                                                    int num_splits) {
   const float* lp = lse_part + bh * num_splits;
   float m = -INFINITY;
   // unrolled so that the independent loads of many splits (up to ~80 at batch 1) are in flight together
-#pragma unroll kUnroll
+#pragma unroll 8
   for (int s = 0; s < num_splits; ++s) m = fmaxf(m, __ldcg(lp + s));
   float l = 0.0f, acc = 0.0f;
   if (m != -INFINITY) {
-#pragma unroll kUnroll
+#pragma unroll 8
     for (int s = 0; s < num_splits; ++s) {
       const float ls = __ldcg(lp + s);
       const float op = __ldcg(o_part + (bh * num_splits + s) * D + d);
