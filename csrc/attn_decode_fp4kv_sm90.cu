@@ -306,7 +306,7 @@ int choose_splits(int batch_heads, int64_t max_len, int device) {
 }
 
 // TRACE_EXT_KV_DECODE_COMBINE=fused (read per call): the last CTA of each (sequence, KV head) combines the splits in
-// the decode kernel (no second launch; the default before round 87). Default (or =kernel): the separate combine kernel,
+// the decode kernel (no second launch; the default before round 88). Default (or =kernel): the separate combine kernel,
 // launched as a programmatic dependent of the decode kernel (combine_pdl): H200 round 87, heads8, 1.03x at B32 S8K and
 // B64 S4K, 1.01x at B8 S32K against the fused finish, bit-equal (bench/results/kv_pdl_ab_r87_h200.md).
 bool fused_combine() {
