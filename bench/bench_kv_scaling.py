@@ -1,13 +1,14 @@
 """Where the FP4-KV decode kernel's time goes: fixed cost per launch vs cost per token (H200 diagnosis).
 
 The decode grid is one wave (every CTA resident), so the time of a launch is roughly a fixed part (launch, pipeline
-ramp, epilogue, the fused split finish) plus the per-CTA token stream. This script keeps the grid fixed (B
+ramp, epilogue, the split partials and their combine) plus the per-CTA token stream. This script keeps the grid fixed (B
 sequences, H_kv / 4 head groups, a fixed split count) and grows the context S, so that only the tokens per CTA
 change; a least-squares line ms = a + b * S gives the fixed part a and the steady-state rate (bytes per token / b),
 reported as % of the copy bandwidth measured in the same run. Grids of 256 CTAs each (the tokens per CTA 128 ..
 4096): B32 Hq32 Hkv4 at 8 splits (the first bench_kv case at S = 8K), B8 Hq32 Hkv8 at 16 splits (the third case at
-S = 32K), B256 Hq32 Hkv4 at 1 split (no partials, no split finish), and the first grid with the separate combine
-kernel (TRACE_EXT_KV_DECODE_COMBINE=kernel) and with the 4-warp heads kernel (TRACE_EXT_KV_DECODE_IMPL=heads).
+S = 32K), B256 Hq32 Hkv4 at 1 split (no partials, no split finish), and the first grid with the fused split finish
+(TRACE_EXT_KV_DECODE_COMBINE=fused; the default since round 88 is the separate combine kernel launched as a
+programmatic dependent) and with the 4-warp heads kernel (TRACE_EXT_KV_DECODE_IMPL=heads).
 
 Timing: bench.common.do_bench_cold (median, L2 flushed before every call), default kernel, explicit split count.
 Run from the repo root with the package installed:  python bench/bench_kv_scaling.py   (~60 s)
@@ -32,7 +33,7 @@ IMPL = "TRACE_EXT_KV_DECODE_IMPL"
 GRIDS = (("B32 Hq32 Hkv4 splits=8", 32, 32, 4, 8, "default"),
          ("B8 Hq32 Hkv8 splits=16", 8, 32, 8, 16, "default"),
          ("B256 Hq32 Hkv4 splits=1 (no split finish)", 256, 32, 4, 1, "default"),
-         ("B32 Hq32 Hkv4 splits=8 combine kernel", 32, 32, 4, 8, "default@TRACE_EXT_KV_DECODE_COMBINE=kernel"),
+         ("B32 Hq32 Hkv4 splits=8 fused finish", 32, 32, 4, 8, "default@TRACE_EXT_KV_DECODE_COMBINE=fused"),
          ("B32 Hq32 Hkv4 splits=8 impl=heads (4 warps)", 32, 32, 4, 8, "heads"))
 TOKENS_PER_CTA = (128, 256, 512, 1024, 2048, 4096)
 

@@ -133,7 +133,8 @@
 namespace trace_ext {
 namespace {
 
-// Combine the splits of one (sequence, query head) (TRACE_EXT_KV_DECODE_COMBINE=kernel: the separate pass).
+// Combine the splits of one (sequence, query head): the separate pass (the default; TRACE_EXT_KV_DECODE_COMBINE=fused
+// merges them in the decode kernel instead).
 template <int D>
 __global__ void __launch_bounds__(D) fp4kv_decode_combine_kernel(const float* __restrict__ o_part,
                                                                   const float* __restrict__ lse_part, uint16_t* out,

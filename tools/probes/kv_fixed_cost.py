@@ -1,7 +1,7 @@
 """Probe (H200): the FP4-KV decode launch at almost no work, against the smallest device copy, under do_bench
 (cold L2), to split the decode kernel's ~13.5 us fixed part (bench_kv_scaling.py, 1 split) into launch floor and
 kernel prologue / epilogue. 256 CTAs (B256 Hq32 Hkv4, 1 split) with every sequence 0, 16, 32, 64, 128 tokens long;
-also B32 Hq32 Hkv4 with 8 splits, with the separate combine kernel (the default since round 87) and the fused split
+also B32 Hq32 Hkv4 with 8 splits, with the separate combine kernel (the default since round 88) and the fused split
 finish (TRACE_EXT_KV_DECODE_COMBINE=fused); the batched finish (TRACE_EXT_KV_FINISH=batched) exists only on branch
 next/round48 (add its case there). For the default at 0, 128 and 1024 tokens also do_bench of two back-to-back calls
 (the second follows a kernel with the same shared-memory carveout; at 0 tokens it reads nothing but the block table
