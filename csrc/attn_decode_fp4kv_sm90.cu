@@ -390,9 +390,9 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
     lse_part = at::empty({batch, p.heads_q, splits}, q.options().dtype(at::kFloat));
     p.o_part = o_part.data_ptr<float>();
     p.lse_part = lse_part.data_ptr<float>();
-    // heads kernel: the last CTA of a (sequence, head group) combines 4 G query heads over all splits; past
-    // kHeadsFusedMax partial floats per CTA that serial tail (one CTA per group, e.g. 2 groups x 126 splits at
-    // B = 1) would cost more than a launch of the wide combine kernel, which runs B * Hq CTAs in parallel
+    // heads kernels past kHeadsFusedMax partial floats per head group (e.g. 2 groups x 126 splits at B = 1): the wide
+    // combine kernel (a CTA per (sequence, query head), splits spread over its warps), also under =fused, where the
+    // fused finish's serial tail (one CTA per head group) would cost more
     wide = (kImpl == kImplHeads || kImpl == kImplHeads8) && (int64_t)splits * kHeadsPerCta * p.group * D > kHeadsFusedMax;
     p.split_counters = fused_combine() && !wide ? split_counters((int64_t)batch * p.heads_kv, q) : nullptr;
   }
@@ -410,7 +410,7 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
   dim3 grid(splits, head_ctas<kImpl>(p.heads_kv), batch);
   kernel<<<grid, decode_threads<kImpl>(), smem, stream>>>(p);
   check_launch("fp4kv_decode_attention");
-  if (splits > 1 && (wide || p.split_counters == nullptr)) {
+  if (splits > 1 && p.split_counters == nullptr) {  // not merged in the decode kernel (wide: never)
     const float* op = o_part.data_ptr<float>();
     const float* lp = lse_part.data_ptr<float>();
     uint16_t* outp = reinterpret_cast<uint16_t*>(out.data_ptr());
