@@ -17,7 +17,7 @@ import re
 import subprocess
 import sys
 
-ANON = re.compile(r"_GLOBAL__N__[0-9a-f]+_\d+_\w+?_[0-9a-f]+_\d+")
+ANON = re.compile(r"\d*_GLOBAL__N__[0-9a-f]+_\d+_\w+?_[0-9a-f]+_\d+")
 ADDR = re.compile(r"/\*[0-9a-f]{4,}\*/")
 ENC = re.compile(r"/\* 0x[0-9a-f]+ \*/")
 BRANCH = re.compile(r"\b(BRA|BRX|CALL\.\w+(?:\.\w+)*|JMP|BSSY|SSY|PBK|BREAK|WARPSYNC)\b(.*?)0x[0-9a-f]+")

@@ -486,6 +486,26 @@ __device__ __forceinline__ void expand_v_pairs(const uint32_t (&vw)[4][Geo<D>::k
   }
 }
 
+// What the online softmax derives from the running max m of two rows (heads 2c, 2c + 1 in the g8 and heads kernels,
+// rows r, r + 8 in the M = 16 kernel): the rescale threshold m + kRescaleSlack and the exponent reference (m, or 0
+// while m = -inf). RunRefs forms them only when m changes (the rescale path); RunRefsRecomputed per tile, two
+// registers fewer (the g8, 4-warp heads and M = 16 kernels; the first two, at <= 102 registers, spilled with RunRefs).
+struct RunRefs {
+  float t[2] = {-INFINITY, -INFINITY};
+  float r[2] = {0.0f, 0.0f};
+  __device__ __forceinline__ float thr(const float (&)[2], int h) const { return t[h]; }
+  __device__ __forceinline__ float ref(const float (&)[2], int h) const { return r[h]; }
+  __device__ __forceinline__ void set(int h, float m) {
+    t[h] = m + kRescaleSlack;
+    r[h] = m == -INFINITY ? 0.0f : m;
+  }
+};
+struct RunRefsRecomputed {
+  __device__ __forceinline__ float thr(const float (&m)[2], int h) const { return m[h] + kRescaleSlack; }
+  __device__ __forceinline__ float ref(const float (&m)[2], int h) const { return m[h] == -INFINITY ? 0.0f : m[h]; }
+  __device__ __forceinline__ void set(int, float) {}
+};
+
 // The cross-warp combine's shared memory (over the stages): O [warps][16][kOStride], m and l [warps][16].
 struct CombineSmem {
   float *o, *m, *l;

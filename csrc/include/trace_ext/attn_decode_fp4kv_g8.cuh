@@ -66,26 +66,6 @@ __device__ __forceinline__ void swapped_scores(const uint32_t (&w)[2][Geo<D>::kK
   }
 }
 
-// What the online softmax derives from the running max m of heads 2c, 2c + 1: the rescale threshold m + kRescaleSlack
-// and the exponent reference (m, or 0 while m = -inf). RunRefs forms them only when m changes (the rescale path);
-// RunRefsRecomputed per tile, two registers fewer (the g8 and 4-warp heads kernels, at <= 102 registers, spilled with
-// RunRefs).
-struct RunRefs {
-  float t[2] = {-INFINITY, -INFINITY};
-  float r[2] = {0.0f, 0.0f};
-  __device__ __forceinline__ float thr(const float (&)[2], int h) const { return t[h]; }
-  __device__ __forceinline__ float ref(const float (&)[2], int h) const { return r[h]; }
-  __device__ __forceinline__ void set(int h, float m) {
-    t[h] = m + kRescaleSlack;
-    r[h] = m == -INFINITY ? 0.0f : m;
-  }
-};
-struct RunRefsRecomputed {
-  __device__ __forceinline__ float thr(const float (&m)[2], int h) const { return m[h] + kRescaleSlack; }
-  __device__ __forceinline__ float ref(const float (&m)[2], int h) const { return m[h] == -INFINITY ? 0.0f : m[h]; }
-  __device__ __forceinline__ void set(int, float) {}
-};
-
 // (2) The online softmax (log2 domain) per head (column) over the tile's 16 tokens (rows): scale, mask tokens at or
 // past `end` (the split's last tile), lazy rescaling of (m, l, O) when a head's max grows by more than kRescaleSlack,
 // P = 2^(s - m) summed into l (this lane's tokens; summed over r after the loop) and transposed into P^T's B

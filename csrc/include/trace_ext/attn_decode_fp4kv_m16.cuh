@@ -168,7 +168,8 @@ __global__ void __launch_bounds__(kThreads, kQSmem ? kMinBlocks : kMinBlocksQReg
     // runs on this lane's own scores (some lane's exceed m_run + slack iff the row's max does: m_run is the same in
     // the row's 4 lanes); the row max over the tile (2 shuffles per row) is formed only when the warp rescales.
     // Also true on the first finite max (m_run = -inf).
-    const bool grow = mx[0] > m_run[0] + kRescaleSlack || mx[1] > m_run[1] + kRescaleSlack;
+    const RunRefsRecomputed refs{};
+    const bool grow = mx[0] > refs.thr(m_run, 0) || mx[1] > refs.thr(m_run, 1);
     if (__any_sync(0xffffffffu, grow)) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -187,7 +188,7 @@ __global__ void __launch_bounds__(kThreads, kQSmem ? kMinBlocks : kMinBlocksQReg
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float m_ref = m_run[e >> 1] == -INFINITY ? 0.0f : m_run[e >> 1];
+        const float m_ref = refs.ref(m_run, e >> 1);
         const float pe = exp2_ftz(s[nt][e] - m_ref);
         s[nt][e] = pe;
         psum[e >> 1] += pe;
