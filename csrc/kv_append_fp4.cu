@@ -63,8 +63,9 @@
 // - Static SASS (sm_90a, ptxas 13.0), fast path: 203 instructions per 16-element block (12.7 per element: amax, scale
 //   byte, table, codes), and the loop without its rare branches (sequence change, general blocks) 952 instructions per
 //   64-element item (14.9 per element) at four blocks per item, 511 per 32 (16.0) at two (default: 22.9 executed).
-//   Since session 16 the block amax takes 8 HMNMX2 (max.NaN.xorsign.abs) instead of the masked integer maxes, and
-//   blocks whose quotients stay below 7 (every normal scale byte below 448) skip the 8 min.u16x2 of the clamp.
+//   Since session 16 the block amax takes 8 HMNMX2 (max.NaN.xorsign.abs; since session 19 the quantizers' own tree,
+//   raw_max_abs_bits) instead of the masked integer maxes, and blocks whose quotients stay below 7 (every normal scale
+//   byte below 448) skip the 8 min.u16x2 of the clamp.
 //   80 registers at four blocks per item (3 CTAs / SM), 62 at two (=warp2, 4 CTAs / SM); no spills. (A variant
 //   keeping the next item's loads in flight during the math needed ~16 more registers and spilled: not kept.)
 #include <ATen/ATen.h>
@@ -78,6 +79,7 @@
 
 #include "trace_ext/fp4_numerics.cuh"
 #include "trace_ext/host_checks.h"
+#include "trace_ext/quant_common.cuh"  // raw_max_abs_bits
 
 namespace trace_ext {
 namespace {
@@ -425,13 +427,12 @@ __global__ void __launch_bounds__(kAppendThreads) fp4kv_append_warp_kernel(const
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const uint4 lo = raw[2 * j], hi = raw[2 * j + 1];
-      // bf16 bits of the block's max |x| (NaN / Inf: >= 0x7F80): two magnitudes per max.NaN.xorsign.abs
-      const auto mx = [](uint32_t a, uint32_t b) { return max_abs_nan_x2<__nv_bfloat16>(a, b); };
-      const uint32_t m2 = mx(mx(mx(lo.x, lo.y), mx(lo.z, lo.w)), mx(mx(hi.x, hi.y), mx(hi.z, hi.w)));
-      const uint32_t amax16 = mx(m2, __byte_perm(m2, 0u, 0x1032u)) & 0x7FFFu;
-      const float amax = bf16_bits_to_float(amax16);
+      // float bits of the block's max |x| (NaN / Inf: >= 0x7F800000): two magnitudes per max.NaN.xorsign.abs
+      const uint4 block[2] = {lo, hi};
+      const uint32_t amax_bits = raw_max_abs_bits<__nv_bfloat16, 2, true>(block);
+      const float amax = __uint_as_float(amax_bits);
       // amax in [2^-47, 2^50] (finite, nonzero): fl(amax / 6) and fl(. / g) by the exact reciprocal division
-      const bool scale_fast = amax16 - 0x2800u <= 0x5880u - 0x2800u;
+      const bool scale_fast = amax_bits - 0x28000000u <= 0x58800000u - 0x28000000u;
       const uint8_t s = e4m3_rn(div_rn_with_rcp(div_rn_with_rcp(amax, kE2M1Max, kRcp6), g, rg));
       const float2 tr = tbl[s & (kScaleTable - 1)];
       const float q_max = __fmul_rn(amax, tr.y);  // fl(amax / t) 2^-14 within two roundings; NaN entry: NaN

@@ -289,6 +289,13 @@ __device__ __forceinline__ SignBytes8 sign_bytes8(const uint32_t (&s)[8]) {
                     prmt_b32(prmt_b32(s[1], s[3], 0xFBu), prmt_b32(s[5], s[7], 0xFBu), 0x5410u)};
 }
 
+// sign_bytes8 of the eight 16-bit values in raw words w[0..3] (value 2i in the low half of w[i], 2i + 1 in the high
+// half): four byte permutes instead of six (selector 0xFDB9 replicates the sign bits 15 and 31 of both words).
+__device__ __forceinline__ SignBytes8 sign_bytes8_raw16(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+  const uint32_t s03 = prmt_b32(w0, w1, 0xFDB9u), s47 = prmt_b32(w2, w3, 0xFDB9u);  // bytes: signs 0 1 2 3 / 4 5 6 7
+  return SignBytes8{prmt_b32(s03, s47, 0x6420u), prmt_b32(s03, s47, 0x7531u)};
+}
+
 // sign_bytes8 of elements 8 k .. 8 k + 7 of x.
 template <int N>
 __device__ __forceinline__ SignBytes8 sign_bytes8_at(const float (&x)[N], int k) {

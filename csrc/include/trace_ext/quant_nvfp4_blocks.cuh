@@ -112,12 +112,16 @@ __device__ __forceinline__ void quantize_elems_bits(const float (&x)[N], float t
 // RTN element loop shared by kImplLean (POW2: grid value by e2m1_rn_grid_pow2_x2m14) and kImplRtnSat (grid value by
 // e2m1_rn_grid_unsat_x2m14): u = fl(|x| / t) * 2^-14 by the scaled reciprocal division, packed with the signs of x by
 // e2m1_pack8_abs_x2m14<SATURATE>. SATURATE = false only where no quotient of the block reaches 7 (rtn_needs_no_clamp).
+// raw16: 16-bit x's raw words (uint4 k = elements 8 k .. 8 k + 7), whose sign bits give the signs in 4 byte permutes
+// per 8 elements (sign_bytes8_raw16), or nullptr to take them from the floats (sign_bytes8_at, 6).
 template <bool POW2, int N, bool SATURATE = true>
-__device__ __forceinline__ void quantize_rtn_abs_x2m14(const float (&x)[N], float t, float r, uint32_t (&w)[N / 8]) {
+__device__ __forceinline__ void quantize_rtn_abs_x2m14(const float (&x)[N], float t, float r, uint32_t (&w)[N / 8],
+                                                       const uint4* raw16 = nullptr) {
   const float t14 = __fmul_rn(t, 16384.0f), r14 = __fmul_rn(r, 0x1p-14f);
 #pragma unroll
   for (int k = 0; k < N / 8; ++k) {
-    const SignBytes8 sb = sign_bytes8_at(x, k);
+    const SignBytes8 sb = raw16 != nullptr ? sign_bytes8_raw16(raw16[k].x, raw16[k].y, raw16[k].z, raw16[k].w)
+                                           : sign_bytes8_at(x, k);
     float g[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -134,17 +138,18 @@ __device__ __forceinline__ void quantize_rtn_abs_x2m14(const float (&x)[N], floa
 
 // Element loop over N elements of one block; FAST: v = fl(x / t) from the block reciprocal (div_rn_with_rcp),
 // else __fdiv_rn. IMPL (FAST only): kImplScaled, kImplBits or kImplRtnSat (alternatives kept for A/B timing).
+// raw16: 16-bit x's raw words for the SR lean path's signs (as quantize_rtn_abs_x2m14's), or nullptr.
 template <int MODE, bool FAST, int N, int IMPL>
 __device__ __forceinline__ void quantize_elems(const float (&x)[N], float t, float r, uint64_t ctr0,
                                                const QuantParams& p, uint32_t guide_bits, uint2 guide_codes,
-                                               uint32_t (&w)[N / 8]) {
+                                               uint32_t (&w)[N / 8], const uint4* raw16 = nullptr) {
   // ctr0: Philox counter of element 0 (flat element index / 4, SPEC 4)
   if constexpr (MODE == kSR && FAST && IMPL == kImplSrLean) {
     // SR (lean): one round-up FFMA per element and one cvt.rz.f16x2 per pair (quant_sr_elems.cuh). ctr0 = 4 * flat
     // block index, a multiple of 4: its low word + 3 never carries.
     static_assert(N % 16 == 0, "whole blocks: the counter of element 0 is a multiple of 4");
     sr_elems_lean_x2m14<N>(x, t, r, (uint32_t)ctr0, (uint32_t)(ctr0 >> 32), (uint32_t)p.offset,
-                           (uint32_t)(p.offset >> 32), p.keys, w);
+                           (uint32_t)(p.offset >> 32), p.keys, w, raw16);
   } else if constexpr (MODE == kRTN && FAST && IMPL == kImplLean) {
     // RTN (lean): as kImplRtnSat below, the grid value by e2m1_rn_grid_pow2_x2m14 (LOP3, VIMNMX and two FFMAs per
     // element instead of four FADDs, an FMUL, an FSETP and a predicated FADD).
@@ -249,10 +254,11 @@ __device__ __forceinline__ void quantize_elems_bits(const float (&x)[N], float t
 // compact bits (bit i for element i) or full codes (nibble i of .x for i < 8, of .y above). The reciprocal shortcut
 // is taken when t, 1/t and every quotient of the block are far from under/overflow (the common case, judged from
 // the block's amax); __fdiv_rn otherwise. t == 0 gives v = +0, code 0, in every mode.
+// raw16: as quantize_elems'.
 template <int MODE, int N, int IMPL>
 __device__ __forceinline__ void quantize_block(const float (&x)[N], uint32_t max_bits, float t, uint64_t ctr0,
                                                const QuantParams& p, uint32_t guide_bits, uint2 guide_codes,
-                                               uint32_t (&w)[N / 8]) {
+                                               uint32_t (&w)[N / 8], const uint4* raw16 = nullptr) {
   if (!(t > 0.0f)) {  // t == 0, or NaN (g underflowed to 0 and the block is all zero: s_b = e4m3(0 / 0)); codes 0
 #pragma unroll
     for (int k = 0; k < N / 8; ++k) w[k] = 0u;
@@ -279,7 +285,7 @@ __device__ __forceinline__ void quantize_block(const float (&x)[N], uint32_t max
         return;
       }
     }
-    quantize_elems<MODE, true, N, IMPL>(x, t, r, ctr0, p, guide_bits, guide_codes, w);
+    quantize_elems<MODE, true, N, IMPL>(x, t, r, ctr0, p, guide_bits, guide_codes, w, raw16);
   } else {
     quantize_elems<MODE, false, N, IMPL>(x, t, r, ctr0, p, guide_bits, guide_codes, w);
   }
@@ -318,11 +324,13 @@ __device__ __forceinline__ uint8_t nvfp4_scale_byte_rcp(uint32_t amax_bits, floa
 
 // Everything block fb produces once its 16 x are in one thread's registers and its g is known: the 8 code bytes,
 // the mbits, the fake-quant values and the scale byte. (g_out is written by the kernels, once per row.)
-// guide_bits: the rollout's 16 mantissa bits (compact); guide_codes: its 16 rollout codes (full).
+// guide_bits: the rollout's 16 mantissa bits (compact); guide_codes: its 16 rollout codes (full). raw16: as
+// quantize_block's.
 template <typename T, int MODE, bool FAKE, int IMPL>
 __device__ __forceinline__ void process_block(const QuantParams& p, const float (&x)[kNvfp4Block], uint32_t max_bits,
                                               float g, float rg, uint64_t fb, int64_t row, int64_t kbi,
-                                              uint32_t guide_bits, uint2 guide_codes) {
+                                              uint32_t guide_bits, uint2 guide_codes,
+                                              const uint4* raw16 = nullptr) {
   bool finite = max_bits < 0x7F800000u;
   uint8_t s;
   float t;
@@ -336,7 +344,7 @@ __device__ __forceinline__ void process_block(const QuantParams& p, const float 
   }
   uint32_t codes[2] = {0u, 0u};
   if (finite) {
-    quantize_block<MODE, kNvfp4Block, IMPL>(x, max_bits, t, 4 * fb, p, guide_bits, guide_codes, codes);
+    quantize_block<MODE, kNvfp4Block, IMPL>(x, max_bits, t, 4 * fb, p, guide_bits, guide_codes, codes, raw16);
   } else {
     s = kE4M3NaN;
   }

@@ -89,7 +89,10 @@ __global__ void __launch_bounds__(kFlatThreads) nvfp4_quant_flat_kernel(const Qu
       if (fb < total_blocks) {
         float x[kNvfp4Block];
         const uint32_t mb = unpack_block<T, MODE == kRTN || MODE == kSR>(raw[q], x);
-        process_block<T, MODE, FAKE, IMPL>(p, x, mb, g[q], rg[q], fb, rows[q], kbis[q], gbits[q], gcodes[q]);
+        // the SR lean element code reads the signs off 16-bit x's raw halves (fp32 x: from the floats, as before)
+        constexpr bool kRawSigns = MODE == kSR && IMPL == kImplSrLean && sizeof(T) == 2;
+        process_block<T, MODE, FAKE, IMPL>(p, x, mb, g[q], rg[q], fb, rows[q], kbis[q], gbits[q], gcodes[q],
+                                           kRawSigns ? raw[q].v : nullptr);
       }
     }
   }
@@ -297,13 +300,6 @@ __device__ __forceinline__ uint32_t raw_min_nonzero_abs_bits(const BlockRaw<T>& 
       return __float_as_uint(__half2float(__ushort_as_half((unsigned short)((m + 0x8001u) & 0xFFFFu))));
     }
   }
-}
-
-// sign_bytes8 of the eight 16-bit values in raw words w[0..3] (value 2i in the low half of w[i], 2i + 1 in the high
-// half): four byte permutes instead of six (selector 0xFDB9 replicates the sign bits 15 and 31 of both words).
-__device__ __forceinline__ SignBytes8 sign_bytes8_raw16(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
-  const uint32_t s03 = prmt_b32(w0, w1, 0xFDB9u), s47 = prmt_b32(w2, w3, 0xFDB9u);  // bytes: signs 0 1 2 3 / 4 5 6 7
-  return SignBytes8{prmt_b32(s03, s47, 0x6420u), prmt_b32(s03, s47, 0x7531u)};
 }
 
 // Codes of one finite guided block (quantize_block<MODE, 16, kImplLean>'s results): the fast path when t, 1/t and the

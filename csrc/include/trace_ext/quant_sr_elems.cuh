@@ -73,18 +73,22 @@ __device__ __forceinline__ float sr_lean_pre_floor_x2m14(float u, uint32_t nw) {
 }
 
 // Codes (with x's signs) of N elements of one block, nibble e % 8 of w[e / 8] = element e. Element e uses word e % 4 of
-// Philox4x32-10 at counter (n_lo + e / 4, n_hi, off_lo, off_hi) (n_lo a multiple of 4: no carry into n_hi).
+// Philox4x32-10 at counter (n_lo + e / 4, n_hi, off_lo, off_hi) (n_lo a multiple of 4: no carry into n_hi). raw16:
+// 16-bit x's raw words (uint4 k = elements 8 k .. 8 k + 7), whose sign bits give the signs (sign_bytes8_raw16), or
+// nullptr to take them from the floats.
 template <int N>
 __device__ __forceinline__ void sr_elems_lean_x2m14(const float (&x)[N], float t, float r, uint32_t n_lo,
                                                     uint32_t n_hi, uint32_t off_lo, uint32_t off_hi,
-                                                    const PhiloxKeySchedule& ks, uint32_t (&w)[N / 8]) {
+                                                    const PhiloxKeySchedule& ks, uint32_t (&w)[N / 8],
+                                                    const uint4* raw16 = nullptr) {
   static_assert(N % 8 == 0, "whole words of eight codes");
   constexpr uint32_t kSat = 0x0E000E00u;  // fp16 bits of 6 * 2^-14, twice
   const float t14 = __fmul_rn(t, 16384.0f), r14 = __fmul_rn(r, 0x1p-14f);
   Philox4 rnd;  // complemented words
 #pragma unroll
   for (int k = 0; k < N / 8; ++k) {
-    const SignBytes8 sb = sign_bytes8_at(x, k);
+    const SignBytes8 sb = raw16 != nullptr ? sign_bytes8_raw16(raw16[k].x, raw16[k].y, raw16[k].z, raw16[k].w)
+                                           : sign_bytes8_at(x, k);
     float p[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
