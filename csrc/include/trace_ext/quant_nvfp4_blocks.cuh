@@ -112,16 +112,12 @@ __device__ __forceinline__ void quantize_elems_bits(const float (&x)[N], float t
 // RTN element loop shared by kImplLean (POW2: grid value by e2m1_rn_grid_pow2_x2m14) and kImplRtnSat (grid value by
 // e2m1_rn_grid_unsat_x2m14): u = fl(|x| / t) * 2^-14 by the scaled reciprocal division, packed with the signs of x by
 // e2m1_pack8_abs_x2m14<SATURATE>. SATURATE = false only where no quotient of the block reaches 7 (rtn_needs_no_clamp).
-// raw16: 16-bit x's raw words (uint4 k = elements 8 k .. 8 k + 7), whose sign bits give the signs in 4 byte permutes
-// per 8 elements (sign_bytes8_raw16), or nullptr to take them from the floats (sign_bytes8_at, 6).
 template <bool POW2, int N, bool SATURATE = true>
-__device__ __forceinline__ void quantize_rtn_abs_x2m14(const float (&x)[N], float t, float r, uint32_t (&w)[N / 8],
-                                                       const uint4* raw16 = nullptr) {
+__device__ __forceinline__ void quantize_rtn_abs_x2m14(const float (&x)[N], float t, float r, uint32_t (&w)[N / 8]) {
   const float t14 = __fmul_rn(t, 16384.0f), r14 = __fmul_rn(r, 0x1p-14f);
 #pragma unroll
   for (int k = 0; k < N / 8; ++k) {
-    const SignBytes8 sb = raw16 != nullptr ? sign_bytes8_raw16(raw16[k].x, raw16[k].y, raw16[k].z, raw16[k].w)
-                                           : sign_bytes8_at(x, k);
+    const SignBytes8 sb = sign_bytes8_at(x, k);
     float g[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
