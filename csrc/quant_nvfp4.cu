@@ -345,7 +345,7 @@ bool launch_rowg_lean(const QuantParams& p, cudaStream_t stream, const char* op,
   if (p.kb > kRowLeanThreads * kMaxBpl) return false;
   const int bpl = p.kb > kRowLeanThreads || (prefer_two && kMaxBpl == 2 && p.kb >= 2) ? 2 : 1;
   RowLeanPlan plan;
-  if (!rowg_lean_plan(p, bpl, row_lean_ctas_per_sm(MODE, bpl, sizeof(T)), plan)) return false;
+  if (!rowg_lean_plan(p, bpl, MODE == kRTN ? kRowLeanCtasPerSm : kRowLeanSrCtasPerSm, plan)) return false;
   const RowLeanWalk w{(uint32_t)p.rows, (uint32_t)p.kb, plan.shift, (uint32_t)plan.rows_per_cta,
                       (uint32_t)plan.row_stride, (uint32_t)(p.kb_pad / 4 * 512)};
   auto go = [&](auto kernel) {
@@ -495,12 +495,6 @@ int quant_impl() {
 // (read per call; an A/B knob): =0 never, =1 for quantize too.
 bool team_bar_selected(bool fake) { return env_switch("TRACE_EXT_QUANT_TEAM_BAR", fake); }
 
-// SR quantize with g None through the persistent per-row kernel: two blocks per lane at 3 CTAs per SM (80 registers;
-// the default), or with TRACE_EXT_QUANT_SR_BPL1=1 (read per call; an A/B knob) one block per lane where that covers
-// the row (kb <= 256) at 4 CTAs per SM (64 registers, no spills): a third more warps for the latency-bound Philox
-// chains, half the bytes in flight per thread, the per-row work spread over twice the lanes.
-bool sr_two_blocks_per_lane() { return !env_switch("TRACE_EXT_QUANT_SR_BPL1", false); }
-
 // RTN quantize and fake quantization of 16-bit x with g given (per row or one g) go through
 // nvfp4_quant_rowg_lean3_kernel's GIVEN instantiations for rows of 64..512 blocks where at least 3/4 of the team's
 // lanes own two blocks (K 1024, 2048, 4096, 7168, 8192; not 768, 1536, 3072, 5120), the flat kernels elsewhere. H200
@@ -565,7 +559,7 @@ void launch_quant(const QuantParams& p, int64_t rounding, bool rowg, cudaStream_
       [[fallthrough]];
     case kImplSrRow:  // sr-lean, except SR quantize with g None through the persistent per-row kernel
       if (!FAKE && rowg && rounding == kSR && p.K <= kFusedMaxK &&
-          launch_rowg_lean<T, kSR>(p, stream, op, sr_two_blocks_per_lane()))
+          launch_rowg_lean<T, kSR>(p, stream, op, true))
         break;
       [[fallthrough]];
     case kImplSrLean:  // the default's kernels, SR with the lean element code (same kernels, other instantiations)

@@ -352,13 +352,17 @@ def test_sr_lean_mxfp4_against_reference(monkeypatch, dtype, scale_rounding):
 # (the Philox key and counter words beyond 32 bits), linear and swizzled scales and capture.
 
 
-def _check_sr_row(monkeypatch, R, K, dtype, variants):
+@pytest.mark.parametrize("R,K", ROWG_SHAPES)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
+def test_sr_row_against_reference(monkeypatch, R, K, dtype):
+    """codes, scales, g, capture mbits and swizzled scales of SR through the default (the persistent per-row kernel),
+    =sr-row and =sr-lean (the previous per-row kernel) equal the reference's."""
     x = rowg_input(R, K, dtype, 5 * R + K)
     seed, offset = 0x1234_5678_9ABC + R, (K << 33) + 7
     qr = ops.nvfp4_quantize(x, rounding="sr", seed=seed, offset=offset, backend="reference")
     mbits = ref.guidance_from_quantized(qr, "compact").payload
     qsr = ops.nvfp4_quantize(x, rounding="sr", seed=seed, offset=offset, swizzle=True, backend="reference")
-    for variant in variants:
+    for variant in (None, "sr-row", "sr-lean"):
         _set_impl(monkeypatch, variant)
         what = f"{variant or 'default'} {R}x{K} {dtype}"
         assert_same(ops.nvfp4_quantize(x, rounding="sr", seed=seed, offset=offset, backend="cuda"), qr, what)
@@ -367,23 +371,6 @@ def _check_sr_row(monkeypatch, R, K, dtype, variants):
         assert torch.equal(recc.payload, mbits), f"{what} capture mbits"
         assert_same(ops.nvfp4_quantize(x, rounding="sr", seed=seed, offset=offset, swizzle=True, backend="cuda"), qsr,
                     f"{what} swizzled")
-
-
-@pytest.mark.parametrize("R,K", ROWG_SHAPES)
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
-def test_sr_row_against_reference(monkeypatch, R, K, dtype):
-    """codes, scales, g, capture mbits and swizzled scales of SR through the default (the persistent per-row kernel),
-    =sr-row and =sr-lean (the previous per-row kernel) equal the reference's."""
-    _check_sr_row(monkeypatch, R, K, dtype, (None, "sr-row", "sr-lean"))
-
-
-@pytest.mark.parametrize("R,K", ROWG_SHAPES)
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
-def test_sr_row_one_block_per_lane_against_reference(monkeypatch, R, K, dtype):
-    """TRACE_EXT_QUANT_SR_BPL1=1: the persistent per-row SR kernel with one block per lane (4 CTAs per SM) where that
-    covers the row, two elsewhere; the same bits as the reference."""
-    monkeypatch.setenv("TRACE_EXT_QUANT_SR_BPL1", "1")
-    _check_sr_row(monkeypatch, R, K, dtype, (None,))
 
 
 def test_sr_row_matches_default_on_activations(monkeypatch):

@@ -94,11 +94,8 @@ __global__ void __launch_bounds__(kMaxTeam) nvfp4_quant_rowg_kernel(const QuantP
 constexpr int kRowLeanThreads = 256;  // CTA of the lean per-row kernel (4 resident per SM at <= 64 registers)
 constexpr int kRowLeanCtasPerSm = 4;
 constexpr int kRowLeanSrCtasPerSm = 3;  // SR: > 64 registers without spills (4 CTAs at 64 spilled: 0.93-0.95x)
-// CTAs per SM the lean per-row kernel is compiled for: RTN 4; SR 3, except 4 for 16-bit x with one block per lane (64
-// registers without spills on sm_90a; TRACE_EXT_QUANT_SR_BPL1=1 runs it where one block per lane covers the row).
-constexpr int row_lean_ctas_per_sm(int mode, int bpl, int elem_bytes) {
-  return mode == kRTN || (bpl == 1 && elem_bytes == 2) ? kRowLeanCtasPerSm : kRowLeanSrCtasPerSm;
-}
+// (SR with one block per lane fits 64 registers for 16-bit x, but at 4 CTAs per SM it ran 0.96-0.99x of two blocks per
+// lane at 3: H200 round 92. More warps do not pay for the doubled per-row work and the halved per-thread ILP.)
 static_assert(kRowLeanThreads % 32 == 0 && kRowLeanThreads <= kMaxTeam, "lean per-row CTA: whole warps, <= kMaxTeam");
 
 struct RowLeanWalk {
@@ -123,7 +120,7 @@ __device__ __forceinline__ void load_row_blocks(const T* xp, const RowLeanWalk& 
 }
 
 template <typename T, int BPL, bool SWIZZLE, int MODE = kRTN>
-__global__ void __launch_bounds__(kRowLeanThreads, row_lean_ctas_per_sm(MODE, BPL, sizeof(T)))
+__global__ void __launch_bounds__(kRowLeanThreads, MODE == kRTN ? kRowLeanCtasPerSm : kRowLeanSrCtasPerSm)
     nvfp4_quant_rowg_lean_kernel(const QuantParams p, const RowLeanWalk w) {
   static_assert(MODE == kRTN || MODE == kSR, "guided rounding never recomputes g");
   __shared__ uint32_t warp_max[2][kRowLeanThreads / 32];
