@@ -175,13 +175,12 @@ __device__ __forceinline__ int sequence_of_token(const int32_t* __restrict__ cu,
 // Quantizes one 16-element block (its 8 bf16 words): the E4M3 scale byte and two words of packed codes.
 __device__ __forceinline__ void quantize_block(const uint32_t (&words)[8], float g, bool rcp_quotient,
                                                uint8_t& scale_out, uint32_t& code_lo, uint32_t& code_hi) {
-  // |x| as bf16 bits orders like an unsigned int; NaN / Inf are exactly the patterns >= 0x7F80
-  uint32_t amax2 = 0u;
-#pragma unroll
-  for (int w = 0; w < 8; ++w) amax2 = __vmaxu2(amax2, words[w] & 0x7FFF7FFFu);
-  const uint32_t amax_bits = max(amax2 & 0xFFFFu, amax2 >> 16);
-  const bool finite = amax_bits < 0x7F80u;
-  const float amax = bf16_bits_to_float(amax_bits);
+  // max |x| by the masked integer maxes (|x| as bf16 bits orders like an unsigned int; NaN / Inf: >= 0x7F800000)
+  const uint4 block[2] = {make_uint4(words[0], words[1], words[2], words[3]),
+                          make_uint4(words[4], words[5], words[6], words[7])};
+  const uint32_t amax_bits = raw_max_abs_bits<__nv_bfloat16, 2, false>(block);
+  const bool finite = amax_bits < 0x7F800000u;
+  const float amax = __uint_as_float(amax_bits);
 
   uint8_t scale = kE4M3NaN;
   uint32_t w2[2] = {0u, 0u};

@@ -141,8 +141,8 @@ __device__ __forceinline__ void swapped_pv(const uint32_t (&vw)[4][Geo<D>::kVWor
 }
 
 // The swapped-operand kernels' Q^T B fragments of head r of KV head kv_head (k-step ks: qb[ks][0] for k = 2c, 2c + 1,
-// qb[ks][1] for k = 2c + 8, 2c + 9; Q scaled by the row's power of two, SPEC 8) and the score scales of heads 2c, 2c +
-// 1.
+// qb[ks][1] for k = 2c + 8, 2c + 9; Q scaled by the row's power of two, SPEC 8) and the score scales of heads 2c and
+// 2c + 1.
 template <int D>
 __device__ __forceinline__ void swapped_q_fragments(const DecodeParams& p, int b, int kv_head, int r, int c,
                                                     uint32_t (&qb)[Geo<D>::kKSteps][2], float (&head_scale)[2]) {
