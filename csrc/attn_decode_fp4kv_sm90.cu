@@ -259,14 +259,27 @@ int head_ctas(int heads_kv) {
   return kImpl == kImplHeads || kImpl == kImplHeads8 ? heads_kv / kHeadsPerCta : heads_kv;
 }
 
-int decode_impl(int group, bool heads_ok) {
+// fold_ok: H_kv = 1 or 2 with pages of whole pseudo tokens, where heads8 runs over folded tokens (heads8_fold below).
+int decode_impl(int group, bool heads_ok, bool fold_ok) {
   const char* env = std::getenv("TRACE_EXT_KV_DECODE_IMPL");
   if (env != nullptr && std::strcmp(env, "old") == 0) return kImplRegQ;
   if (env != nullptr && std::strcmp(env, "qsmem") == 0) return kImplSmemQ;
   if (env != nullptr && std::strcmp(env, "g8") == 0 && group <= 8) return kImplSwap;
   if (group > 8) return kImplSmemQ;
   if (env != nullptr && std::strcmp(env, "heads") == 0 && heads_ok) return kImplHeads;
-  return heads_ok ? kImplHeads8 : kImplSwap;
+  return heads_ok || fold_ok ? kImplHeads8 : kImplSwap;
+}
+
+// heads8 over folded tokens (H_kv = 1 or 2, the KV heads per GPU of tensor-parallel rollouts, where H_kv % 4 != 0 ruled
+// the heads kernels out): kFold = 4 / H_kv consecutive tokens of all H_kv heads are one contiguous 4-head run of the
+// [page, token, head, D/2] layout, so the cache is read as H_kv = 4 pseudo heads of pseudo tokens (page size P / kFold),
+// with heads8's copy plan unchanged; pseudo head j * H_kv + head holds tokens kFold t + j of `head`, masked per warp
+// at the sequence's end, and the kFold pseudo heads of a head are merged in the CTA (merge_fold_states). The fused
+// split finish does not apply (the separate combine kernel merges the splits).
+int heads8_fold(int64_t heads_kv, int64_t page_size) {
+  if (heads_kv != 1 && heads_kv != 2) return 1;
+  const int fold = 4 / (int)heads_kv;
+  return page_size % fold == 0 ? fold : 1;
 }
 
 template <int D, int kImpl>
@@ -369,10 +382,27 @@ DecodeKernelFn heads8_ring_kernel(int device) {
   return kernel;
 }
 
+template <int D, int kFold>
+DecodeKernelFn heads8_fold_kernel(int device) {
+  static bool attr_set[64] = {false};
+  const DecodeKernelFn kernel = fp4kv_decode_kernel_heads<D, 2, kHeads8Ring, kFold>;
+  if (!attr_set[device & 63]) {
+    set_decode_kernel_attrs(kernel, heads8_smem<D>(kHeads8Ring));
+    attr_set[device & 63] = true;
+  }
+  return kernel;
+}
+
+// fold > 1 (heads8 only): tokens folded into pseudo heads (heads8_fold).
 template <int D, int kImpl>
 void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max_len, const at::Tensor& q,
-            at::Tensor& out, at::Tensor& lse) {
+            at::Tensor& out, at::Tensor& lse, int fold = 1) {
   DecodeParams p = base;
+  if (fold > 1) {  // the kernel's view: 4 pseudo KV heads, pages of P / fold pseudo tokens
+    p.heads_kv = kHeadsPerCta;
+    p.page_size /= fold;
+    max_len /= fold;
+  }
   const int device = q.get_device();
   static bool carveout_set[64] = {false};  // per device (the caller's guard made `device` current)
   if (!carveout_set[device & 63]) {
@@ -394,12 +424,13 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
     // combine kernel (a CTA per (sequence, query head), splits spread over its warps), also under =fused, where the
     // fused finish's serial tail (one CTA per head group) would cost more
     wide = (kImpl == kImplHeads || kImpl == kImplHeads8) && (int64_t)splits * kHeadsPerCta * p.group * D > kHeadsFusedMax;
-    p.split_counters = fused_combine() && !wide ? split_counters((int64_t)batch * p.heads_kv, q) : nullptr;
+    p.split_counters = fused_combine() && !wide && fold == 1 ? split_counters((int64_t)batch * p.heads_kv, q) : nullptr;
   }
   DecodeKernelFn kernel = decode_kernel<D, kImpl>();
   int smem = decode_smem<D, kImpl>();
   if constexpr (kImpl == kImplHeads8) {  // TRACE_EXT_KV_DECODE_RING=2 / 4: another stage ring, same splits
-    const int ring = heads_ring_selected();
+    const int ring = fold > 1 ? 0 : heads_ring_selected();
+    if (fold > 1) kernel = fold == 2 ? heads8_fold_kernel<D, 2>(device) : heads8_fold_kernel<D, 4>(device);
     if (ring != 0) {
       kernel = ring == 2 ? heads8_ring_kernel<D, 2>(device) : heads8_ring_kernel<D, 4>(device);
       smem = heads8_smem<D>(ring);
@@ -510,16 +541,19 @@ std::tuple<at::Tensor, at::Tensor> fp4kv_decode_attention_cuda(const at::Tensor&
   p.score_scale = (float)(softmax_scale * g_k * (double)kTwo14 * (double)kLog2e);
   p.out_scale = (float)(g_v * (double)kTwo14);
   const int64_t max_len = block_table.size(1) * P;  // an upper bound of seq_lens without a host sync
-  // the heads kernel copies 16-byte pieces of 4-head runs: H_kv % 4 == 0 and 16-byte aligned cache bases
-  bool heads_ok = Hkv % kHeadsPerCta == 0;
-  for (int i = 0; i < 4; ++i) heads_ok = heads_ok && reinterpret_cast<uintptr_t>(cache[i]->data_ptr()) % 16 == 0;
-  const int impl = decode_impl(p.group, heads_ok);
+  // the heads kernels copy 16-byte pieces of 4-head runs (of 4 / H_kv tokens at H_kv = 1, 2: heads8_fold):
+  // 16-byte aligned cache bases
+  bool aligned16 = true;
+  for (int i = 0; i < 4; ++i) aligned16 = aligned16 && aligned(*cache[i], 16);
+  const bool heads_ok = aligned16 && Hkv % kHeadsPerCta == 0;
+  const int fold = aligned16 ? heads8_fold(Hkv, P) : 1;
+  const int impl = decode_impl(p.group, heads_ok, fold > 1);
   auto go = [&](auto d_tag) {
     constexpr int kD = decltype(d_tag)::value;
     if (impl == kImplHeads) {
       launch<kD, kImplHeads>(p, (int)B, (int)num_splits, max_len, q, out, lse);
     } else if (impl == kImplHeads8) {
-      launch<kD, kImplHeads8>(p, (int)B, (int)num_splits, max_len, q, out, lse);
+      launch<kD, kImplHeads8>(p, (int)B, (int)num_splits, max_len, q, out, lse, fold);
     } else if (impl == kImplSwap) {
       launch<kD, kImplSwap>(p, (int)B, (int)num_splits, max_len, q, out, lse);
     } else if (impl == kImplSmemQ) {

@@ -203,7 +203,8 @@ def assert_fused_finish_equals_combine_kernel(monkeypatch, shapes, splits):
 
 def test_decode_fused_split_combine_matches_combine_kernel(monkeypatch):
     """The in-kernel split-K finish (last CTA per (sequence, KV head), self-resetting arrival counters) equals the
-    separate combine kernel, G = 8 and 16 (H_kv = 2: the g8 / qsmem kernels), empty splits and sequences."""
+    separate combine kernel, G = 8 and 16 (H_kv = 2: heads8 over folded tokens, which always takes the combine
+    kernel, and the qsmem kernel), empty splits and sequences."""
     assert_fused_finish_equals_combine_kernel(monkeypatch, ((16, 2, 128), (32, 2, 64)), (7, 64, 3, 7, 200))
 
 
@@ -429,6 +430,93 @@ def test_decode_heads8_merges_sets_with_far_apart_maxima(monkeypatch):
         out, lse = ops.fp4kv_decode_attention(q, cache, table, seq_lens, 0.1, num_splits=n, backend="cuda")
         err, err_sdpa, lse_err = errors_vs_reference(out, lse, q, cache, table, seq_lens, 0.1)
         assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
+
+
+# ---- heads8 over folded tokens (H_kv = 1, 2: the KV heads per GPU of tensor-parallel rollouts): 4 / H_kv consecutive
+# tokens of all heads are one contiguous 4-head run of the cache, read as heads8's 4 pseudo KV heads; pseudo head
+# j * H_kv + head holds tokens (4 / H_kv) t + j of `head`, masked per warp at the sequence's end and merged in the CTA.
+# The default at those H_kv where the page size is a multiple of 4 / H_kv (else the g8 kernel).
+FOLD_CASES = [
+    # lens (every residue mod 4, empty, one token, partial tiles, pseudo heads without a token), Hq, Hkv, D, P
+    pytest.param([1, 2, 3, 4, 5, 0, 17, 63, 4093, 4096], 8, 1, 128, 16, id="fold4-gqa8"),
+    pytest.param([1, 2, 3, 5, 0, 30, 4094, 2049], 4, 1, 64, 4, id="fold4-gqa4-d64-page4"),
+    pytest.param([1, 2, 3, 0, 33, 4095, 1000], 16, 2, 128, 16, id="fold2-gqa8"),
+    pytest.param([7, 1, 2, 999, 8192], 8, 2, 128, 2, id="fold2-gqa4-page2"),
+    pytest.param([5, 64, 3001], 2, 2, 64, 64, id="fold2-gqa1-d64-page64"),
+    pytest.param([6, 4099], 1, 1, 128, 8, id="fold4-gqa1-page8"),
+    pytest.param([6, 4099, 1], 4, 1, 128, 2, id="nofold-page2-g8"),  # 4 tokens per pseudo token do not fit a page
+]
+
+
+def decode_kernel_launched(fn) -> str:
+    """The decode kernel fn launches (its name as the profiler records it)."""
+    from test_quant_rowg_lean3_gpu import launched
+
+    names = [n for n in launched(fn) if "fp4kv_decode_kernel" in n]
+    assert len(names) == 1, names
+    return names[0]
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 3])
+@pytest.mark.parametrize("lens, Hq, Hkv, D, P", FOLD_CASES)
+def test_decode_folded_heads8_matches_reference_and_g8(lens, Hq, Hkv, D, P, num_splits, monkeypatch):
+    """The default kernel at H_kv = 1, 2 (heads8 over folded tokens where the page holds whole pseudo tokens, checked
+    by the launched kernel's name) is within the decode bound of the reference and agrees with the g8 kernel to a
+    few bf16 ulps (the same arithmetic per tile, tiles summed in another order)."""
+    cache, table, seq_lens, *_ = make_cache(lens, Hkv, D, P, seed=sum(lens) + P)
+    q = torch.randn(len(lens), Hq, D, device=DEV).to(torch.bfloat16)
+    monkeypatch.delenv("TRACE_EXT_KV_DECODE_IMPL", raising=False)
+    call = lambda: ops.fp4kv_decode_attention(q, cache, table, seq_lens, 0.1, num_splits=num_splits, backend="cuda")  # noqa: E731
+    fold = 4 // Hkv if P % (4 // Hkv) == 0 else 1
+    name = decode_kernel_launched(call)
+    want = f"fp4kv_decode_kernel_heads<{D}, 2, 3, {fold}>" if fold > 1 else f"fp4kv_decode_kernel_g8<{D}>"
+    assert want in name, name
+    out, lse = call()
+    err, err_sdpa, lse_err = errors_vs_reference(out, lse, q, cache, table, seq_lens, 0.1)
+    assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
+    monkeypatch.setenv("TRACE_EXT_KV_DECODE_IMPL", "g8")
+    o8, l8 = call()
+    torch.testing.assert_close(out.float(), o8.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse, l8, rtol=0, atol=1e-4)
+
+
+def test_decode_folded_heads8_merges_pseudo_heads_with_far_apart_maxima():
+    """One dominant key per sequence, in the pseudo head of token residue 1 (then 3) of a head: the CTA's merge of the
+    folded pseudo heads must weight the others by 2^(m_j - m), underflowing to 0, not add them unscaled."""
+    Hkv, D, P = 1, 128, 16
+    lens = [64, 64]
+    gen = torch.Generator(device=DEV).manual_seed(22)
+    k = torch.randn(sum(lens), Hkv, D, generator=gen, device=DEV)
+    v = torch.randn(sum(lens), Hkv, D, generator=gen, device=DEV)
+    q = torch.randn(len(lens), 8, D, generator=gen, device=DEV)
+    for b, tok in ((0, 5), (1, 64 + 23)):  # token 5 (residue 1) of sequence 0, token 23 (residue 3) of sequence 1
+        k[tok, 0] = q[b, 0] * 40.0
+    k, v, q = k.to(torch.bfloat16), v.to(torch.bfloat16), q.to(torch.bfloat16)
+    cache = PagedFP4KVCache(16, P, Hkv, D, device=DEV, g_k=float(k.float().abs().max()) / 2688.0,
+                            g_v=float(v.float().abs().max()) / 2688.0)
+    table = torch.arange(16, device=DEV, dtype=torch.int32).reshape(2, 8)
+    cu = torch.tensor([0, 64, 128], dtype=torch.int32, device=DEV)
+    ops.fp4kv_append(cache, k, v, table, cu, torch.zeros(2, dtype=torch.int32, device=DEV), backend="cuda")
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    for n in (1, 2):
+        out, lse = ops.fp4kv_decode_attention(q, cache, table, seq_lens, 0.1, num_splits=n, backend="cuda")
+        err, err_sdpa, lse_err = errors_vs_reference(out, lse, q, cache, table, seq_lens, 0.1)
+        assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
+
+
+# ---- the swapped-operand softmax takes a non-negative score scale (a negative one is moved into Q): negative and zero
+# softmax scales on the kernels that share it (heads8, folded heads8, the 4-warp heads kernel, g8)
+@pytest.mark.parametrize("impl, Hkv", [("heads8", 4), ("heads8", 2), ("heads", 4), ("g8", 4)])
+@pytest.mark.parametrize("scale", [-0.1, 0.0])
+def test_decode_negative_and_zero_softmax_scale(impl, Hkv, scale, monkeypatch):
+    lens = [700, 17, 0, 4100]
+    cache, table, seq_lens, *_ = make_cache(lens, Hkv, 128, 16, seed=9)
+    q = torch.randn(len(lens), 4 * Hkv, 128, device=DEV).to(torch.bfloat16)
+    monkeypatch.setenv("TRACE_EXT_KV_DECODE_IMPL", impl)
+    for n in (0, 1, 3):
+        out, lse = ops.fp4kv_decode_attention(q, cache, table, seq_lens, scale, num_splits=n, backend="cuda")
+        err, err_sdpa, lse_err = errors_vs_reference(out, lse, q, cache, table, seq_lens, scale)
+        assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3, (n, err, err_sdpa, lse_err)
 
 
 # ---- heads8 stage ring depth (default 3 stages since round 22; TRACE_EXT_KV_DECODE_RING=4 / 2, read per call, select

@@ -211,7 +211,72 @@ __device__ __forceinline__ void merge_warp_sets(uint8_t* smem, int warp, int set
   }
 }
 
-template <int D, int kSets, int kRing = kStages>
+// heads8 over folded tokens (kFold > 1, see the kernel): the kFold x 2 warps of one KV head (pseudo heads j, warp sets)
+// merged into warp (j = 0, set 0): every other warp stores its (O, m, l) lane-major in the drained ring, then each
+// merging warp rescales all states to their common max (weights 2^(m_i - m), 0 for a state that saw no token, as in
+// merge_warp_sets) and sums them in the order (j, set). Called by all threads of the CTA.
+template <int D, int kFold, int kRing>
+__device__ __forceinline__ void merge_fold_states(uint8_t* smem, int warp, int set, int lane, float (&o)[D / 16][4],
+                                                  float (&m_run)[2], float (&l_run)[2]) {
+  constexpr int kVals = D / 16 * 4 + 4;  // O accumulators, m[2], l[2]
+  constexpr int kHeads = kHeadsPerCta / kFold;  // real KV heads per CTA; warp = j * kHeads + head
+  static_assert(2 * kWarps * kVals * 32 * 4 <= 2 * kRing * HGeo<D>::kStageBytes, "the merge buffer fits in the ring");
+  float* all = reinterpret_cast<float*>(smem);
+  const int w_id = set * kWarps + warp;  // this warp's slot
+  __syncthreads();  // every warp is done with its last stage
+  if (w_id >= kHeads) {  // not a merging warp (those are j = 0 of set 0: warps 0 .. kHeads - 1)
+    float* buf = all + w_id * kVals * 32 + lane;
+#pragma unroll
+    for (int m = 0; m < D / 16; ++m) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) buf[(4 * m + e) * 32] = o[m][e];
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      buf[(kVals - 4 + h) * 32] = m_run[h];
+      buf[(kVals - 2 + h) * 32] = l_run[h];
+    }
+  }
+  __syncthreads();
+  if (w_id >= kHeads) return;
+  // the other states of this head: (j, set) = (0, 1) and (j >= 1, set 0 / 1), slots set * kWarps + j * kHeads + warp
+  constexpr int kOthers = 2 * kFold - 1;
+  int slots[kOthers];
+#pragma unroll
+  for (int i = 0; i < kOthers; ++i) {
+    const int st = i + 1;  // state index (j, set) = (st / 2, st % 2)
+    slots[i] = (st % 2) * kWarps + (st / 2) * kHeads + warp;
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float m_all = m_run[h];
+#pragma unroll
+    for (int i = 0; i < kOthers; ++i) m_all = fmaxf(m_all, all[(slots[i] * kVals + kVals - 4 + h) * 32 + lane]);
+    const float f0 = m_run[h] == -INFINITY ? 0.0f : exp2f(m_run[h] - m_all);
+    float l = __fmul_rn(f0, l_run[h]);
+    float f[kOthers];
+#pragma unroll
+    for (int i = 0; i < kOthers; ++i) {
+      const float mi = all[(slots[i] * kVals + kVals - 4 + h) * 32 + lane];
+      f[i] = mi == -INFINITY ? 0.0f : exp2f(mi - m_all);
+      l = __fadd_rn(l, __fmul_rn(f[i], all[(slots[i] * kVals + kVals - 2 + h) * 32 + lane]));
+    }
+#pragma unroll
+    for (int m = 0; m < D / 16; ++m) {
+#pragma unroll
+      for (int e = h; e < 4; e += 2) {
+        float acc = __fmul_rn(f0, o[m][e]);
+#pragma unroll
+        for (int i = 0; i < kOthers; ++i) acc = __fadd_rn(acc, __fmul_rn(f[i], all[(slots[i] * kVals + 4 * m + e) * 32 + lane]));
+        o[m][e] = acc;
+      }
+    }
+    l_run[h] = l;
+    m_run[h] = m_all;
+  }
+}
+
+template <int D, int kSets, int kRing = kStages, int kFold = 1>
 __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads : kMinBlocksHeads8)
     fp4kv_decode_kernel_heads(const DecodeParams p) {
   using G = Geo<D>;
@@ -227,9 +292,16 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
   const int warp = kSets == 1 ? threadIdx.x / 32 : (threadIdx.x / 32) % kWarps, lane = threadIdx.x % 32;
   const int set = kSets == 1 ? 0 : (int)(threadIdx.x / 32) / kWarps;
   const int r = lane / 4, c = lane % 4;  // MMA fragment row / column group
-  const int kv_head = hg * kHeadsPerCta + warp;
+  // kFold > 1 (heads8 only): H_kv = 4 / kFold KV heads, the cache viewed as 4 pseudo KV heads of ceil(len / kFold)
+  // pseudo tokens (the host passes heads_kv = 4 and page_size = P / kFold): pseudo token t holds tokens kFold t + j of
+  // every head, so pseudo head warp = j * (4 / kFold) + head, and the kFold pseudo heads of a head are merged at the end
+  static_assert(kFold == 1 || (kSets == 2 && (kFold == 2 || kFold == 4)), "folded tokens: heads8, 2 or 4 per pseudo token");
+  constexpr int kHeads = kHeadsPerCta / kFold;  // real KV heads per CTA
+  const int fold_j = kFold == 1 ? 0 : warp / kHeads;
+  const int kv_head = kFold == 1 ? hg * kHeadsPerCta + warp : warp % kHeads;
 
-  const int len = __ldg(p.seq_lens + b);
+  const int len_tokens = __ldg(p.seq_lens + b);
+  const int len = kFold == 1 ? len_tokens : (len_tokens + kFold - 1) / kFold;
   const int per_split = (len + p.num_splits - 1) / p.num_splits;
   const int chunk_len = (per_split + kTile - 1) / kTile * kTile;
   const int start = split * chunk_len;
@@ -329,6 +401,8 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
   std::conditional_t<kSets == 2, RunRefs, RunRefsRecomputed> refs;
   float l_run[2] = {0.0f, 0.0f};
 
+  // folded tokens: this warp's pseudo tokens t hold token kFold t + fold_j, which exists for t < ceil((len - j) / kFold)
+  const int warp_end = kFold == 1 ? end : min(end, (len_tokens - fold_j + kFold - 1) / kFold);
   for (int i = 0; i < n_stages; ++i) {
     cp_async_wait<kRing - 2>();
     __syncthreads();  // stage i landed for all threads; every warp is done with stage i - 1
@@ -341,7 +415,7 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
     const int t0 = start + tile * kTile;
 
     // ---- S^T = K.Q^T, the online softmax, O^T += V^T.P^T (the g8 kernel's tile step) ----
-    swapped_tile<D>(st, k_off, ks_off, v_off, vs_off, qb, head_scale, t0, end, r, m_run, refs, l_run, o);
+    swapped_tile<D>(st, k_off, ks_off, v_off, vs_off, qb, head_scale, t0, warp_end, r, m_run, refs, l_run, o);
   }
   cp_async_wait<0>();
 
@@ -353,7 +427,12 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
     l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 16);
   }
   // heads8: set 1's (m, l, O) joins set 0's warp of the same head; set 0 writes the result
-  if constexpr (kSets > 1) merge_warp_sets<D>(smem, warp, set, lane, o, m_run, l_run);
+  if constexpr (kFold > 1) {
+    merge_fold_states<D, kFold, kRing>(smem, warp, set, lane, o, m_run, l_run);
+    if (fold_j != 0 || set != 0) return;
+  } else if constexpr (kSets > 1) {
+    merge_warp_sets<D>(smem, warp, set, lane, o, m_run, l_run);
+  }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int head = 2 * c + h;
@@ -387,7 +466,8 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
       if (r == 0) p.lse_part[bh * p.num_splits + split] = lse2;
     }
   }
-  if (p.num_splits == 1 || p.split_counters == nullptr) return;
+  // (folded tokens: the host always takes the separate combine kernel)
+  if (kFold > 1 || p.num_splits == 1 || p.split_counters == nullptr) return;
   // Fused split-K finish, as in merge_warps: the last CTA of the (sequence, head group) combines all splits of its
   // 4 G query heads.
   if (!arrived_last(p.split_counters + (int64_t)b * p.heads_kv + hg, p.num_splits)) return;
