@@ -24,20 +24,15 @@ from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, env_switch, pri
 
 # (model at TP, Hq, Hkv) per GPU
 TP_SHAPES = [("Qwen3-30B-A3B TP2", 16, 2), ("Qwen3-30B-A3B TP4", 8, 1), ("Mixtral TP4", 8, 2), ("Mixtral TP8", 4, 1)]
-BATCHES = (8, 32, 128)
-CONTEXTS = (4096, 16384)
+BATCH_CONTEXTS = [(B, S) for B in (8, 32, 128) for S in (4096, 16384)] + [(1, 131072)]
 MIN_SPLIT_TOKENS = 512  # kMinSplitTokens of the kernel
 
 
 def split_candidates(pairs: int, S: int, sms: int) -> list[int]:
-    """Split counts that put k = 1 .. 4 CTAs of `pairs` (sequence, head group) pairs on the busiest of `sms` SMs."""
+    """1, 2, 4 and the split counts that put k = 1 .. 4 CTAs of `pairs` (sequence, head group) pairs on the busiest of `sms`
+    SMs, at most one split per MIN_SPLIT_TOKENS tokens."""
     cap = max(1, min(S // MIN_SPLIT_TOKENS, 4 * sms))
-    out = set()
-    for k in range(1, 5):
-        s = max(1, (k * sms) // pairs)
-        if s <= cap:
-            out.add(s)
-    return sorted(out)
+    return sorted({s for s in (1, 2, 4) if s <= cap} | {min(cap, max(1, (k * sms) // pairs)) for k in range(1, 5)})
 
 
 def main() -> None:
@@ -51,35 +46,34 @@ def main() -> None:
     scale, g_k, g_v = 1.0 / math.sqrt(D), 0.01, 0.02
     rows = []
     for model, Hq, Hkv in TP_SHAPES:
-        for B in BATCHES:
-            for S in CONTEXTS:
-                kc, ks, vc, vs, table, seq_lens = random_cache(B, Hkv, S, gen)
-                q = torch.randn(B, Hq, D, device="cuda", generator=gen).to(torch.bfloat16)
-                nbytes = decode_bytes(B, Hq, Hkv, S)
-                ms_auto = do_bench_cold(lambda: op(q, kc, ks, vc, vs, table, seq_lens, scale, g_k, g_v, 0))
-                with env_switch("TRACE_EXT_KV_DECODE_IMPL", "g8"):
-                    ms_g8 = do_bench_cold(lambda: op(q, kc, ks, vc, vs, table, seq_lens, scale, g_k, g_v, 0))
-                sweep = {}
-                for s in split_candidates(B, S, sms):
-                    sweep[s] = do_bench_cold(lambda: op(q, kc, ks, vc, vs, table, seq_lens, scale, g_k, g_v, s))
-                best = min(sweep, key=sweep.get)
-                del kc, ks, vc, vs
-                kb = torch.randn(B, Hkv, S, D, device="cuda", generator=gen).to(torch.bfloat16)
-                vb = torch.randn(B, Hkv, S, D, device="cuda", generator=gen).to(torch.bfloat16)
-                q4 = q[:, :, None]
-                ms_sdpa = do_bench_cold(
-                    lambda: torch.nn.functional.scaled_dot_product_attention(q4, kb, vb, scale=scale, enable_gqa=True))
-                del kb, vb
-                torch.cuda.empty_cache()
-                gbs = nbytes / (ms_auto * 1e-3) / 1e9
-                rows.append({
-                    "case": f"{model} B{B} Hq{Hq} Hkv{Hkv} S{S // 1024}K", "auto ms": ms_auto,
-                    "% copy": 100.0 * gbs / copy_gbs, "sdpa ms": ms_sdpa, "speedup": ms_sdpa / ms_auto,
-                    "g8 ms": ms_g8, "g8 / auto": ms_g8 / ms_auto,
-                    "best splits": best, "best ms": sweep[best], "auto / best": ms_auto / sweep[best],
-                    "sweep (splits: us)": " ".join(f"{s}:{1e3 * t:.1f}" for s, t in sweep.items()),
-                })
-                print(rows[-1], flush=True)
+        for B, S in BATCH_CONTEXTS:
+            kc, ks, vc, vs, table, seq_lens = random_cache(B, Hkv, S, gen)
+            q = torch.randn(B, Hq, D, device="cuda", generator=gen).to(torch.bfloat16)
+            nbytes = decode_bytes(B, Hq, Hkv, S)
+            ms_auto = do_bench_cold(lambda: op(q, kc, ks, vc, vs, table, seq_lens, scale, g_k, g_v, 0))
+            with env_switch("TRACE_EXT_KV_DECODE_IMPL", "g8"):
+                ms_g8 = do_bench_cold(lambda: op(q, kc, ks, vc, vs, table, seq_lens, scale, g_k, g_v, 0))
+            sweep = {}
+            for s in split_candidates(B, S, sms):
+                sweep[s] = do_bench_cold(lambda: op(q, kc, ks, vc, vs, table, seq_lens, scale, g_k, g_v, s))
+            best = min(sweep, key=sweep.get)
+            del kc, ks, vc, vs
+            kb = torch.randn(B, Hkv, S, D, device="cuda", generator=gen).to(torch.bfloat16)
+            vb = torch.randn(B, Hkv, S, D, device="cuda", generator=gen).to(torch.bfloat16)
+            q4 = q[:, :, None]
+            ms_sdpa = do_bench_cold(
+                lambda: torch.nn.functional.scaled_dot_product_attention(q4, kb, vb, scale=scale, enable_gqa=True))
+            del kb, vb
+            torch.cuda.empty_cache()
+            gbs = nbytes / (ms_auto * 1e-3) / 1e9
+            rows.append({
+                "case": f"{model} B{B} Hq{Hq} Hkv{Hkv} S{S // 1024}K", "auto ms": ms_auto,
+                "% copy": 100.0 * gbs / copy_gbs, "sdpa ms": ms_sdpa, "speedup": ms_sdpa / ms_auto,
+                "g8 ms": ms_g8, "g8 / auto": ms_g8 / ms_auto,
+                "best splits": best, "best ms": sweep[best], "auto / best": ms_auto / sweep[best],
+                "sweep (splits: us)": " ".join(f"{s}:{1e3 * t:.1f}" for s, t in sweep.items()),
+            })
+            print(rows[-1], flush=True)
     print_table(rows)
     path = write_results("kv_tp_splits", rows, env_stamp("python3 bench/bench_kv_tp_splits.py"),
                          notes=f"copy bandwidth {copy_gbs:.1f} GB/s; page size 16; head_dim {D}; auto = the default kernel "

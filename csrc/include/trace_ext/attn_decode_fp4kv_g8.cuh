@@ -66,18 +66,17 @@ __device__ __forceinline__ void swapped_scores(const uint32_t (&w)[2][Geo<D>::kK
   }
 }
 
-// (2) The online softmax (log2 domain) per head (column) over the tile's 16 tokens (rows): mask tokens at or past
-// `end` (the split's last tile), lazy rescaling of (m, l, O) when a head's max grows by more than kRescaleSlack,
-// P = 2^(s * scale - m) summed into l (this lane's tokens; summed over r after the loop) and transposed into P^T's B
-// fragment pb: P[head r][tokens 2c, 2c+1] and [2c+8, 2c+9]. The head scale is >= 0 (swapped_q_fragments moves a
-// negative softmax scale into Q), so fl(max(a, b) * scale) = max(fl(a * scale), fl(b * scale)): the maxima are taken
-// on the raw scores and scaled once per head, and each exponent is one FFMA s * scale - m (one rounding).
+// (2) The online softmax (log2 domain) per head (column) over the tile's 16 tokens (rows): scale, mask tokens at or
+// past `end` (the split's last tile), lazy rescaling of (m, l, O) when a head's max grows by more than kRescaleSlack,
+// P = 2^(s - m) summed into l (this lane's tokens; summed over r after the loop) and transposed into P^T's B
+// fragment pb: P[head r][tokens 2c, 2c+1] and [2c+8, 2c+9].
 template <int kMTiles, class Refs>
 __device__ __forceinline__ void swapped_softmax(float (&s)[4], const float (&head_scale)[2], int t0, int end, int r,
                                                 float (&m_run)[2], Refs& refs, float (&l_run)[2],
                                                 float (&o)[kMTiles][4], uint32_t (&pb)[2]) {
-  const bool last = t0 + kTile > end;  // the last tile of the split (warp-uniform branch)
-  if (last) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) s[e] *= head_scale[e & 1];
+  if (t0 + kTile > end) {  // the last tile of the split: mask tokens past its end (warp-uniform branch)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       if (t0 + r + 8 * (e >> 1) >= end) s[e] = -INFINITY;
@@ -86,7 +85,7 @@ __device__ __forceinline__ void swapped_softmax(float (&s)[4], const float (&hea
   // The rescale test on this lane's own scores: some lane's exceed m_run + slack iff the head's max over the tile
   // does (m_run is the same in the 8 lanes of a head), so the max over the tile's rows (3 shuffles per head) is only
   // formed when the warp rescales.
-  float mx[2] = {fmaxf(s[0], s[2]) * head_scale[0], fmaxf(s[1], s[3]) * head_scale[1]};
+  float mx[2] = {fmaxf(s[0], s[2]), fmaxf(s[1], s[3])};
   const bool grow = mx[0] > refs.thr(m_run, 0) || mx[1] > refs.thr(m_run, 1);
   if (__any_sync(0xffffffffu, grow)) {
     float alpha[2];
@@ -108,15 +107,7 @@ __device__ __forceinline__ void swapped_softmax(float (&s)[4], const float (&hea
     }
   }
 #pragma unroll
-  for (int e = 0; e < 4; ++e) s[e] = __fmaf_rn(s[e], head_scale[e & 1], -refs.ref(m_run, e & 1));
-  if (last) {  // masked again after the FFMA: -inf * 0 is NaN when the head scale is 0
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if (t0 + r + 8 * (e >> 1) >= end) s[e] = -INFINITY;
-    }
-  }
-#pragma unroll
-  for (int e = 0; e < 4; ++e) s[e] = exp2_ftz(s[e]);
+  for (int e = 0; e < 4; ++e) s[e] = exp2_ftz(s[e] - refs.ref(m_run, e & 1));
   l_run[0] += s[0] + s[2];
   l_run[1] += s[1] + s[3];
   __half2 h0 = __floats2half2_rn(s[0], s[1]);  // token r, heads 2c, 2c+1
@@ -158,10 +149,8 @@ __device__ __forceinline__ void swapped_q_fragments(const DecodeParams& p, int b
   float qv[D / 4];
   const float amax = load_q_quarter<D>(p, b, kv_head, r, c, qv);
   const int e2 = q_row_exponent(amax);
-  // swapped_softmax needs a head scale >= 0: a negative score scale goes into Q (q -> -q, exact)
-  const bool negate = p.score_scale < 0.0f;
-  const float up = negate ? -exp2_exact(e2) : exp2_exact(e2);
-  const float rs = __fmul_rn(fabsf(p.score_scale), exp2_exact(-e2));  // head r's score scale
+  const float up = exp2_exact(e2);
+  const float rs = __fmul_rn(p.score_scale, exp2_exact(-e2));  // head r's score scale
 #pragma unroll
   for (int e = 0; e < D / 4; ++e) qv[e] = __fmul_rn(qv[e], up);
 #pragma unroll
