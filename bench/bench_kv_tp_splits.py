@@ -25,14 +25,14 @@ from common import copy_bandwidth_gbs, do_bench_cold, env_stamp, env_switch, pri
 # (model at TP, Hq, Hkv) per GPU
 TP_SHAPES = [("Qwen3-30B-A3B TP2", 16, 2), ("Qwen3-30B-A3B TP4", 8, 1), ("Mixtral TP4", 8, 2), ("Mixtral TP8", 4, 1)]
 BATCH_CONTEXTS = [(B, S) for B in (8, 32, 128) for S in (4096, 16384)] + [(1, 131072)]
-MIN_SPLIT_TOKENS = 512  # kMinSplitTokens of the kernel
+MIN_SPLIT_TOKENS = 256  # the sweep's shortest split (tokens; the kernel takes 128 pseudo tokens = 256 or 512 tokens)
 
 
 def split_candidates(pairs: int, S: int, sms: int) -> list[int]:
-    """1, 2, 4 and the split counts that put k = 1 .. 4 CTAs of `pairs` (sequence, head group) pairs on the busiest of `sms`
-    SMs, at most one split per MIN_SPLIT_TOKENS tokens."""
+    """1, 2, 4, 8 and the split counts that put k = 1 .. 4 CTAs of `pairs` (sequence, head group) pairs on the busiest
+    of `sms` SMs, at most one split per MIN_SPLIT_TOKENS tokens."""
     cap = max(1, min(S // MIN_SPLIT_TOKENS, 4 * sms))
-    return sorted({s for s in (1, 2, 4) if s <= cap} | {min(cap, max(1, (k * sms) // pairs)) for k in range(1, 5)})
+    return sorted({s for s in (1, 2, 4, 8) if s <= cap} | {min(cap, max(1, (k * sms) // pairs)) for k in range(1, 5)})
 
 
 def main() -> None:
@@ -75,7 +75,7 @@ def main() -> None:
             })
             print(rows[-1], flush=True)
     print_table(rows)
-    path = write_results("kv_tp_splits", rows, env_stamp("python3 bench/bench_kv_tp_splits.py"),
+    path = write_results("kv_tp_splits_h200", rows, env_stamp("python3 bench/bench_kv_tp_splits.py"),
                          notes=f"copy bandwidth {copy_gbs:.1f} GB/s; page size 16; head_dim {D}; auto = the default kernel "
                                "with its own split count (num_splits=0); g8 = TRACE_EXT_KV_DECODE_IMPL=g8, its own "
                                "split count; sweep = the default at explicit split counts")

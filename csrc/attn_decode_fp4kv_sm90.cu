@@ -282,8 +282,17 @@ int heads8_fold(int64_t heads_kv, int64_t page_size) {
   return page_size % fold == 0 ? fold : 1;
 }
 
+// fold > 1 (heads8 over folded tokens; max_len in pseudo tokens): the H200 sweeps of bench/bench_kv_tp_splits.py
+// (bench/results/kv_tp_splits_h200.md) at H_kv = 1, 2 want shorter splits where a CTA per SM is all the grid gives
+// (B = 8 at S = 4K: 8 splits of 128 pseudo tokens, 16.4 us against 25.6 us for 2 of 512), and the second CTA per SM
+// only pays when each split keeps >= 256 pseudo tokens and the splits stay <= the SM count (B = 1 at S = 128K:
+// 132 splits 23.3 us, 256 splits 27.2 us). So there the shortest split is 128 pseudo tokens and the model counts a
+// second resident CTA as a speedup only under those two conditions.
+constexpr int kFoldMinSplitTokens = 128;
+constexpr int kFoldSecondCtaMinTokens = 256;
+
 template <int D, int kImpl>
-int choose_splits(int batch_heads, int64_t max_len, int device) {
+int choose_splits(int batch_heads, int64_t max_len, int device, int fold = 1) {
   static int cached_per_sm[64] = {0};  // per device: occupancy of this kernel
   const int slot = device & 63;
   if (cached_per_sm[slot] == 0) {
@@ -302,12 +311,16 @@ int choose_splits(int batch_heads, int64_t max_len, int device) {
   // modelled makespan, without splits shorter than kMinSplitTokens.
   // (the scan is a few hundred steps: the last answer per device is kept, decode repeats its shapes every layer)
   static int64_t memo_bh[64] = {0}, memo_len[64] = {0};
-  static int memo_splits[64] = {0};
-  if (memo_splits[slot] > 0 && memo_bh[slot] == batch_heads && memo_len[slot] == max_len) return memo_splits[slot];
-  const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(max_len / kMinSplitTokens, 4 * (int64_t)sms));
+  static int memo_splits[64] = {0}, memo_fold[64] = {0};
+  if (memo_splits[slot] > 0 && memo_bh[slot] == batch_heads && memo_len[slot] == max_len && memo_fold[slot] == fold)
+    return memo_splits[slot];
+  const int64_t min_split = fold > 1 ? kFoldMinSplitTokens : kMinSplitTokens;
+  const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(max_len / min_split, 4 * (int64_t)sms));
   auto cost = [&](int64_t s) {
     const int64_t k = ((int64_t)batch_heads * s + sms - 1) / sms;
-    return (double)k / (double)s / (k >= 2 && per_sm >= 2 ? 1.0 : 0.75);
+    bool second_cta_pays = k >= 2 && per_sm >= 2;
+    if (fold > 1) second_cta_pays = second_cta_pays && max_len / s >= kFoldSecondCtaMinTokens && s <= sms;
+    return (double)k / (double)s / (second_cta_pays ? 1.0 : 0.75);
   };
   double best_cost = cost(1);
   for (int64_t s = 2; s <= max_splits; ++s) best_cost = std::min(best_cost, cost(s));
@@ -315,6 +328,7 @@ int choose_splits(int batch_heads, int64_t max_len, int device) {
   while (splits < max_splits && cost(splits) > 1.05 * best_cost) ++splits;
   memo_bh[slot] = batch_heads;
   memo_len[slot] = max_len;
+  memo_fold[slot] = fold;
   memo_splits[slot] = splits;
   return splits;
 }
@@ -411,7 +425,7 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
   }
   const int splits = num_splits_arg > 0
                          ? num_splits_arg
-                         : choose_splits<D, kImpl>(batch * head_ctas<kImpl>(p.heads_kv), max_len, device);
+                         : choose_splits<D, kImpl>(batch * head_ctas<kImpl>(p.heads_kv), max_len, device, fold);
   p.num_splits = splits;
   at::Tensor o_part, lse_part;
   bool wide = false;
