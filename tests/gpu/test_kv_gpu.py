@@ -457,7 +457,7 @@ def decode_kernel_launched(fn) -> str:
     return names[0]
 
 
-@pytest.mark.parametrize("num_splits", [0, 1, 3])
+@pytest.mark.parametrize("num_splits", [0, 1, 3, 40])  # 40: the wide combine kernel
 @pytest.mark.parametrize("lens, Hq, Hkv, D, P", FOLD_CASES)
 def test_decode_folded_heads8_matches_reference_and_g8(lens, Hq, Hkv, D, P, num_splits, monkeypatch):
     """The default kernel at H_kv = 1, 2 (heads8 over folded tokens where the page holds whole pseudo tokens, checked
