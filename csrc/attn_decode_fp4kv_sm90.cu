@@ -106,6 +106,19 @@
 //   of dynamic shared memory at D = 128; same split count and arithmetic, bit-equal (TRACE_EXT_KV_DECODE_RING=4 / 2,
 //   read per call, select the others). The K-slab GEMM's 2-slot finding (round 20) carried over only in part: this
 //   ring is CTA-wide with one barrier per stage, so 2 stages leave a stage's copies exposed behind every barrier.
+// - H_kv = 1 or 2, the KV heads per GPU of tensor-parallel rollouts (Qwen3-30B-A3B at TP 2 / 4, Mixtral-like models at
+//   TP 4 / 8), ran the g8 kernel until session 20: the heads kernels need 4 KV heads of one token in a 16-byte-aligned
+//   contiguous run. heads8 over folded tokens (heads8_fold, fp4kv_decode_kernel_heads<D, 2, 3, kFold>): 4 / H_kv
+//   consecutive tokens of all heads are such a run, so the kernel reads the cache as 4 pseudo KV heads of pseudo tokens
+//   (page size P / kFold; the copy plan, the tile step and the swizzle unchanged); pseudo head j * H_kv + h holds tokens
+//   kFold t + j of head h, each warp masks at its own last token, and the kFold pseudo heads of a head (both warp sets)
+//   are merged in shared memory (merge_fold_states). The splits merge in the separate combine kernel (no fused finish),
+//   the wide one past 16 splits. Split model: choose_splits with fold (shorter splits, a second CTA per SM counted
+//   only where each split keeps >= 256 pseudo tokens and the splits stay <= the SM count), fitted to the H200 sweeps.
+//   H200 (bench/results/kv_tp_splits_h200.md, 28 shapes, B 1-128, S 4K-128K): 1.16x over g8 at the median
+//   (0.96-2.22x; B1 S128K 1.5-2.2x, one shape 0.96x), 1.02-2.47x torch SDPA on bf16 K/V; 127 registers, no spills.
+// - Measured and reverted (session 20, round 93): the swapped softmax with the raw-score maxima scaled once and each
+//   exponent one FFMA (2 instructions and one dependent op fewer per tile): 0.993-1.000x on the four bench_kv cases.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
@@ -215,8 +228,9 @@ bool combine_pdl() { return env_switch("TRACE_EXT_KV_DECODE_PDL", true); }
 // Kernel variants, read per call so that one process can time them all: the heads kernels (4 KV heads per CTA,
 // CTA-shared contiguous tile copies) where they apply (G <= 8, H_kv % 4 == 0, 16-byte aligned cache bases): by
 // default heads8 (two warps per KV head on alternate tiles, 8 warps per CTA; H200 A/B at 2071576: 1.04-1.08x over the
-// 4-warp kernel, bench/results/kv_heads_ab_h200.md), TRACE_EXT_KV_DECODE_IMPL=heads the 4-warp kernel (1.06-1.26x
-// over g8); the G <= 8 swapped-operand kernel (default for other G <= 8 shapes; TRACE_EXT_KV_DECODE_IMPL=g8 selects it
+// 4-warp kernel, bench/results/kv_heads_ab_h200.md; also at H_kv = 1, 2 over folded tokens where the page size is a
+// multiple of 4 / H_kv: heads8_fold), TRACE_EXT_KV_DECODE_IMPL=heads the 4-warp kernel (1.06-1.26x over g8; H_kv % 4
+// == 0 only); the G <= 8 swapped-operand kernel (default for other G <= 8 shapes; TRACE_EXT_KV_DECODE_IMPL=g8 selects it
 // wherever G <= 8), the M = 16 kernel with Q in shared memory (default for G > 8; =qsmem forces it) and with Q in
 // registers (=old: the kernel before the occupancy work). Any other value selects the default.
 enum DecodeImpl : int { kImplRegQ = 0, kImplSmemQ = 1, kImplSwap = 2, kImplHeads = 3, kImplHeads8 = 4 };

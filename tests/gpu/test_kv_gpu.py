@@ -5,7 +5,8 @@
 - decode attention: error against a float64 attention over the dequantized cache is at most twice that of
   torch SDPA in bf16 over the same dequantized K/V (same run), LSE within 2e-3; contexts 1, 17, 4096, 131072,
   partly filled pages, mixed lengths (and an empty sequence), GQA 1 / 4 / 8 / 16, head dims 64 and 128,
-  explicit and automatic split counts.
+  explicit and automatic split counts; every decode kernel family (heads8, heads8 over folded tokens at H_kv = 1, 2,
+  the 4-warp heads kernel, g8, qsmem), negative and zero softmax scales.
 - the prefill / trainer path over the same cache, SPEC 10 errors from the compiled ops, opcheck.
 Run: pytest tests/gpu/test_kv_gpu.py -q   (on the H200, with the extension built; < 3 min)
 """
