@@ -76,9 +76,9 @@ def main() -> None:
             print(rows[-1], flush=True)
     print_table(rows)
     path = write_results("kv_tp_splits_h200", rows, env_stamp("python3 bench/bench_kv_tp_splits.py"),
-                         notes=f"copy bandwidth {copy_gbs:.1f} GB/s; page size 16; head_dim {D}; auto = the default kernel "
-                               "with its own split count (num_splits=0); g8 = TRACE_EXT_KV_DECODE_IMPL=g8, its own "
-                               "split count; sweep = the default at explicit split counts")
+                         notes=f"copy bandwidth {copy_gbs:.1f} GB/s; page size 16; head_dim {D}; auto = the default "
+                               "kernel with its own split count (num_splits=0); g8 = TRACE_EXT_KV_DECODE_IMPL=g8, its "
+                               "own split count; sweep = the default at explicit split counts")
     print(f"wrote {path}")
 
 

@@ -106,13 +106,13 @@
 //   of dynamic shared memory at D = 128; same split count and arithmetic, bit-equal (TRACE_EXT_KV_DECODE_RING=4 / 2,
 //   read per call, select the others). The K-slab GEMM's 2-slot finding (round 20) carried over only in part: this
 //   ring is CTA-wide with one barrier per stage, so 2 stages leave a stage's copies exposed behind every barrier.
-// - H_kv = 1 or 2, the KV heads per GPU of tensor-parallel rollouts (Qwen3-30B-A3B at TP 2 / 4, Mixtral-like models at
-//   TP 4 / 8), ran the g8 kernel until session 20: the heads kernels need 4 KV heads of one token in a 16-byte-aligned
-//   contiguous run. heads8 over folded tokens (heads8_fold, fp4kv_decode_kernel_heads<D, 2, 3, kFold>): 4 / H_kv
+// - H_kv = 1 or 2, the KV heads per GPU of tensor-parallel rollouts (Qwen3-30B-A3B at TP 2 / 4, Mixtral-like models
+//   at TP 4 / 8), ran the g8 kernel until session 20: the heads kernels need 4 KV heads of one token in a 16-byte-
+//   aligned contiguous run. heads8 over folded tokens (heads8_fold, fp4kv_decode_kernel_heads<D, 2, 3, kFold>): 4 / H_kv
 //   consecutive tokens of all heads are such a run, so the kernel reads the cache as 4 pseudo KV heads of pseudo tokens
-//   (page size P / kFold; the copy plan, the tile step and the swizzle unchanged); pseudo head j * H_kv + h holds tokens
-//   kFold t + j of head h, each warp masks at its own last token, and the kFold pseudo heads of a head (both warp sets)
-//   are merged in shared memory (merge_fold_states). The splits merge in the separate combine kernel (no fused finish),
+//   (page size P / kFold; the copy plan, the tile step and the swizzle unchanged); pseudo head j * H_kv + h holds
+//   tokens kFold t + j of head h, each warp masks at its own last token, and the kFold pseudo heads of a head (both
+//   warp sets) are merged in shared memory (merge_fold_states). The splits merge in the separate combine kernel (no fused finish),
 //   the wide one past 16 splits. Split model: choose_splits with fold (shorter splits, a second CTA per SM counted
 //   only where each split keeps >= 256 pseudo tokens and the splits stay <= the SM count), fitted to the H200 sweeps.
 //   H200 (bench/results/kv_tp_splits_h200.md, 28 shapes, B 1-128, S 4K-128K): 1.16x over g8 at the median
@@ -230,8 +230,8 @@ bool combine_pdl() { return env_switch("TRACE_EXT_KV_DECODE_PDL", true); }
 // default heads8 (two warps per KV head on alternate tiles, 8 warps per CTA; H200 A/B at 2071576: 1.04-1.08x over the
 // 4-warp kernel, bench/results/kv_heads_ab_h200.md; also at H_kv = 1, 2 over folded tokens where the page size is a
 // multiple of 4 / H_kv: heads8_fold), TRACE_EXT_KV_DECODE_IMPL=heads the 4-warp kernel (1.06-1.26x over g8; H_kv % 4
-// == 0 only); the G <= 8 swapped-operand kernel (default for other G <= 8 shapes; TRACE_EXT_KV_DECODE_IMPL=g8 selects it
-// wherever G <= 8), the M = 16 kernel with Q in shared memory (default for G > 8; =qsmem forces it) and with Q in
+// == 0 only); the G <= 8 swapped-operand kernel (default for other G <= 8 shapes; TRACE_EXT_KV_DECODE_IMPL=g8 selects
+// it wherever G <= 8), the M = 16 kernel with Q in shared memory (default for G > 8; =qsmem forces it) and with Q in
 // registers (=old: the kernel before the occupancy work). Any other value selects the default.
 enum DecodeImpl : int { kImplRegQ = 0, kImplSmemQ = 1, kImplSwap = 2, kImplHeads = 3, kImplHeads8 = 4 };
 using DecodeKernelFn = void (*)(DecodeParams);
@@ -284,10 +284,10 @@ int decode_impl(int group, bool heads_ok, bool fold_ok) {
   return heads_ok || fold_ok ? kImplHeads8 : kImplSwap;
 }
 
-// heads8 over folded tokens (H_kv = 1 or 2, the KV heads per GPU of tensor-parallel rollouts, where H_kv % 4 != 0 ruled
-// the heads kernels out): kFold = 4 / H_kv consecutive tokens of all H_kv heads are one contiguous 4-head run of the
-// [page, token, head, D/2] layout, so the cache is read as H_kv = 4 pseudo heads of pseudo tokens (page size P / kFold),
-// with heads8's copy plan unchanged; pseudo head j * H_kv + head holds tokens kFold t + j of `head`, masked per warp
+// heads8 over folded tokens (H_kv = 1 or 2, the KV heads per GPU of tensor-parallel rollouts, where H_kv % 4 != 0
+// ruled the heads kernels out): kFold = 4 / H_kv consecutive tokens of all H_kv heads are one contiguous 4-head run of
+// the [page, token, head, D/2] layout, so the cache is read as H_kv = 4 pseudo heads of pseudo tokens (page size
+// P / kFold), with heads8's copy plan unchanged; pseudo head j * H_kv + head holds tokens kFold t + j of `head`, masked per warp
 // at the sequence's end, and the kFold pseudo heads of a head are merged in the CTA (merge_fold_states). The fused
 // split finish does not apply (the separate combine kernel merges the splits).
 int heads8_fold(int64_t heads_kv, int64_t page_size) {
@@ -297,7 +297,7 @@ int heads8_fold(int64_t heads_kv, int64_t page_size) {
 }
 
 // fold > 1 (heads8 over folded tokens; max_len in pseudo tokens): the H200 sweeps of bench/bench_kv_tp_splits.py
-// (bench/results/kv_tp_splits_h200.md) at H_kv = 1, 2 want shorter splits where a CTA per SM is all the grid gives
+// (bench/results/kv_tp_splits_r94_h200.md) at H_kv = 1, 2 want shorter splits where a CTA per SM is all the grid gives
 // (B = 8 at S = 4K: 8 splits of 128 pseudo tokens, 16.4 us against 25.6 us for 2 of 512), and the second CTA per SM
 // only pays when each split keeps >= 256 pseudo tokens and the splits stay <= the SM count (B = 1 at S = 128K:
 // 132 splits 23.3 us, 256 splits 27.2 us). So there the shortest split is 128 pseudo tokens and the model counts a

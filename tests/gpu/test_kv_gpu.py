@@ -407,18 +407,17 @@ def test_decode_heads8_matches_heads_and_reference(lens, num_splits, monkeypatch
     torch.testing.assert_close(l8, l4, rtol=0, atol=1e-4)
 
 
-def test_decode_heads8_merges_sets_with_far_apart_maxima(monkeypatch):
-    """One dominant key in a tile of one warp set and none in the other's (then the reverse): the cross-warp merge
-    must weight the set with the far smaller max by 2^(m_set - m) (underflowing to 0), not add it unscaled."""
-    monkeypatch.setenv("TRACE_EXT_KV_DECODE_IMPL", "heads8")
-    Hkv, D, P = 4, 128, 16
-    lens = [64, 64]
-    gen = torch.Generator(device=DEV).manual_seed(21)
+def assert_dominant_keys_within_bound(Hkv, Hq, tokens, seed):
+    """Two sequences of 64 tokens (D = 128, page 16) where key tokens[b] of sequence b is, in every KV head, 40 x the
+    query of the head's first query head (one dominant key per sequence): decode with 1 and 2 splits stays within the
+    decode bound of the reference."""
+    D, P, lens = 128, 16, [64, 64]
+    gen = torch.Generator(device=DEV).manual_seed(seed)
     k = torch.randn(sum(lens), Hkv, D, generator=gen, device=DEV)
     v = torch.randn(sum(lens), Hkv, D, generator=gen, device=DEV)
-    q = torch.randn(len(lens), 16, D, generator=gen, device=DEV)
-    for b, tok in ((0, 5), (1, 64 + 21)):  # tile 0 (set 0) of sequence 0, tile 1 (set 1) of sequence 1
-        k[tok] = q[b].reshape(Hkv, 4, D)[:, 0] * 40.0
+    q = torch.randn(len(lens), Hq, D, generator=gen, device=DEV)
+    for b, tok in enumerate(tokens):
+        k[64 * b + tok] = q[b].reshape(Hkv, Hq // Hkv, D)[:, 0] * 40.0
     k, v, q = k.to(torch.bfloat16), v.to(torch.bfloat16), q.to(torch.bfloat16)
     g_k = float(k.float().abs().max()) / 2688.0
     g_v = float(v.float().abs().max()) / 2688.0
@@ -431,6 +430,13 @@ def test_decode_heads8_merges_sets_with_far_apart_maxima(monkeypatch):
         out, lse = ops.fp4kv_decode_attention(q, cache, table, seq_lens, 0.1, num_splits=n, backend="cuda")
         err, err_sdpa, lse_err = errors_vs_reference(out, lse, q, cache, table, seq_lens, 0.1)
         assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
+
+
+def test_decode_heads8_merges_sets_with_far_apart_maxima(monkeypatch):
+    """One dominant key in a tile of one warp set and none in the other's (then the reverse): the cross-warp merge
+    must weight the set with the far smaller max by 2^(m_set - m) (underflowing to 0), not add it unscaled."""
+    monkeypatch.setenv("TRACE_EXT_KV_DECODE_IMPL", "heads8")
+    assert_dominant_keys_within_bound(4, 16, (5, 21), seed=21)  # tile 0 (set 0) of sequence 0, tile 1 (set 1) of 1
 
 
 # ---- heads8 over folded tokens (H_kv = 1, 2: the KV heads per GPU of tensor-parallel rollouts): 4 / H_kv consecutive
@@ -467,7 +473,9 @@ def test_decode_folded_heads8_matches_reference_and_g8(lens, Hq, Hkv, D, P, num_
     cache, table, seq_lens, *_ = make_cache(lens, Hkv, D, P, seed=sum(lens) + P)
     q = torch.randn(len(lens), Hq, D, device=DEV).to(torch.bfloat16)
     monkeypatch.delenv("TRACE_EXT_KV_DECODE_IMPL", raising=False)
-    call = lambda: ops.fp4kv_decode_attention(q, cache, table, seq_lens, 0.1, num_splits=num_splits, backend="cuda")  # noqa: E731
+    def call():
+        return ops.fp4kv_decode_attention(q, cache, table, seq_lens, 0.1, num_splits=num_splits, backend="cuda")
+
     fold = 4 // Hkv if P % (4 // Hkv) == 0 else 1
     name = decode_kernel_launched(call)
     want = f"fp4kv_decode_kernel_heads<{D}, 2, 3, {fold}>" if fold > 1 else f"fp4kv_decode_kernel_g8<{D}>"
@@ -484,25 +492,7 @@ def test_decode_folded_heads8_matches_reference_and_g8(lens, Hq, Hkv, D, P, num_
 def test_decode_folded_heads8_merges_pseudo_heads_with_far_apart_maxima():
     """One dominant key per sequence, in the pseudo head of token residue 1 (then 3) of a head: the CTA's merge of the
     folded pseudo heads must weight the others by 2^(m_j - m), underflowing to 0, not add them unscaled."""
-    Hkv, D, P = 1, 128, 16
-    lens = [64, 64]
-    gen = torch.Generator(device=DEV).manual_seed(22)
-    k = torch.randn(sum(lens), Hkv, D, generator=gen, device=DEV)
-    v = torch.randn(sum(lens), Hkv, D, generator=gen, device=DEV)
-    q = torch.randn(len(lens), 8, D, generator=gen, device=DEV)
-    for b, tok in ((0, 5), (1, 64 + 23)):  # token 5 (residue 1) of sequence 0, token 23 (residue 3) of sequence 1
-        k[tok, 0] = q[b, 0] * 40.0
-    k, v, q = k.to(torch.bfloat16), v.to(torch.bfloat16), q.to(torch.bfloat16)
-    cache = PagedFP4KVCache(16, P, Hkv, D, device=DEV, g_k=float(k.float().abs().max()) / 2688.0,
-                            g_v=float(v.float().abs().max()) / 2688.0)
-    table = torch.arange(16, device=DEV, dtype=torch.int32).reshape(2, 8)
-    cu = torch.tensor([0, 64, 128], dtype=torch.int32, device=DEV)
-    ops.fp4kv_append(cache, k, v, table, cu, torch.zeros(2, dtype=torch.int32, device=DEV), backend="cuda")
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    for n in (1, 2):
-        out, lse = ops.fp4kv_decode_attention(q, cache, table, seq_lens, 0.1, num_splits=n, backend="cuda")
-        err, err_sdpa, lse_err = errors_vs_reference(out, lse, q, cache, table, seq_lens, 0.1)
-        assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
+    assert_dominant_keys_within_bound(1, 8, (5, 23), seed=22)
 
 
 # ---- the swapped-operand softmax takes a non-negative score scale (a negative one is moved into Q): negative and zero

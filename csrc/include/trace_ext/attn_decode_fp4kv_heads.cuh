@@ -168,6 +168,24 @@ __device__ __forceinline__ void heads_split_finish(const DecodeParams& p, uint8_
   }
 }
 
+// A warp's (O, m, l) at buf lane-major ([value][lane] floats, buf = the warp's slot + lane: conflict free), for the
+// cross-warp merges below.
+template <int D>
+__device__ __forceinline__ void store_warp_state(float* buf, const float (&o)[D / 16][4], const float (&m_run)[2],
+                                                 const float (&l_run)[2]) {
+  constexpr int kVals = D / 16 * 4 + 4;  // O accumulators, m[2], l[2]
+#pragma unroll
+  for (int m = 0; m < D / 16; ++m) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) buf[(4 * m + e) * 32] = o[m][e];
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    buf[(kVals - 4 + h) * 32] = m_run[h];
+    buf[(kVals - 2 + h) * 32] = l_run[h];
+  }
+}
+
 // heads8: the cross-warp merge of the two warps of one KV head (sets 0 and 1, the same lane layout): set 1 stores
 // its (O, m, l) lane-major in the drained ring ([head][value][lane] floats: conflict free), set 0 rescales both to
 // the common max (weights 2^(m_set - m), 0 for a set that saw no token, as in merge_warps) and adds them in
@@ -179,18 +197,7 @@ __device__ __forceinline__ void merge_warp_sets(uint8_t* smem, int warp, int set
   static_assert(kWarps * kVals * 32 * 4 <= HGeo<D>::kSmem, "the merge buffer fits in the drained ring");
   float* buf = reinterpret_cast<float*>(smem) + warp * kVals * 32 + lane;
   __syncthreads();  // every warp is done with its last stage
-  if (set == 1) {
-#pragma unroll
-    for (int m = 0; m < D / 16; ++m) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) buf[(4 * m + e) * 32] = o[m][e];
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      buf[(kVals - 4 + h) * 32] = m_run[h];
-      buf[(kVals - 2 + h) * 32] = l_run[h];
-    }
-  }
+  if (set == 1) store_warp_state<D>(buf, o, m_run, l_run);
   __syncthreads();
   if (set != 0) return;
   float f0[2], f1[2];
@@ -224,19 +231,8 @@ __device__ __forceinline__ void merge_fold_states(uint8_t* smem, int warp, int s
   float* all = reinterpret_cast<float*>(smem);
   const int w_id = set * kWarps + warp;  // this warp's slot
   __syncthreads();  // every warp is done with its last stage
-  if (w_id >= kHeads) {  // not a merging warp (those are j = 0 of set 0: warps 0 .. kHeads - 1)
-    float* buf = all + w_id * kVals * 32 + lane;
-#pragma unroll
-    for (int m = 0; m < D / 16; ++m) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) buf[(4 * m + e) * 32] = o[m][e];
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      buf[(kVals - 4 + h) * 32] = m_run[h];
-      buf[(kVals - 2 + h) * 32] = l_run[h];
-    }
-  }
+  // not a merging warp (those are j = 0 of set 0: warps 0 .. kHeads - 1)
+  if (w_id >= kHeads) store_warp_state<D>(all + w_id * kVals * 32 + lane, o, m_run, l_run);
   __syncthreads();
   if (w_id >= kHeads) return;
   // the other states of this head: (j, set) = (0, 1) and (j >= 1, set 0 / 1), slots set * kWarps + j * kHeads + warp
@@ -267,7 +263,8 @@ __device__ __forceinline__ void merge_fold_states(uint8_t* smem, int warp, int s
       for (int e = h; e < 4; e += 2) {
         float acc = __fmul_rn(f0, o[m][e]);
 #pragma unroll
-        for (int i = 0; i < kOthers; ++i) acc = __fadd_rn(acc, __fmul_rn(f[i], all[(slots[i] * kVals + 4 * m + e) * 32 + lane]));
+        for (int i = 0; i < kOthers; ++i)
+          acc = __fadd_rn(acc, __fmul_rn(f[i], all[(slots[i] * kVals + 4 * m + e) * 32 + lane]));
         o[m][e] = acc;
       }
     }
@@ -294,8 +291,9 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
   const int r = lane / 4, c = lane % 4;  // MMA fragment row / column group
   // kFold > 1 (heads8 only): H_kv = 4 / kFold KV heads, the cache viewed as 4 pseudo KV heads of ceil(len / kFold)
   // pseudo tokens (the host passes heads_kv = 4 and page_size = P / kFold): pseudo token t holds tokens kFold t + j of
-  // every head, so pseudo head warp = j * (4 / kFold) + head, and the kFold pseudo heads of a head are merged at the end
-  static_assert(kFold == 1 || (kSets == 2 && (kFold == 2 || kFold == 4)), "folded tokens: heads8, 2 or 4 per pseudo token");
+  // every head, so pseudo head warp = j * (4 / kFold) + head; the kFold pseudo heads of a head are merged at the end
+  static_assert(kFold == 1 || (kSets == 2 && (kFold == 2 || kFold == 4)),
+                "folded tokens: heads8, 2 or 4 tokens per pseudo token");
   constexpr int kHeads = kHeadsPerCta / kFold;  // real KV heads per CTA
   const int fold_j = kFold == 1 ? 0 : warp / kHeads;
   const int kv_head = kFold == 1 ? hg * kHeadsPerCta + warp : warp % kHeads;
@@ -401,7 +399,7 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
   std::conditional_t<kSets == 2, RunRefs, RunRefsRecomputed> refs;
   float l_run[2] = {0.0f, 0.0f};
 
-  // folded tokens: this warp's pseudo tokens t hold token kFold t + fold_j, which exists for t < ceil((len - j) / kFold)
+  // folded tokens: this warp's pseudo token t is token kFold t + fold_j, valid for t < ceil((len - fold_j) / kFold)
   const int warp_end = kFold == 1 ? end : min(end, (len_tokens - fold_j + kFold - 1) / kFold);
   for (int i = 0; i < n_stages; ++i) {
     cp_async_wait<kRing - 2>();
