@@ -106,16 +106,16 @@
 //   of dynamic shared memory at D = 128; same split count and arithmetic, bit-equal (TRACE_EXT_KV_DECODE_RING=4 / 2,
 //   read per call, select the others). The K-slab GEMM's 2-slot finding (round 20) carried over only in part: this
 //   ring is CTA-wide with one barrier per stage, so 2 stages leave a stage's copies exposed behind every barrier.
-// - H_kv = 1 or 2, the KV heads per GPU of tensor-parallel rollouts (Qwen3-30B-A3B at TP 2 / 4, Mixtral-like models
-//   at TP 4 / 8), ran the g8 kernel until session 20: the heads kernels need 4 KV heads of one token in a 16-byte-
-//   aligned contiguous run. heads8 over folded tokens (heads8_fold, fp4kv_decode_kernel_heads<D, 2, 3, kFold>): 4 / H_kv
+// - H_kv = 1 or 2, the KV heads per GPU of tensor-parallel rollouts (Qwen3-30B-A3B at TP 2 / 4, Mixtral-like models at
+//   TP 4 / 8), ran the g8 kernel until session 20: the heads kernels need 4 KV heads of one token in a 16-byte-aligned
+//   contiguous run. heads8 over folded tokens (heads8_fold, fp4kv_decode_kernel_heads<D, 2, 3, kFold>): 4 / H_kv
 //   consecutive tokens of all heads are such a run, so the kernel reads the cache as 4 pseudo KV heads of pseudo tokens
 //   (page size P / kFold; the copy plan, the tile step and the swizzle unchanged); pseudo head j * H_kv + h holds
 //   tokens kFold t + j of head h, each warp masks at its own last token, and the kFold pseudo heads of a head (both
-//   warp sets) are merged in shared memory (merge_fold_states). The splits merge in the separate combine kernel (no fused finish),
-//   the wide one past 16 splits. Split model: choose_splits with fold (shorter splits, a second CTA per SM counted
-//   only where each split keeps >= 256 pseudo tokens and the splits stay <= the SM count), fitted to the H200 sweeps.
-//   H200 (bench/results/kv_tp_splits_h200.md, 28 shapes, B 1-128, S 4K-128K): 1.16x over g8 at the median
+//   warp sets) are merged in shared memory (merge_fold_states). The splits merge in the separate combine kernel (no
+//   fused finish), the wide one past 16 splits. Split model: choose_splits with fold (shorter splits, a second CTA per
+//   SM counted only where each split keeps >= 256 pseudo tokens and the splits stay <= the SM count), fitted to the
+//   H200 sweeps. H200 (bench/results/kv_tp_splits_h200.md, 28 shapes, B 1-128, S 4K-128K): 1.16x over g8 at the median
 //   (0.96-2.22x; B1 S128K 1.5-2.2x, one shape 0.96x), 1.02-2.47x torch SDPA on bf16 K/V; 127 registers, no spills.
 // - Measured and reverted (session 20, round 93): the swapped softmax with the raw-score maxima scaled once and each
 //   exponent one FFMA (2 instructions and one dependent op fewer per tile): 0.993-1.000x on the four bench_kv cases.
@@ -284,11 +284,11 @@ int decode_impl(int group, bool heads_ok, bool fold_ok) {
   return heads_ok || fold_ok ? kImplHeads8 : kImplSwap;
 }
 
-// heads8 over folded tokens (H_kv = 1 or 2, the KV heads per GPU of tensor-parallel rollouts, where H_kv % 4 != 0
-// ruled the heads kernels out): kFold = 4 / H_kv consecutive tokens of all H_kv heads are one contiguous 4-head run of
-// the [page, token, head, D/2] layout, so the cache is read as H_kv = 4 pseudo heads of pseudo tokens (page size
-// P / kFold), with heads8's copy plan unchanged; pseudo head j * H_kv + head holds tokens kFold t + j of `head`, masked per warp
-// at the sequence's end, and the kFold pseudo heads of a head are merged in the CTA (merge_fold_states). The fused
+// heads8 over folded tokens (H_kv = 1 or 2, the KV heads per GPU of tensor-parallel rollouts, where H_kv % 4 != 0 ruled
+// the heads kernels out): kFold = 4 / H_kv consecutive tokens of all H_kv heads are one contiguous 4-head run of the
+// [page, token, head, D/2] layout, so the cache is read as H_kv = 4 pseudo heads of pseudo tokens (page size P /
+// kFold), with heads8's copy plan unchanged; pseudo head j * H_kv + head holds tokens kFold t + j of `head`, masked per
+// warp at the sequence's end, and the kFold pseudo heads of a head are merged in the CTA (merge_fold_states). The fused
 // split finish does not apply (the separate combine kernel merges the splits).
 int heads8_fold(int64_t heads_kv, int64_t page_size) {
   if (heads_kv != 1 && heads_kv != 2) return 1;
@@ -399,23 +399,14 @@ void set_decode_kernel_attrs(DecodeKernelFn kernel, int smem) {
   if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
 }
 
-template <int D, int kRing>
-DecodeKernelFn heads8_ring_kernel(int device) {
+// A heads8 variant other than the default (another stage ring, or tokens folded into pseudo heads), its launch
+// attributes set once per device.
+template <int D, int kRing, int kFold = 1>
+DecodeKernelFn heads8_variant_kernel(int device) {
   static bool attr_set[64] = {false};
-  const DecodeKernelFn kernel = fp4kv_decode_kernel_heads<D, 2, kRing>;
+  const DecodeKernelFn kernel = fp4kv_decode_kernel_heads<D, 2, kRing, kFold>;
   if (!attr_set[device & 63]) {
     set_decode_kernel_attrs(kernel, heads8_smem<D>(kRing));
-    attr_set[device & 63] = true;
-  }
-  return kernel;
-}
-
-template <int D, int kFold>
-DecodeKernelFn heads8_fold_kernel(int device) {
-  static bool attr_set[64] = {false};
-  const DecodeKernelFn kernel = fp4kv_decode_kernel_heads<D, 2, kHeads8Ring, kFold>;
-  if (!attr_set[device & 63]) {
-    set_decode_kernel_attrs(kernel, heads8_smem<D>(kHeads8Ring));
     attr_set[device & 63] = true;
   }
   return kernel;
@@ -461,9 +452,12 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
   int smem = decode_smem<D, kImpl>();
   if constexpr (kImpl == kImplHeads8) {  // TRACE_EXT_KV_DECODE_RING=2 / 4: another stage ring, same splits
     const int ring = fold > 1 ? 0 : heads_ring_selected();
-    if (fold > 1) kernel = fold == 2 ? heads8_fold_kernel<D, 2>(device) : heads8_fold_kernel<D, 4>(device);
+    if (fold > 1) {
+      kernel = fold == 2 ? heads8_variant_kernel<D, kHeads8Ring, 2>(device)
+                         : heads8_variant_kernel<D, kHeads8Ring, 4>(device);
+    }
     if (ring != 0) {
-      kernel = ring == 2 ? heads8_ring_kernel<D, 2>(device) : heads8_ring_kernel<D, 4>(device);
+      kernel = ring == 2 ? heads8_variant_kernel<D, 2>(device) : heads8_variant_kernel<D, 4>(device);
       smem = heads8_smem<D>(ring);
     }
   }

@@ -21,6 +21,8 @@ from trace_ext import ops
 from trace_ext import reference_kv as RKV
 from trace_ext.kvcache import PagedFP4KVCache
 
+from test_quant_rowg_lean3_gpu import launched
+
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
@@ -457,8 +459,6 @@ FOLD_CASES = [
 
 def decode_kernel_launched(fn) -> str:
     """The decode kernel fn launches (its name as the profiler records it)."""
-    from test_quant_rowg_lean3_gpu import launched
-
     names = [n for n in launched(fn) if "fp4kv_decode_kernel" in n]
     assert len(names) == 1, names
     return names[0]
@@ -495,8 +495,8 @@ def test_decode_folded_heads8_merges_pseudo_heads_with_far_apart_maxima():
     assert_dominant_keys_within_bound(1, 8, (5, 23), seed=22)
 
 
-# ---- the swapped-operand softmax takes a non-negative score scale (a negative one is moved into Q): negative and zero
-# softmax scales on the kernels that share it (heads8, folded heads8, the 4-warp heads kernel, g8)
+# ---- negative and zero softmax scales on the kernels that share the swapped-operand softmax (heads8, folded heads8,
+# the 4-warp heads kernel, g8): scores scaled before the running max, tokens past the split masked after the scaling
 @pytest.mark.parametrize("impl, Hkv", [("heads8", 4), ("heads8", 2), ("heads", 4), ("g8", 4)])
 @pytest.mark.parametrize("scale", [-0.1, 0.0])
 def test_decode_negative_and_zero_softmax_scale(impl, Hkv, scale, monkeypatch):
