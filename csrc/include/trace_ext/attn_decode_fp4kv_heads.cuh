@@ -15,6 +15,7 @@
 #include "trace_ext/fp4_numerics.cuh"
 #include "trace_ext/attn_decode_fp4kv_common.cuh"
 #include "trace_ext/attn_decode_fp4kv_g8.cuh"
+#include "trace_ext/timeline.cuh"
 
 namespace trace_ext {
 namespace {
@@ -283,6 +284,7 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
   constexpr int kSetTokens = kSets * kTile;               // tokens per stage (one 16-token tile per warp set)
   constexpr int kSetStage = kSets * H::kStageBytes;        // a stage: kSets tiles of the 4-warp layout, back to back
   extern __shared__ __align__(128) uint8_t smem[];
+  TRACE_EXT_TIMELINE_BEGIN(0);  // (probes only: empty in the extension)
 
   const int split = blockIdx.x, hg = blockIdx.y, b = blockIdx.z;
   // warp = the KV head inside the group; set = which tile of a stage this warp computes (heads8: two warps per head)
@@ -367,6 +369,7 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
   uint32_t qb[G::kKSteps][2];
   float head_scale[2];  // score scale of heads 2c, 2c + 1
   swapped_q_fragments<D>(p, b, kv_head, r, c, qb, head_scale);
+  TRACE_EXT_TIMELINE_MARK();  // prologue issued, Q in registers
 
   // Per-thread offsets inside a stage: K rows 8 nt + r of head `warp` (quarter row c), their scale bytes; V rows
   // 2c, 2c+1, 2c+8, 2c+9 (the block of head_dim column r) and their scale bytes. Token t + 8 sits kToken8 bytes
@@ -404,6 +407,9 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
   for (int i = 0; i < n_stages; ++i) {
     cp_async_wait<kRing - 2>();
     __syncthreads();  // stage i landed for all threads; every warp is done with stage i - 1
+#ifdef TRACE_EXT_TIMELINE
+    if (i == 0) TRACE_EXT_TIMELINE_MARK();  // the first stage landed
+#endif
     if (i + kRing - 1 < n_stages) issue();
     cp_async_commit();
 
@@ -416,6 +422,7 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
     swapped_tile<D>(st, k_off, ks_off, v_off, vs_off, qb, head_scale, t0, warp_end, r, m_run, refs, l_run, o);
   }
   cp_async_wait<0>();
+  TRACE_EXT_TIMELINE_MARK();  // the loop's end
 
   // ---- this warp's heads 2c, 2c + 1 (if < G): lane (r, c) holds d = r * D/8 + j, j = 0 .. D/8 - 1 ----
 #pragma unroll
@@ -464,6 +471,7 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
       if (r == 0) p.lse_part[bh * p.num_splits + split] = lse2;
     }
   }
+  TRACE_EXT_TIMELINE_END();
   // (folded tokens: the host always takes the separate combine kernel)
   if (kFold > 1 || p.num_splits == 1 || p.split_counters == nullptr) return;
   // Fused split-K finish, as in merge_warps: the last CTA of the (sequence, head group) combines all splits of its

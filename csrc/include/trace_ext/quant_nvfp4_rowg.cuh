@@ -11,6 +11,7 @@
 #include "trace_ext/quant_common.cuh"
 #include "trace_ext/quant_sr_elems.cuh"
 #include "trace_ext/quant_nvfp4_blocks.cuh"
+#include "trace_ext/timeline.cuh"
 
 namespace trace_ext {
 namespace {
@@ -346,6 +347,7 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
   constexpr bool kScalesOut = !FAKE || CAPTURE;  // scale bytes and g_out exist
   __shared__ uint32_t warp_max[2][kRowLeanThreads / 32];
   __shared__ uint4 swz_stage[SWZ_STAGED ? kSwzStageChunks : 1];
+  TRACE_EXT_TIMELINE_BEGIN(0);  // (probes only: empty in the extension)
   const uint32_t lane = threadIdx.x & w.team_mask;
   const bool has_last = lane < w.last_lanes;  // blocks q < BPL - 1 always exist (the host's team: team * BPL >= kb)
   const T* xp = reinterpret_cast<const T*>(p.x);
@@ -431,6 +433,7 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
   // and side_nxt (in flight during this row's work), cur's row reduced and quantized.
   auto step = [&](auto parity, BlockRaw<T>(&cur)[BPL], BlockRaw<T>(&nxt)[BPL], const RowSide<BPL>& side,
                   RowSide<BPL>& side_nxt) {
+    TRACE_EXT_TIMELINE_MARK();
     load(row + stride, nxt);
     load_side(row + stride, side_nxt);
     uint32_t mb[BPL];
@@ -535,6 +538,7 @@ __global__ void __launch_bounds__(kRowLeanThreads, kRowLeanCtasPerSm)
   } else if constexpr (SWIZZLE) {
     swizzle_pad_zero(p, (int64_t)blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
   }
+  TRACE_EXT_TIMELINE_END();
 }
 
 // ---- long rows, pass 1: per-row g from the finite amax -------------------------------------------------------
