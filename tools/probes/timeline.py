@@ -21,6 +21,9 @@ from common import do_bench_cold  # noqa: E402
 
 SLOTS = 16
 RUNS = 5  # recorded calls per case (the table shows the one with the median span)
+# the heads kernels signal the combine kernel at their loop end (the extension's default; TRACE_EXT_KV_DECODE_PDL_TRIGGER
+# read here as the extension reads it)
+TRIGGER = 0 if os.environ.get("TRACE_EXT_KV_DECODE_PDL_TRIGGER") == "0" else 1
 
 
 def stream():
@@ -217,8 +220,8 @@ def kv_cases(lib, sms, ext):
             def launch(splits=splits, o_part=o_part, lse_part=lse_part, wide=wide):
                 n = lib.launch_kv_heads8(ptr(q), ptr(kc), ptr(ks), ptr(vc), ptr(vs), ptr(table), ptr(seq_lens),
                                          ptr(out), ptr(lse), ptr(o_part), ptr(lse_part), B, Hq, Hkv, page, pages,
-                                         splits, wide, ctypes.c_float(score_scale), ctypes.c_float(16384.0 * g_v),
-                                         stream())
+                                         splits, wide, TRIGGER, ctypes.c_float(score_scale),
+                                         ctypes.c_float(16384.0 * g_v), stream())
                 assert n > 0
 
             rec = Recorder(lib, splits * (Hkv // 4) * B, B * Hq)
