@@ -154,12 +154,6 @@ namespace {
 // wait for its completion and memory flush with griddepcontrol.wait before they read the partials.
 bool combine_pdl() { return env_switch("TRACE_EXT_KV_DECODE_PDL", true); }
 
-// TRACE_EXT_KV_DECODE_PDL_TRIGGER=0 (read per call; an A/B knob): the heads kernels do not signal the combine kernel at
-// the end of their main loop (griddep_launch_dependents), so that its launch waits for the whole decode grid to end.
-// Default (with PDL): the signal, since the timeline probe (tools/probes/timeline.py) showed the combine CTAs starting
-// 1.3-1.7 us after the decode grid's end at the bench_kv cases.
-bool combine_pdl_trigger() { return env_switch("TRACE_EXT_KV_DECODE_PDL_TRIGGER", true); }
-
 // Kernel variants, read per call so that one process can time them all: the heads kernels (4 KV heads per CTA,
 // CTA-shared contiguous tile copies) where they apply (G <= 8, H_kv % 4 == 0, 16-byte aligned cache bases): by
 // default heads8 (two warps per KV head on alternate tiles, 8 warps per CTA; H200 A/B at 2071576: 1.04-1.08x over the
@@ -383,8 +377,6 @@ void launch(const DecodeParams& base, int batch, int num_splits_arg, int64_t max
     wide = (kImpl == kImplHeads || kImpl == kImplHeads8) && (int64_t)splits * wide_rows * D > kHeadsFusedMax;
     p.split_counters = fused_combine() && !wide && fold == 1 ? split_counters((int64_t)batch * p.heads_kv, q) : nullptr;
   }
-  // the heads kernels signal the combine kernel when it follows as their programmatic dependent
-  p.pdl_trigger = splits > 1 && p.split_counters == nullptr && combine_pdl() && combine_pdl_trigger() ? 1 : 0;
   DecodeKernelFn kernel = decode_kernel<D, kImpl>();
   int smem = decode_smem<D, kImpl>();
   if constexpr (kImpl == kImplHeads8) {  // TRACE_EXT_KV_DECODE_RING=2 / 4: another stage ring, same splits

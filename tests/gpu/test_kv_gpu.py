@@ -543,8 +543,7 @@ def test_decode_heads8_ring_depth_is_bit_equal(lens, Hkv, D, P, splits, ring, mo
 
 # ---- programmatic dependent launch (TRACE_EXT_KV_DECODE_PDL, read per call): by default the combine kernels are
 # launched as programmatic dependents of the decode kernel and wait for it with griddepcontrol.wait; "0" launches them
-# plainly. The heads kernels also signal them at the end of their main loop (TRACE_EXT_KV_DECODE_PDL_TRIGGER=0: no
-# signal). The same bits every way.
+# plainly. The same bits either way.
 @pytest.mark.parametrize("impl", ["heads8", "heads", "g8", "qsmem"])
 @pytest.mark.parametrize("Hq, splits, combine", [(32, 7, None), (32, 300, None), (64, 40, None), (64, 40, "fused")],
                          ids=str)
@@ -567,26 +566,23 @@ def test_decode_programmatic_dependent_launch_is_bit_equal(impl, Hq, splits, com
     else:
         monkeypatch.setenv("TRACE_EXT_KV_DECODE_COMBINE", combine)
     results = {}
-    for pdl, trigger in (("0", None), (None, "0"), (None, None)):
-        for var, value in (("TRACE_EXT_KV_DECODE_PDL", pdl), ("TRACE_EXT_KV_DECODE_PDL_TRIGGER", trigger)):
-            if value is None:
-                monkeypatch.delenv(var, raising=False)
-            else:
-                monkeypatch.setenv(var, value)
+    for pdl in ("0", None):
+        if pdl is None:
+            monkeypatch.delenv("TRACE_EXT_KV_DECODE_PDL", raising=False)
+        else:
+            monkeypatch.setenv("TRACE_EXT_KV_DECODE_PDL", pdl)
         calls = []
         for i in range(6):
             for t, src in zip(cache.tensors(), contents[(i // 2) % 2]):
                 t.copy_(src)
             calls.append(ops.fp4kv_decode_attention(qs[i % 2], cache, table, seq_lens, 0.1, num_splits=splits,
                                                     backend="cuda"))
-        results[pdl, trigger] = calls
+        results[pdl] = calls
     monkeypatch.delenv("TRACE_EXT_KV_DECODE_PDL", raising=False)
-    monkeypatch.delenv("TRACE_EXT_KV_DECODE_PDL_TRIGGER", raising=False)
-    for key in ((None, "0"), (None, None)):
-        for i, ((o1, l1), (o0, l0)) in enumerate(zip(results[key], results["0", None])):
-            assert torch.equal(o1.view(torch.int16), o0.view(torch.int16)), f"out call {i} {key}"
-            assert torch.equal(l1.view(torch.int32), l0.view(torch.int32)), f"lse call {i} {key}"
-    err, err_sdpa, lse_err = errors_vs_reference(*results[None, None][-1], qs[1], cache, table, seq_lens, 0.1)
+    for i, ((o1, l1), (o0, l0)) in enumerate(zip(results[None], results["0"])):
+        assert torch.equal(o1.view(torch.int16), o0.view(torch.int16)), f"out call {i}"
+        assert torch.equal(l1.view(torch.int32), l0.view(torch.int32)), f"lse call {i}"
+    err, err_sdpa, lse_err = errors_vs_reference(*results[None][-1], qs[1], cache, table, seq_lens, 0.1)  # contents 0
     assert err <= 2 * err_sdpa + 1e-6 and lse_err <= 2e-3
 
 

@@ -107,12 +107,12 @@ int launch_quant_lean3(const void* x, const float* g, uint8_t* codes, uint8_t* s
 }
 
 // heads8 KV decode at D = 128 (fp4kv_decode_kernel_heads<128, 2, kHeads8Ring>, grid (splits, H_kv / 4, B), 256
-// threads) and, for splits > 1, the combine kernel (wide: the wide one) as its programmatic dependent (signalled at
-// the decode's loop end where pdl_trigger), as the extension launches them (the caller picks the split count the extension would). Returns the decode grid size, or -1.
+// threads) and, for splits > 1, the combine kernel (wide: the wide one) as its programmatic dependent, as the
+// extension launches them (the caller picks the split count the extension would). Returns the decode grid size, or -1.
 int launch_kv_heads8(const void* q, const uint8_t* kc, const uint8_t* ks, const uint8_t* vc, const uint8_t* vs,
                      const int32_t* table, const int32_t* seq_lens, void* out, float* lse, float* o_part,
                      float* lse_part, int B, int Hq, int Hkv, int page, int max_pages, int splits, int wide,
-                     int pdl_trigger, float score_scale, float out_scale, cudaStream_t stream) {
+                     float score_scale, float out_scale, cudaStream_t stream) {
   constexpr int D = 128;
   DecodeParams p{};
   p.q = reinterpret_cast<const uint16_t*>(q);
@@ -132,7 +132,6 @@ int launch_kv_heads8(const void* q, const uint8_t* kc, const uint8_t* ks, const 
   p.page_size = page;
   p.max_pages = max_pages;
   p.num_splits = splits;
-  p.pdl_trigger = splits > 1 ? pdl_trigger : 0;
   p.score_scale = score_scale;
   p.out_scale = out_scale;
   auto kernel = fp4kv_decode_kernel_heads<D, 2, kHeads8Ring>;

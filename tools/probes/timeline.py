@@ -9,6 +9,7 @@ each case is also timed with bench.common.do_bench_cold, with and without the ma
 from __future__ import annotations
 
 import ctypes
+import datetime
 import math
 import os
 import statistics
@@ -21,9 +22,6 @@ from common import do_bench_cold  # noqa: E402
 
 SLOTS = 16
 RUNS = 5  # recorded calls per case (the table shows the one with the median span)
-# the heads kernels signal the combine kernel at their loop end (the extension's default; TRACE_EXT_KV_DECODE_PDL_TRIGGER
-# read here as the extension reads it)
-TRIGGER = 0 if os.environ.get("TRACE_EXT_KV_DECODE_PDL_TRIGGER") == "0" else 1
 
 
 def stream():
@@ -220,8 +218,8 @@ def kv_cases(lib, sms, ext):
             def launch(splits=splits, o_part=o_part, lse_part=lse_part, wide=wide):
                 n = lib.launch_kv_heads8(ptr(q), ptr(kc), ptr(ks), ptr(vc), ptr(vs), ptr(table), ptr(seq_lens),
                                          ptr(out), ptr(lse), ptr(o_part), ptr(lse_part), B, Hq, Hkv, page, pages,
-                                         splits, wide, TRIGGER, ctypes.c_float(score_scale),
-                                         ctypes.c_float(16384.0 * g_v), stream())
+                                         splits, wide, ctypes.c_float(score_scale), ctypes.c_float(16384.0 * g_v),
+                                         stream())
                 assert n > 0
 
             rec = Recorder(lib, splits * (Hkv // 4) * B, B * Hq)
@@ -252,9 +250,10 @@ def main() -> None:
         print(f"(extension not importable: {e})")
         ext = None
     commit = os.environ.get("TRACE_EXT_COMMIT", "?")
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     print(f"# timeline: per-CTA timelines of the lean3 quantizer and the heads8 KV decode\n\n| gpu: "
-          f"{torch.cuda.get_device_name()} | SMs: {sms} | torch: {torch.__version__} | "
-          f"cuda: {torch.version.cuda} | commit: {commit} | command: python tools/probes/timeline.py |\n")
+          f"{torch.cuda.get_device_name()} | SMs: {sms} | torch: {torch.__version__} | cuda: {torch.version.cuda} | "
+          f"commit: {commit} | date: {date} | command: python tools/probes/timeline.py {' '.join(what)} |\n")
     print("Times from %globaltimer (ns resolution as the GPU updates it); each case: the recorded call with the median "
           "span of 5, L2 cleared before each. 'tail': from the last 1 us bin with >= 90% of the peak resident CTAs to "
           "the last CTA's end.")

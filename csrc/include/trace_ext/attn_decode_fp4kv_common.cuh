@@ -86,9 +86,6 @@ struct DecodeParams {
   // 0 .. num_splits - 1 (atomicInc), so they are back at 0 after every launch; null: the separate combine kernel
   unsigned int* split_counters;
   int heads_q, heads_kv, group, page_size, max_pages, num_splits;
-  // heads kernels: signal the combine kernel (a programmatic dependent) at the end of the main loop, so that its
-  // launch overlaps the decode grid's epilogue and last CTAs (0: its launch waits for the decode grid's end)
-  int pdl_trigger;
   float score_scale;  // softmax_scale * g_k * 2^14 * log2(e)
   float out_scale;    // g_v * 2^14
 };

@@ -423,7 +423,6 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
   }
   cp_async_wait<0>();
   TRACE_EXT_TIMELINE_MARK();  // the loop's end
-  if (p.pdl_trigger) griddep_launch_dependents();  // the combine kernel may launch while the CTAs finish
 
   // ---- this warp's heads 2c, 2c + 1 (if < G): lane (r, c) holds d = r * D/8 + j, j = 0 .. D/8 - 1 ----
 #pragma unroll

@@ -11,13 +11,6 @@ namespace trace_ext {
 
 __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 
-// Lets the kernels launched as programmatic dependents of this grid be scheduled once every CTA of the grid has
-// called it or exited (their griddep_wait() still waits for this grid's completion and memory flush), so that their
-// launch overlaps this grid's last work instead of following its end.
-__device__ __forceinline__ void griddep_launch_dependents() {
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-
 // kernel<<<grid, threads, smem, stream>>>(args...), as a programmatic dependent of the previous work in the stream when
 // `programmatic` (the kernel must call griddep_wait() before its first global access); a launch error raises.
 template <typename... KernelArgs, typename... Args>
