@@ -119,6 +119,10 @@
 //   (0.96-2.22x; B1 S128K 1.5-2.2x, one shape 0.96x), 1.02-2.47x torch SDPA on bf16 K/V; 127 registers, no spills.
 // - Measured and reverted (session 20, round 93): the swapped softmax with the raw-score maxima scaled once and each
 //   exponent one FFMA (2 instructions and one dependent op fewer per tile): 0.993-1.000x on the four bench_kv cases.
+// - Measured and reverted (session 21, round 97): the heads kernels signalling the combine kernel at the end of their
+//   main loop (griddepcontrol.launch_dependents): the combine CTAs then start before the decode grid ends, but the
+//   decode's loop ran ~5% longer beside them, 0.995-1.00x. Per-CTA timelines of these kernels: tools/probes/timeline.py
+//   (marks of trace_ext/timeline.cuh, empty here; notes/NEXT_kv_fixed_cost.md, session 21).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
