@@ -4,7 +4,7 @@ when CTAs start and end (launch gap and ramp, waves, tail), how long their steps
 KV splits runs. The kernels are the extension's templates with the timeline marks compiled in (tools/probes/timeline.cu);
 each case is also timed with bench.common.do_bench_cold, with and without the marks' stores, next to the extension's op.
   nvcc ... tools/probes/timeline.cu -o /tmp/timeline.so   (the command in timeline.cu's header)
-  python tools/probes/timeline.py /tmp/timeline.so [quant] [kv]
+  python tools/probes/timeline.py /tmp/timeline.so [quant] [kv] [quant28]
 """
 from __future__ import annotations
 
@@ -190,6 +190,51 @@ def quant_cases(lib, sms, ext):
         del x, codes, scales
 
 
+def quant28_case(lib, sms, ext):
+    """The g-given 2^28 row alone (round 98: 255 us here against bench_quant's 170 us): the same call on the same x with
+    g computed two ways, before and after a per-row-g call, and on a copy of x at another address; the slowest CTAs
+    of one recorded call (id, SM, step gaps) and that call's raw records under $OUT (timeline_quant28_records.pt)."""
+    from trace_ext import reference as ref  # noqa: PLC0415 (the pure-torch reference; no extension needed)
+
+    rows, K = (1 << 28) // 4096, 4096
+    x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
+    g_amax = (x.float().abs().amax(dim=1) / 2688.0).contiguous()
+    g_ref = ref.nvfp4_global_scale(x, "row").contiguous()
+    print(f"\n### g given 2^28: g_ref == g_amax: {torch.equal(g_ref, g_amax)}, g_ref shape {tuple(g_ref.shape)}")
+    codes = torch.empty(rows, K // 2, dtype=torch.uint8, device="cuda")
+    scales = torch.empty(rows, K // 16, dtype=torch.uint8, device="cuda")
+    g_out = torch.empty(rows, dtype=torch.float32, device="cuda")
+
+    def launcher(xx, g):
+        return lambda: lib.launch_quant_lean3(ptr(xx), ptr(g), ptr(codes), ptr(scales), ptr(g_out),
+                                              ctypes.c_int64(rows), ctypes.c_int64(K), 4, sms, stream())
+
+    grid = launcher(x, g_ref)()
+    torch.cuda.synchronize()
+    rec = Recorder(lib, grid)
+    rec.enable(True)
+    x2 = x.clone()
+    for label, xx, g in (("g_ref", x, g_ref), ("g_amax", x, g_amax), ("per-row g", x, None), ("g_ref again", x, g_ref),
+                         ("g_ref, x copy", x2, g_ref), ("per-row g, x copy", x2, None)):
+        ms = do_bench_cold(launcher(xx, g)) * 1e3
+        print(f"- {label}: do_bench {ms:.2f} us; x at 0x{xx.data_ptr():x}, g at 0x{(g.data_ptr() if g is not None else 0):x}")
+    marker, (r0, _) = rec.record(launcher(x, g_ref))
+    out = os.environ.get("OUT")
+    if out:
+        torch.save({"marker": marker, "records": r0, "grid": grid}, os.path.join(out, "timeline_quant28_records.pt"))
+    ctas = [(i, *c) for i, c in enumerate(cta_table(r0))]
+    t0 = min(c[1] for c in ctas)
+    ctas.sort(key=lambda c: c[3] - c[1], reverse=True)
+    print(f"- recorded call: span {(max(c[3] for c in ctas) - t0) / 1e3:.2f} us; slowest CTAs (id, SM, start us, life "
+          "us, step gaps us):")
+    for i, s, ms, e, sm in ctas[:12]:
+        gaps = [(b - a) / 1e3 for a, b in zip([s, *ms], [*ms, e])]
+        print(f"  - {i} SM {sm} start {(s - t0) / 1e3:.2f} life {(e - s) / 1e3:.2f} gaps " +
+              " ".join(f"{g:.2f}" for g in gaps))
+    slow = [c for c in ctas if c[3] - c[1] > 20000]
+    print(f"- CTAs living > 20 us: {len(slow)}; their SMs: {sorted(set(c[4] for c in slow))[:40]}")
+
+
 def kv_cases(lib, sms, ext):
     D, page = 128, 16
     cases = [("decode B32 Hq32 Hkv4 S8K", 32, 32, 4, 8192, [8]), ("decode B64 Hq32 Hkv4 S4K", 64, 32, 4, 4096, [4]),
@@ -240,7 +285,7 @@ def kv_cases(lib, sms, ext):
 
 def main() -> None:
     lib = ctypes.CDLL(sys.argv[1])
-    what = sys.argv[2:] or ["quant", "kv"]
+    what = sys.argv[2:] or ["quant", "kv"]  # quant28: the g-given 2^28 row's diagnosis (quant28_case)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     try:
         import trace_ext  # noqa: F401,PLC0415
@@ -261,6 +306,8 @@ def main() -> None:
         quant_cases(lib, sms, ext)
     if "kv" in what:
         kv_cases(lib, sms, ext)
+    if "quant28" in what:
+        quant28_case(lib, sms, ext)
 
 
 if __name__ == "__main__":
