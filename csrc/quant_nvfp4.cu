@@ -313,11 +313,18 @@ uint32_t lean_team_shift(int64_t kb, int bpl) {
   return shift;
 }
 
+// TRACE_EXT_QUANT_LEAN_WHOLE_WAVES=1 (read per call; an A/B knob): the capped grid rounded up to whole waves of CTA
+// slots (where that keeps at least one row group per CTA), so that the walk's stride leaves the CTAs launched last
+// one row group fewer: the last wave ends sooner and the first wave's CTAs end at two different times (the timeline
+// probe showed synchronized wave boundaries and a ragged last wave at 2^26).
+bool lean_whole_waves() { return env_switch("TRACE_EXT_QUANT_LEAN_WHOLE_WAVES", false); }
+
 bool rowg_lean_plan(const QuantParams& p, int bpl, int ctas_per_sm, RowLeanPlan& plan) {
   const uint32_t shift = lean_team_shift(p.kb, bpl);
   const int64_t rows_per_cta = kRowLeanThreads >> shift;
   const int64_t groups = div_up(p.rows, rows_per_cta);
-  const int64_t one_wave_iters = div_up(groups, int64_t(current_sm_count()) * ctas_per_sm);
+  const int64_t slots = int64_t(current_sm_count()) * ctas_per_sm;
+  const int64_t one_wave_iters = div_up(groups, slots);
   const int64_t cap = lean_iters_cap();
   const auto fits = [&](int64_t row_stride) {  // 32-bit row and block indices of the walk, and swizzled offsets
     return p.rows + row_stride < (int64_t(1) << 31) && (p.rows + row_stride) * p.kb < (int64_t(1) << 31) &&
@@ -325,7 +332,8 @@ bool rowg_lean_plan(const QuantParams& p, int bpl, int ctas_per_sm, RowLeanPlan&
   };
   // the capped grid where its longer stride keeps 32-bit indices, else the one-wave grid
   for (const int64_t iters : {cap > 0 ? std::min(one_wave_iters, cap) : one_wave_iters, one_wave_iters}) {
-    const int64_t grid = div_up(groups, iters);
+    int64_t grid = div_up(groups, iters);
+    if (iters < one_wave_iters && lean_whole_waves()) grid = std::min(div_up(grid, slots) * slots, groups);
     if (fits(grid * rows_per_cta)) {
       plan = RowLeanPlan{shift, rows_per_cta, grid, grid * rows_per_cta};
       return true;

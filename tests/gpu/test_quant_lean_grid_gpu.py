@@ -26,6 +26,7 @@ from test_quant_rowg_lean3_gpu import (DEV, assert_same_all, assert_same_q, laun
 pytestmark = pytest.mark.gpu
 
 ENV = "TRACE_EXT_QUANT_LEAN_ITERS"
+WHOLE_WAVES = "TRACE_EXT_QUANT_LEAN_WHOLE_WAVES"
 LIMITS = ("1", "2", "3", None, "0")  # None: the default (4)
 LEAN3 = "nvfp4_quant_rowg_lean3_kernel"
 SR_ROW = "nvfp4_quant_rowg_lean_kernel"
@@ -47,10 +48,16 @@ def _limit(monkeypatch, value):
 
 
 def assert_same_under_every_limit(monkeypatch, run, want, assert_same, what):
-    """run()'s outputs equal want (by assert_same) under every grid limit."""
+    """run()'s outputs equal want (by assert_same) under every grid limit, and with the capped grids rounded up to
+    whole waves (TRACE_EXT_QUANT_LEAN_WHOLE_WAVES=1: the CTAs launched last walk one group fewer)."""
     for value in LIMITS:
         _limit(monkeypatch, value)
         assert_same(run(), want, f"{ENV}={value} {what}")
+    for value in (None, "2"):
+        _limit(monkeypatch, value)
+        set_switch(monkeypatch, WHOLE_WAVES, "1")
+        assert_same(run(), want, f"{WHOLE_WAVES}=1 {ENV}={value} {what}")
+        set_switch(monkeypatch, WHOLE_WAVES, None)
 
 
 @pytest.fixture(autouse=True)
