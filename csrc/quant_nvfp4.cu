@@ -94,7 +94,8 @@
 //   so the default takes it for every kb; =fake-lean3 names the default.
 // - Default since the H200 round 52 (TRACE_EXT_QUANT_LEAN_ITERS=0 keeps the previous grid): the lean per-row kernels
 //   (lean3 quantize / fake quantization, SR's per-row lean kernel) walk at most kLeanItersMax = 4 row groups per CTA,
-//   a grid of several waves instead of one persistent wave (rowg_lean_plan); same bits.
+//   a grid of several waves instead of one persistent wave (rowg_lean_plan); same bits. Since round 101 that grid is
+//   rounded up to whole waves of CTA slots (lean_whole_waves; TRACE_EXT_QUANT_LEAN_WHOLE_WAVES=0 keeps it as it was).
 // - Defaults since H200 rounds 58-60 (each with its knob, read per call; same bits): RTN quantize / fake quantization
 //   with g given (given_lean3) and guided compact quantize of bf16 x (guided_lean3) walk rows through the lean3
 //   kernel (its GIVEN / guided instantiations: the next row's x, g and guidance in flight) instead of the flat tile
@@ -313,11 +314,13 @@ uint32_t lean_team_shift(int64_t kb, int bpl) {
   return shift;
 }
 
-// TRACE_EXT_QUANT_LEAN_WHOLE_WAVES=1 (read per call; an A/B knob): the capped grid rounded up to whole waves of CTA
-// slots (where that keeps at least one row group per CTA), so that the walk's stride leaves the CTAs launched last
-// one row group fewer: the last wave ends sooner and the first wave's CTAs end at two different times (the timeline
-// probe showed synchronized wave boundaries and a ragged last wave at 2^26).
-bool lean_whole_waves() { return env_switch("TRACE_EXT_QUANT_LEAN_WHOLE_WAVES", false); }
+// The capped grid rounded up to whole waves of CTA slots (where that keeps at least one row group per CTA), so that
+// the walk's stride leaves the CTAs launched last one row group fewer: the last wave ends sooner. The timeline probe
+// (tools/probes/timeline.py) showed wave boundaries that stay synchronized and a ragged last wave at 2^26. Default
+// since H200 round 101 (bench/results/quant_whole_waves_ab{,_run2}_h200.md, two passes): 2^26 per-row RTN 1.02x, g
+// given 1.00-1.01x, capture 1.01-1.02x, fake quantization 1.01-1.02x; 2^28 0.993-1.01x. TRACE_EXT_QUANT_LEAN_WHOLE_WAVES
+// (read per call; an A/B knob): =0 keeps the grid before round 101.
+bool lean_whole_waves() { return env_switch("TRACE_EXT_QUANT_LEAN_WHOLE_WAVES", true); }
 
 bool rowg_lean_plan(const QuantParams& p, int bpl, int ctas_per_sm, RowLeanPlan& plan) {
   const uint32_t shift = lean_team_shift(p.kb, bpl);

@@ -1,6 +1,7 @@
 """The grid of the lean per-row quantize kernels (rowg_lean_plan): since H200 round 52 every CTA walks at most 4 row
 groups (a grid of several waves of the block scheduler); TRACE_EXT_QUANT_LEAN_ITERS=n sets another limit, =0 none
-(one persistent wave of CTAs, the grid before round 52).
+(one persistent wave of CTAs, the grid before round 52). Since round 101 a capped grid is rounded up to whole waves of
+CTA slots (TRACE_EXT_QUANT_LEAN_WHOLE_WAVES=0: not).
 
 Protects: the outputs do not depend on the grid. Under every limit (1, 2, 3, the default 4, none) the lean3 kernel's
 RTN quantize (linear, capture mbits, swizzled scales with their padding), its fake quantization (y, and with
@@ -48,15 +49,16 @@ def _limit(monkeypatch, value):
 
 
 def assert_same_under_every_limit(monkeypatch, run, want, assert_same, what):
-    """run()'s outputs equal want (by assert_same) under every grid limit, and with the capped grids rounded up to
-    whole waves (TRACE_EXT_QUANT_LEAN_WHOLE_WAVES=1: the CTAs launched last walk one group fewer)."""
+    """run()'s outputs equal want (by assert_same) under every grid limit, with the capped grids rounded up to whole
+    waves (the default since round 101: the CTAs launched last walk one group fewer) and without
+    (TRACE_EXT_QUANT_LEAN_WHOLE_WAVES=0)."""
     for value in LIMITS:
         _limit(monkeypatch, value)
         assert_same(run(), want, f"{ENV}={value} {what}")
     for value in (None, "2"):
         _limit(monkeypatch, value)
-        set_switch(monkeypatch, WHOLE_WAVES, "1")
-        assert_same(run(), want, f"{WHOLE_WAVES}=1 {ENV}={value} {what}")
+        set_switch(monkeypatch, WHOLE_WAVES, "0")
+        assert_same(run(), want, f"{WHOLE_WAVES}=0 {ENV}={value} {what}")
         set_switch(monkeypatch, WHOLE_WAVES, None)
 
 

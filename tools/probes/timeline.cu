@@ -20,22 +20,6 @@ namespace {
 
 __global__ void timeline_marker_kernel(unsigned long long* dst) { *dst = timeline_now(); }
 
-template <typename... KernelArgs, typename... Args>
-int launch_ex(void (*kernel)(KernelArgs...), dim3 grid, unsigned threads, int smem, cudaStream_t stream, bool pdl,
-              Args... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = (size_t)smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return (int)cudaLaunchKernelEx(&cfg, kernel, args...);
-}
-
 }  // namespace
 }  // namespace trace_ext
 
@@ -144,11 +128,12 @@ int launch_kv_heads8(const void* q, const uint8_t* kc, const uint8_t* ks, const 
   if (splits > 1) {
     const unsigned ctas = (unsigned)(B * Hq);
     auto* outp = reinterpret_cast<uint16_t*>(out);
-    const int err = wide ? launch_ex(fp4kv_decode_combine_wide_kernel<D>, dim3(ctas), kWideWarps * 32, 0, stream, true,
-                                     (const float*)o_part, (const float*)lse_part, outp, lse, splits)
-                         : launch_ex(fp4kv_decode_combine_kernel<D>, dim3(ctas), D, 0, stream, true,
-                                     (const float*)o_part, (const float*)lse_part, outp, lse, splits);
-    if (err != 0) return -1;
+    const cudaError_t err =
+        wide ? launch_kernel_status(fp4kv_decode_combine_wide_kernel<D>, dim3(ctas), kWideWarps * 32, 0, stream, true,
+                                    (const float*)o_part, (const float*)lse_part, outp, lse, splits)
+             : launch_kernel_status(fp4kv_decode_combine_kernel<D>, dim3(ctas), D, 0, stream, true,
+                                    (const float*)o_part, (const float*)lse_part, outp, lse, splits);
+    if (err != cudaSuccess) return -1;
   }
   return (int)(grid.x * grid.y * grid.z);
 }

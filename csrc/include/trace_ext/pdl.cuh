@@ -12,10 +12,10 @@ namespace trace_ext {
 __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 
 // kernel<<<grid, threads, smem, stream>>>(args...), as a programmatic dependent of the previous work in the stream when
-// `programmatic` (the kernel must call griddep_wait() before its first global access); a launch error raises.
+// `programmatic` (the kernel must call griddep_wait() before its first global access); returns the launch's status.
 template <typename... KernelArgs, typename... Args>
-void launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, unsigned int threads, int smem, cudaStream_t stream,
-                   bool programmatic, const char* what, Args... args) {
+cudaError_t launch_kernel_status(void (*kernel)(KernelArgs...), dim3 grid, unsigned int threads, int smem,
+                                 cudaStream_t stream, bool programmatic, Args... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(threads);
@@ -26,7 +26,14 @@ void launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, unsigned int thread
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = programmatic ? 1 : 0;
-  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, args...);
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
+// launch_kernel_status, and a launch error raises.
+template <typename... KernelArgs, typename... Args>
+void launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, unsigned int threads, int smem, cudaStream_t stream,
+                   bool programmatic, const char* what, Args... args) {
+  const cudaError_t err = launch_kernel_status(kernel, grid, threads, smem, stream, programmatic, args...);
   (void)cudaGetLastError();  // the launch's status is err
   TORCH_CHECK(err == cudaSuccess, "trace_ext: ", what, " kernel launch failed: ", cudaGetErrorString(err));
 }
