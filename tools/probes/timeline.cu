@@ -2,10 +2,9 @@
 // kernels), for tools/probes/timeline.py: this file defines TRACE_EXT_TIMELINE before it includes the kernel headers,
 // so their TRACE_EXT_TIMELINE_* marks (trace_ext/timeline.cuh; empty in the extension) record %globaltimer per CTA.
 // The kernels are the extension's templates, launched with the extension's launch shapes (the host rules are restated
-// here for the probe's shapes). A shared library with C launchers that timeline.py loads with ctypes; needs torch's
-// headers (the kernel headers include ATen through host_checks.h):
-//   nvcc -O3 -std=c++20 -arch=sm_90a -shared -Xcompiler -fPIC --expt-relaxed-constexpr -ftz=false -prec-div=true \
-//     -I csrc/include $(torch include flags) tools/probes/timeline.cu -o /tmp/timeline.so
+// here for the probe's shapes). A shared library with C launchers that timeline.py loads with ctypes; built by
+// tools/probes/build_timeline.sh (torch's headers: the kernel headers include ATen through host_checks.h; the library
+// links no torch symbol). tests/test_probe_build.py builds it on every machine with nvcc and a CUDA build of torch.
 #define TRACE_EXT_TIMELINE 1
 #include <cuda_runtime.h>
 

@@ -3,7 +3,7 @@ decode cases) under the benches' conditions (L2 cleared by a 256 MB zero_ before
 when CTAs start and end (launch gap and ramp, waves, tail), how long their steps take, and when the combine pass of the
 KV splits runs. The kernels are the extension's templates with the timeline marks compiled in (tools/probes/timeline.cu);
 each case is also timed with bench.common.do_bench_cold, with and without the marks' stores, next to the extension's op.
-  nvcc ... tools/probes/timeline.cu -o /tmp/timeline.so   (the command in timeline.cu's header)
+  tools/probes/build_timeline.sh /tmp/timeline.so
   python tools/probes/timeline.py /tmp/timeline.so [quant] [kv] [quant28]
 """
 from __future__ import annotations
