@@ -1,7 +1,7 @@
 // FP4 KV-cache decode attention: the split combine kernels (the separate pass after the decode kernel, launched as its
 // programmatic dependent).
 // Part of the FP4 KV-cache decode attention translation unit: csrc/attn_decode_fp4kv_sm90.cu includes it and holds the
-// design notes; the definitions live in that unit's anonymous namespace. (tools/probes/timeline_kv.cu includes it too.)
+// design notes; the definitions live in that unit's anonymous namespace. (tools/probes/timeline.cu includes it too.)
 #pragma once
 
 #include <cuda_bf16.h>

@@ -407,9 +407,7 @@ __global__ void __launch_bounds__(kSets * kThreads, kSets == 1 ? kMinBlocksHeads
   for (int i = 0; i < n_stages; ++i) {
     cp_async_wait<kRing - 2>();
     __syncthreads();  // stage i landed for all threads; every warp is done with stage i - 1
-#ifdef TRACE_EXT_TIMELINE
     if (i == 0) TRACE_EXT_TIMELINE_MARK();  // the first stage landed
-#endif
     if (i + kRing - 1 < n_stages) issue();
     cp_async_commit();
 
