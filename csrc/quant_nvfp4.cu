@@ -333,10 +333,12 @@ bool rowg_lean_plan(const QuantParams& p, int bpl, int ctas_per_sm, RowLeanPlan&
     return p.rows + row_stride < (int64_t(1) << 31) && (p.rows + row_stride) * p.kb < (int64_t(1) << 31) &&
            !(p.swizzle && p.rows_pad * p.kb_pad >= (int64_t(1) << 31));
   };
-  // the capped grid where its longer stride keeps 32-bit indices, else the one-wave grid
-  for (const int64_t iters : {cap > 0 ? std::min(one_wave_iters, cap) : one_wave_iters, one_wave_iters}) {
-    int64_t grid = div_up(groups, iters);
-    if (iters < one_wave_iters && lean_whole_waves()) grid = std::min(div_up(grid, slots) * slots, groups);
+  // the capped grid (rounded up to whole waves) where its longer stride keeps 32-bit indices, else the one-wave grid
+  const int64_t iters = cap > 0 ? std::min(one_wave_iters, cap) : one_wave_iters;
+  const int64_t capped = div_up(groups, iters);
+  const int64_t rounded = iters < one_wave_iters && lean_whole_waves() ? std::min(div_up(capped, slots) * slots, groups)
+                                                                        : capped;
+  for (const int64_t grid : {rounded, capped, div_up(groups, one_wave_iters)}) {
     if (fits(grid * rows_per_cta)) {
       plan = RowLeanPlan{shift, rows_per_cta, grid, grid * rows_per_cta};
       return true;
