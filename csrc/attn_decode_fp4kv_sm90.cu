@@ -182,12 +182,6 @@ DecodeKernelFn decode_kernel() {
   }
 }
 
-// Dynamic shared memory of heads8 with a ring of `ring` stages (a stage: two 16-token tiles).
-template <int D>
-constexpr int heads8_smem(int ring) {
-  return 2 * ring * HGeo<D>::kStageBytes;
-}
-
 // Dynamic shared memory of a kernel variant.
 template <int D, int kImpl>
 constexpr int decode_smem() {

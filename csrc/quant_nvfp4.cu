@@ -279,21 +279,6 @@ void launch_rowg(const QuantParams& p, cudaStream_t stream, const char* op) {
   check_launch(op);
 }
 
-// The grid of the lean per-row kernels for bpl blocks per lane: the team (2^shift threads, the smallest with
-// 2^shift * bpl >= kb), rows per CTA, a balanced grid where every CTA walks iters or iters - 1 row groups, and its
-// stride in rows; false where a 32-bit index could overflow. iters is at most kLeanItersMax: the grid is then several
-// waves of the block scheduler rather than one persistent wave of ctas_per_sm CTAs per SM. H200 round 52
-// (bench/results/lean_iters_ab_h200.md): with one wave the kernel waits for its slowest CTAs (a static split of the
-// rows); at most 4 row groups per CTA ran per-row RTN 1.03x (2^26) / 1.06x (2^28), swizzled 1.06x / 1.06x, capture
-// 1.03x / 1.06x at K 4096, 1.04-1.05x at K 7168 (2^26); 1 group per CTA (no next-row prefetch) 0.92-0.97x, 8 groups
-// 1.00-1.06x.
-struct RowLeanPlan {
-  uint32_t shift;
-  int64_t rows_per_cta, grid, row_stride;
-};
-
-constexpr int64_t kLeanItersMax = 4;
-
 // TRACE_EXT_QUANT_LEAN_ITERS=n (read per call; an A/B knob): at most n row groups per CTA instead of kLeanItersMax;
 // n = 0: no limit (one persistent wave, the grid before round 52).
 int64_t lean_iters_cap() {
@@ -307,13 +292,6 @@ int64_t lean_iters_cap() {
 // the scattered byte stores.
 bool swz_staged_selected() { return env_switch("TRACE_EXT_QUANT_SWZ_STAGED", true); }
 
-// log2 of the row team of the lean per-row kernels: the smallest power of two of threads with team * bpl >= kb.
-uint32_t lean_team_shift(int64_t kb, int bpl) {
-  uint32_t shift = 0;
-  while ((int64_t(1) << shift) * bpl < kb) ++shift;
-  return shift;
-}
-
 // The capped grid rounded up to whole waves of CTA slots (where that keeps at least one row group per CTA), so that
 // the walk's stride leaves the CTAs launched last one row group fewer: the last wave ends sooner. The timeline probe
 // (tools/probes/timeline.py) showed wave boundaries that stay synchronized and a ragged last wave at 2^26. Default
@@ -322,29 +300,16 @@ uint32_t lean_team_shift(int64_t kb, int bpl) {
 // (read per call; an A/B knob): =0 keeps the grid before round 101.
 bool lean_whole_waves() { return env_switch("TRACE_EXT_QUANT_LEAN_WHOLE_WAVES", true); }
 
+// The grid of the lean per-row kernels for bpl blocks per lane (plan_row_lean, with this device's SM count and the
+// knobs above): the team (2^shift threads, the smallest with 2^shift * bpl >= kb), rows per CTA, a balanced grid where
+// every CTA walks iters or iters - 1 row groups, and its stride in rows; false where a 32-bit index could overflow.
+// iters is at most kLeanItersMax: the grid is then several waves of the block scheduler rather than one persistent wave of ctas_per_sm CTAs per SM. H200 round 52
+// (bench/results/lean_iters_ab_h200.md): with one wave the kernel waits for its slowest CTAs (a static split of the
+// rows); at most 4 row groups per CTA ran per-row RTN 1.03x (2^26) / 1.06x (2^28), swizzled 1.06x / 1.06x, capture
+// 1.03x / 1.06x at K 4096, 1.04-1.05x at K 7168 (2^26); 1 group per CTA (no next-row prefetch) 0.92-0.97x, 8 groups
+// 1.00-1.06x.
 bool rowg_lean_plan(const QuantParams& p, int bpl, int ctas_per_sm, RowLeanPlan& plan) {
-  const uint32_t shift = lean_team_shift(p.kb, bpl);
-  const int64_t rows_per_cta = kRowLeanThreads >> shift;
-  const int64_t groups = div_up(p.rows, rows_per_cta);
-  const int64_t slots = int64_t(current_sm_count()) * ctas_per_sm;
-  const int64_t one_wave_iters = div_up(groups, slots);
-  const int64_t cap = lean_iters_cap();
-  const auto fits = [&](int64_t row_stride) {  // 32-bit row and block indices of the walk, and swizzled offsets
-    return p.rows + row_stride < (int64_t(1) << 31) && (p.rows + row_stride) * p.kb < (int64_t(1) << 31) &&
-           !(p.swizzle && p.rows_pad * p.kb_pad >= (int64_t(1) << 31));
-  };
-  // the capped grid (rounded up to whole waves) where its longer stride keeps 32-bit indices, else the one-wave grid
-  const int64_t iters = cap > 0 ? std::min(one_wave_iters, cap) : one_wave_iters;
-  const int64_t capped = div_up(groups, iters);
-  const int64_t rounded = iters < one_wave_iters && lean_whole_waves() ? std::min(div_up(capped, slots) * slots, groups)
-                                                                        : capped;
-  for (const int64_t grid : {rounded, capped, div_up(groups, one_wave_iters)}) {
-    if (fits(grid * rows_per_cta)) {
-      plan = RowLeanPlan{shift, rows_per_cta, grid, grid * rows_per_cta};
-      return true;
-    }
-  }
-  return false;
+  return plan_row_lean(p, bpl, int64_t(current_sm_count()) * ctas_per_sm, lean_iters_cap(), lean_whole_waves(), plan);
 }
 
 // nvfp4_quant_rowg_lean_kernel where it applies (TRACE_EXT_QUANT_IMPL=rowg-lean; RTN quantize with g None, rows of
@@ -404,21 +369,7 @@ bool launch_rowg_lean3(const QuantParams& p, cudaStream_t stream, const char* op
   if (p.kb > int64_t(kRowLeanThreads) * kBpl || p.kb < kBpl) return false;
   RowLeanPlan plan;
   if (!rowg_lean_plan(p, kBpl, kRowLeanCtasPerSm, plan)) return false;
-  const uint32_t team = 1u << plan.shift, team_warps = team / 32u;
-  const RowLean3Walk w{(uint32_t)p.rows,
-                       (uint32_t)(p.rows - 1),
-                       (uint32_t)p.kb,
-                       plan.shift,
-                       team,
-                       team - 1u,
-                       team_warps,
-                       team_warps > 0u ? team_warps - 1u : 0u,
-                       (uint32_t)(p.kb - (kBpl - 1) * int64_t(team)),
-                       (uint32_t)plan.rows_per_cta,
-                       (uint32_t)plan.row_stride,
-                       (uint32_t)(p.kb_pad / 4 * 512),
-                       team >= 4u ? team * 128u : team,
-                       0u};
+  const RowLean3Walk w = row_lean3_walk(p, plan, kBpl);
   auto launch = [&](auto kernel, int64_t grid, const RowLean3Walk& walk) {
     require_kernel_image(kernel, op);
     kernel<<<(unsigned)grid, kRowLeanThreads, 0, stream>>>(p, walk);

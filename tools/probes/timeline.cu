@@ -42,10 +42,10 @@ int timeline_marker(unsigned long long* dst, cudaStream_t stream) {
 }
 
 // nvfp4 RTN quantize of bf16 x [rows, K] through nvfp4_quant_rowg_lean3_kernel with linear scales, no capture: g given
-// (g != nullptr, g_stride 1) or per-row g; the launch shape of launch_rowg_lean3 / rowg_lean_plan (two blocks per
-// lane, at most iters_cap row groups per CTA). Returns the grid size, or -1.
+// (g != nullptr, g_stride 1) or per-row g; the launch shape of launch_rowg_lean3 (two blocks per lane, plan_row_lean
+// with at most iters_cap row groups per CTA, rounded up to whole waves where whole_waves). Returns the grid size, or -1.
 int launch_quant_lean3(const void* x, const float* g, uint8_t* codes, uint8_t* scales, float* g_out, int64_t rows,
-                       int64_t K, int iters_cap, int sms, cudaStream_t stream) {
+                       int64_t K, int iters_cap, int whole_waves, int sms, cudaStream_t stream) {
   QuantParams p{};
   p.x = x;
   p.rows = rows;
@@ -57,28 +57,10 @@ int launch_quant_lean3(const void* x, const float* g, uint8_t* codes, uint8_t* s
   p.scales = scales;
   p.g_out = g_out;
   constexpr int kBpl = 2;
-  uint32_t shift = 0;
-  while ((int64_t(1) << shift) * kBpl < p.kb) ++shift;
-  const int64_t rows_per_cta = kRowLeanThreads >> shift;
-  const int64_t groups = (rows + rows_per_cta - 1) / rows_per_cta;
-  const int64_t one_wave = (groups + int64_t(sms) * kRowLeanCtasPerSm - 1) / (int64_t(sms) * kRowLeanCtasPerSm);
-  const int64_t iters = iters_cap > 0 ? (one_wave < iters_cap ? one_wave : iters_cap) : one_wave;
-  const int64_t grid = (groups + iters - 1) / iters;
-  const uint32_t team = 1u << shift, team_warps = team / 32u;
-  const RowLean3Walk w{(uint32_t)rows,
-                       (uint32_t)(rows - 1),
-                       (uint32_t)p.kb,
-                       shift,
-                       team,
-                       team - 1u,
-                       team_warps,
-                       team_warps > 0u ? team_warps - 1u : 0u,
-                       (uint32_t)(p.kb - (kBpl - 1) * int64_t(team)),
-                       (uint32_t)rows_per_cta,
-                       (uint32_t)(grid * rows_per_cta),
-                       0u,
-                       0u,
-                       0u};
+  RowLeanPlan plan;
+  if (!plan_row_lean(p, kBpl, int64_t(sms) * kRowLeanCtasPerSm, iters_cap, whole_waves != 0, plan)) return -1;
+  const int64_t grid = plan.grid;
+  const RowLean3Walk w = row_lean3_walk(p, plan, kBpl);
   if (g != nullptr) {
     nvfp4_quant_rowg_lean3_kernel<__nv_bfloat16, kBpl, false, false, false, true><<<(unsigned)grid, kRowLeanThreads, 0,
                                                                                       stream>>>(p, w);
@@ -118,7 +100,7 @@ int launch_kv_heads8(const void* q, const uint8_t* kc, const uint8_t* ks, const 
   p.score_scale = score_scale;
   p.out_scale = out_scale;
   auto kernel = fp4kv_decode_kernel_heads<D, 2, kHeads8Ring>;
-  const int smem = 2 * kHeads8Ring * HGeo<D>::kStageBytes;
+  const int smem = heads8_smem<D>(kHeads8Ring);
   cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   const dim3 grid(splits, Hkv / kHeadsPerCta, B);

@@ -22,6 +22,7 @@ from common import do_bench_cold  # noqa: E402
 
 SLOTS = 16
 RUNS = 5  # recorded calls per case (the table shows the one with the median span)
+ITERS_CAP = 4  # the lean grids' default cap (kLeanItersMax), rounded up to whole waves as the extension's default
 
 
 def stream():
@@ -156,6 +157,19 @@ def bench_pair(rec, launch, op=None):
     return f"do_bench us: probe with marks {on:.2f}, probe without stores {off:.2f}, extension op {ext:.2f}"
 
 
+def quant_launcher(lib, sms, x, g, codes, scales, g_out):
+    """A call of the probe's lean3 quantize launch (g None: per-row g) that returns the grid size."""
+    rows, K = x.shape
+
+    def launch():
+        grid = lib.launch_quant_lean3(ptr(x), ptr(g), ptr(codes), ptr(scales), ptr(g_out), ctypes.c_int64(rows),
+                                      ctypes.c_int64(K), ITERS_CAP, 1, sms, stream())
+        assert grid > 0
+        return grid
+
+    return launch
+
+
 def quant_cases(lib, sms, ext):
     for lg in (26, 28):
         rows, K = (1 << lg) // 4096, 4096
@@ -166,14 +180,8 @@ def quant_cases(lib, sms, ext):
         g_out = torch.empty(rows, dtype=torch.float32, device="cuda")
         for given in (True, False):
             g = g_row if given else None
-
-            def launch(g=g):
-                n = lib.launch_quant_lean3(ptr(x), ptr(g), ptr(codes), ptr(scales), ptr(g_out), ctypes.c_int64(rows),
-                                           ctypes.c_int64(K), 4, sms, stream())
-                assert n > 0
-
-            grid = lib.launch_quant_lean3(ptr(x), ptr(g), ptr(codes), ptr(scales), ptr(g_out), ctypes.c_int64(rows),
-                                          ctypes.c_int64(K), 4, sms, stream())
+            launch = quant_launcher(lib, sms, x, g, codes, scales, g_out)
+            grid = launch()
             torch.cuda.synchronize()
             rec = Recorder(lib, grid)
             rec.enable(True)
@@ -206,8 +214,7 @@ def quant28_case(lib, sms, ext):
     g_out = torch.empty(rows, dtype=torch.float32, device="cuda")
 
     def launcher(xx, g):
-        return lambda: lib.launch_quant_lean3(ptr(xx), ptr(g), ptr(codes), ptr(scales), ptr(g_out),
-                                              ctypes.c_int64(rows), ctypes.c_int64(K), 4, sms, stream())
+        return quant_launcher(lib, sms, xx, g, codes, scales, g_out)
 
     grid = launcher(x, g_ref)()
     torch.cuda.synchronize()

@@ -76,6 +76,12 @@ struct HGeo {
   static_assert(kStageBytes % 128 == 0, "stages stay 128-byte aligned (swizzled lines)");
 };
 
+// Dynamic shared memory of heads8 with a ring of `ring` stages (a stage: two 16-token tiles).
+template <int D>
+constexpr int heads8_smem(int ring) {
+  return 2 * ring * HGeo<D>::kStageBytes;
+}
+
 // XOR mask of the 16-byte slot inside 128-byte line `l` of a heads-kernel code tile. D = 128 (2 lines per token,
 // slot = 4 (head % 2) + chunk): bit 2 = l.1 ^ l.3, bit 1 = l.2, so the K reads (tokens t, t + 1 in one
 // 8-lane phase) and the V reads (tokens 2c + k of the 4 column groups) land in 8 distinct slots. D = 64 (one

@@ -4,6 +4,7 @@
 // definitions live in that unit's anonymous namespace.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -300,6 +301,71 @@ struct RowLean3Walk {
   uint32_t swz_team;      // swizzled offset of block kbi + team minus that of kbi (team >= 4: team * 128, else team)
   uint32_t swz_cta_shift;  // SWZ_STAGED: log2 of the CTAs per 128-row tile (32 / rows_per_cta)
 };
+
+// The grid of the lean per-row kernels (host side; quant_nvfp4.cu's rowg_lean_plan supplies the SM count and the A/B
+// knobs, tools/probes/timeline.cu the defaults): bpl blocks per lane, a team of 2^shift threads (the smallest with
+// 2^shift * bpl >= kb), rows_per_cta rows per row group, a grid whose CTAs walk iters or iters - 1 row groups (iters
+// at most `cap`, 0: no cap) with a stride of row_stride rows. See rowg_lean_plan for the measurements behind it.
+constexpr int64_t kLeanItersMax = 4;  // the default cap
+
+struct RowLeanPlan {
+  uint32_t shift;
+  int64_t rows_per_cta, grid, row_stride;
+};
+
+// log2 of the row team of the lean per-row kernels: the smallest power of two of threads with team * bpl >= kb.
+inline uint32_t lean_team_shift(int64_t kb, int bpl) {
+  uint32_t shift = 0;
+  while ((int64_t(1) << shift) * bpl < kb) ++shift;
+  return shift;
+}
+
+// The plan for `slots` resident CTAs: the capped grid, rounded up to whole waves of slots where whole_waves (the CTAs
+// launched last then walk one row group fewer), where its stride keeps 32-bit row, block and swizzled indices; else the
+// capped grid, else the one-wave grid; false if none does.
+inline bool plan_row_lean(const QuantParams& p, int bpl, int64_t slots, int64_t cap, bool whole_waves,
+                          RowLeanPlan& plan) {
+  const auto div_up = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  const uint32_t shift = lean_team_shift(p.kb, bpl);
+  const int64_t rows_per_cta = kRowLeanThreads >> shift;
+  const int64_t groups = div_up(p.rows, rows_per_cta);
+  const int64_t one_wave_iters = div_up(groups, slots);
+  const auto fits = [&](int64_t row_stride) {
+    return p.rows + row_stride < (int64_t(1) << 31) && (p.rows + row_stride) * p.kb < (int64_t(1) << 31) &&
+           !(p.swizzle && p.rows_pad * p.kb_pad >= (int64_t(1) << 31));
+  };
+  const int64_t iters = cap > 0 ? std::min(one_wave_iters, cap) : one_wave_iters;
+  const int64_t capped = div_up(groups, iters);
+  const int64_t rounded =
+      iters < one_wave_iters && whole_waves ? std::min(div_up(capped, slots) * slots, groups) : capped;
+  for (const int64_t grid : {rounded, capped, div_up(groups, one_wave_iters)}) {
+    if (fits(grid * rows_per_cta)) {
+      plan = RowLeanPlan{shift, rows_per_cta, grid, grid * rows_per_cta};
+      return true;
+    }
+  }
+  return false;
+}
+
+// The walk constants of nvfp4_quant_rowg_lean3_kernel for a plan with bpl blocks per lane (swz_cta_shift 0: the
+// staged swizzled launch sets it).
+inline RowLean3Walk row_lean3_walk(const QuantParams& p, const RowLeanPlan& plan, int bpl) {
+  const uint32_t team = 1u << plan.shift, team_warps = team / 32u;
+  return RowLean3Walk{(uint32_t)p.rows,
+                      (uint32_t)(p.rows - 1),
+                      (uint32_t)p.kb,
+                      plan.shift,
+                      team,
+                      team - 1u,
+                      team_warps,
+                      team_warps > 0u ? team_warps - 1u : 0u,
+                      (uint32_t)(p.kb - (bpl - 1) * int64_t(team)),
+                      (uint32_t)plan.rows_per_cta,
+                      (uint32_t)plan.row_stride,
+                      (uint32_t)(p.kb_pad / 4 * 512),
+                      team >= 4u ? team * 128u : team,
+                      0u};
+}
 
 // SWZ_STAGED: a CTA's swizzled scale bytes, staged in shared memory as the 16-byte chunks of the 128x4 layout it owns
 // (rows_per_cta <= 32 rows of a tile's 32-row phase x kb_pad / 4 column chunks; rows_per_cta * kb_pad * 4 <= 2 KB,
